@@ -1,0 +1,193 @@
+"""Drafters: whatever proposes the next few tokens, behind one small interface.
+
+The interface maps one-to-one onto the draft service's RPCs: `Drafter.open` (open a
+session, prefill), `DraftSession.propose(k)`, `append` / `truncate_to` (apply a verdict,
+roll back), `release` (close).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from speculative.errors import InvalidArgument
+from speculative.fingerprint import ANY_VOCABULARY
+from speculative.loading import LoadedModel
+from speculative.model_session import ModelSession
+from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
+
+# Support of the draft's sparse distribution when sampling: the draft samples from its
+# top tokens only, so the distribution sent with each token is small and still exact.
+DEFAULT_DRAFT_TOP_K = 32
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens extending a committed length."""
+
+    token_ids: list[int]  # [num_drafted], num_drafted <= k (a drafter may find nothing)
+    # [num_drafted] the exact distributions the tokens were sampled from; None when the
+    # proposal is deterministic (greedy drafting, n-gram lookup): one-hot distributions.
+    draft_probs: list[SparseProbs] | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+EMPTY_PROPOSAL = Proposal([])
+
+
+class DraftSession(abc.ABC):
+    """The drafter's view of one sequence."""
+
+    @property
+    @abc.abstractmethod
+    def length(self) -> int:
+        """Tokens the session knows (committed plus its own unverified proposal)."""
+
+    @abc.abstractmethod
+    def propose(self, k: int) -> Proposal:
+        """Proposes up to k tokens after the current sequence and appends them."""
+
+    @abc.abstractmethod
+    def append(self, token_ids: Sequence[int]) -> None: ...
+
+    @abc.abstractmethod
+    def truncate_to(self, length: int) -> None: ...
+
+    def release(self) -> None:
+        """Frees what the session holds (a KV cache)."""
+
+
+class Drafter(abc.ABC):
+    name: str
+    fingerprint: str  # tokenizer fingerprint, or ANY_VOCABULARY
+
+    @abc.abstractmethod
+    def open(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> DraftSession: ...
+
+
+def draft_seed(seed: int | None) -> int | None:
+    """The draft's generator seed, derived from the request's, distinct from the target's."""
+    if seed is None:
+        return None
+    digest = hashlib.sha256(f"draft:{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+# --- a small language model as drafter ------------------------------------------------
+
+
+class ModelDrafter(Drafter):
+    def __init__(self, loaded: LoadedModel, draft_top_k: int = DEFAULT_DRAFT_TOP_K):
+        self.loaded = loaded
+        self.name = f"model:{loaded.name}"
+        self.fingerprint = loaded.fingerprint
+        self.draft_top_k = draft_top_k
+
+    def open(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> DraftSession:
+        session = ModelSession(self.loaded.model, self.loaded.context_length)
+        session.append(prompt_token_ids)
+        session.prefill()
+        return ModelDraftSession(session, params, self.draft_top_k)
+
+
+class ModelDraftSession(DraftSession):
+    def __init__(self, session: ModelSession, params: SamplingParams, draft_top_k: int):
+        self.session = session
+        self.params = params
+        self.draft_top_k = draft_top_k
+        self.generator = make_generator(draft_seed(params.seed))
+
+    @property
+    def length(self) -> int:
+        return self.session.length
+
+    def propose(self, k: int) -> Proposal:
+        token_ids, draft_probs = [], []
+        for _ in range(k):
+            logits = self.session.logits(1)[0]  # runs the pending tokens: 1 or 2
+            if self.params.greedy:
+                token_id = int(logits.argmax())
+            else:
+                probs = SparseProbs.truncate(logits_to_probs(logits[None], self.params)[0], self.draft_top_k)
+                token_id = probs.sample(float(torch.rand(1, generator=self.generator, dtype=torch.float64)))
+                draft_probs.append(probs)
+            token_ids.append(token_id)
+            # The last token stays pending: it runs only if accepted (draft lag).
+            self.session.append([token_id])
+        return Proposal(token_ids, None if self.params.greedy else draft_probs)
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        self.session.append(token_ids)
+
+    def truncate_to(self, length: int) -> None:
+        self.session.truncate_to(length)
+
+    def release(self) -> None:
+        self.session.release()
+
+
+# --- prompt lookup: no model at all ---------------------------------------------------
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup decoding (Saxena 2023): find the last n tokens earlier in the
+    context and propose what followed them. Free to run, strong when the output copies
+    the input (summaries, code edits, retrieval)."""
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3):
+        if not 1 <= min_ngram <= max_ngram:
+            raise InvalidArgument(
+                f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
+            )
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        self.name = "ngram"
+        self.fingerprint = ANY_VOCABULARY
+
+    def open(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> DraftSession:
+        return NgramDraftSession(list(prompt_token_ids), self.min_ngram, self.max_ngram)
+
+
+class NgramDraftSession(DraftSession):
+    def __init__(self, token_ids: list[int], min_ngram: int, max_ngram: int):
+        self.token_ids = token_ids
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    def propose(self, k: int) -> Proposal:
+        proposal = lookup_continuation(self.token_ids, k, self.min_ngram, self.max_ngram)
+        self.token_ids.extend(proposal)
+        return Proposal(proposal)
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        self.token_ids.extend(token_ids)
+
+    def truncate_to(self, length: int) -> None:
+        del self.token_ids[length:]
+
+
+def lookup_continuation(token_ids: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest
+    suffix of token_ids (n from max_ngram down to min_ngram); [] if none occurs."""
+    if k <= 0 or len(token_ids) <= min_ngram:
+        return []
+    sequence = torch.tensor(token_ids)
+    length = len(token_ids)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        # windows[i] = sequence[i : i + n], for every i with a token after the window.
+        windows = sequence[: length - 1].unfold(0, n, 1)
+        matches = (windows == sequence[-n:]).all(dim=1).nonzero()
+        if len(matches):
+            start = int(matches[-1]) + n
+            return token_ids[start : start + k]
+    return []

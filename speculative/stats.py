@@ -1,0 +1,104 @@
+"""Statistics of a generation: what was drafted, what was accepted, where time went.
+
+Kept out of the round logic: the loop hands each finished round to `record_round`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from speculative.rejection import NextTokenKind
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    index: int  # 0-based round number within the request
+    base_len: int  # committed length the proposal extended, in tokens
+    num_drafted: int  # draft tokens proposed (0: a plain target step)
+    num_accepted: int  # accepted prefix of them
+    num_committed: int  # tokens this round added to the output (after stop cuts)
+    next_token_kind: NextTokenKind
+    draft_ns: int  # time to propose, in nanoseconds
+    verify_ns: int  # time from sending the proposal to having the verdict, in nanoseconds
+    target_compute_ns: int  # the target's forward pass and decision, in nanoseconds
+
+
+@dataclass
+class GenerationStats:
+    num_generated_tokens: int = 0
+    num_rounds: int = 0  # target forward passes after prefill
+    num_drafted: int = 0
+    num_accepted: int = 0
+    # [max k] rounds that drafted / accepted a token at draft position i
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    prefill_ns: int = 0  # target and draft prefill, in nanoseconds
+    draft_ns: int = 0  # in nanoseconds
+    verify_ns: int = 0  # round trips to the target, in nanoseconds
+    target_compute_ns: int = 0  # the target's own compute within verify_ns, in nanoseconds
+    total_ns: int = 0  # wall time of the whole request, in nanoseconds
+
+    def record_round(self, round_stats: RoundStats) -> None:
+        self.num_rounds += 1
+        self.num_generated_tokens += round_stats.num_committed
+        self.num_drafted += round_stats.num_drafted
+        self.num_accepted += round_stats.num_accepted
+        _grow(self.drafted_per_position, round_stats.num_drafted)
+        _grow(self.accepted_per_position, round_stats.num_drafted)
+        for position in range(round_stats.num_drafted):
+            self.drafted_per_position[position] += 1
+        for position in range(round_stats.num_accepted):
+            self.accepted_per_position[position] += 1
+        self.draft_ns += round_stats.draft_ns
+        self.verify_ns += round_stats.verify_ns
+        self.target_compute_ns += round_stats.target_compute_ns
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        """Accepted draft tokens per round that drafted anything."""
+        drafting_rounds = self.drafted_per_position[0] if self.drafted_per_position else 0
+        return self.num_accepted / drafting_rounds if drafting_rounds else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Output tokens per target forward pass (1.0 = no gain from speculation)."""
+        return self.num_generated_tokens / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft token i accepted | it was drafted)."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def network_ns(self) -> int:
+        """Verify round trips minus the target's compute: transport and queueing."""
+        return max(0, self.verify_ns - self.target_compute_ns)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated_tokens / (self.total_ns / 1e9) if self.total_ns else 0.0
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        by_position = " ".join(f"{rate:.2f}" for rate in self.acceptance_by_position)
+        ms = 1e-6
+        return "\n".join([
+            f"tokens: {self.num_generated_tokens} in {self.total_ns * 1e-9:.2f} s "
+            f"({self.tokens_per_second:.1f} tokens/s), {self.num_rounds} target passes "
+            f"({self.tokens_per_round:.2f} tokens per pass)",
+            f"drafted {self.num_drafted}, accepted {self.num_accepted} "
+            f"(acceptance {self.acceptance_rate:.1%}, {self.mean_accepted_per_round:.2f} per "
+            f"drafting round); by position: {by_position or '-'}",
+            f"time: prefill {self.prefill_ns * ms:.0f} ms, draft {self.draft_ns * ms:.0f} ms, "
+            f"verify {self.verify_ns * ms:.0f} ms (target compute "
+            f"{self.target_compute_ns * ms:.0f} ms, network {self.network_ns * ms:.0f} ms)",
+        ])
+
+
+def _grow(counts: list[int], size: int) -> None:
+    counts.extend([0] * (size - len(counts)))

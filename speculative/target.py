@@ -1,0 +1,121 @@
+"""The target's side of a round: score a proposal in one forward pass, decide, roll back.
+
+`TargetSession` is what the target service holds per session and what the in-process
+generator calls directly. Target-only decoding is the same call with no draft tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from speculative.errors import InvalidArgument, StaleProposal
+from speculative.loading import LoadedModel
+from speculative.model_session import ModelSession
+from speculative.rejection import Verdict, check_draft_probs, check_draft_tokens, verify_greedy, verify_sampled
+from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """A verdict as applied to the session."""
+
+    verdict: Verdict
+    token_ids: list[int]  # tokens committed this round: accepted + next, cut after a stop token
+    committed_len: int  # the session's committed length afterwards, in tokens
+    stopped: bool  # a stop token ended the round
+    target_compute_ns: int  # forward pass and decision, in nanoseconds
+
+
+def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int, context_length: int) -> None:
+    """Raises InvalidArgument for an empty, out-of-vocabulary or too long prompt."""
+    if not prompt_token_ids:
+        raise InvalidArgument("prompt is empty: give at least one token")
+    if len(prompt_token_ids) >= context_length:
+        raise InvalidArgument(
+            f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate in the "
+            f"model's context length of {context_length} tokens"
+        )
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+class TargetSession:
+    """One sequence on the target model and the request's sampling state."""
+
+    def __init__(self, loaded: LoadedModel, prompt_token_ids: Sequence[int], params: SamplingParams):
+        check_prompt(prompt_token_ids, loaded.vocab_size, loaded.context_length)
+        self.vocab_size = loaded.vocab_size
+        self.context_length = loaded.context_length
+        self.params = params.validate()
+        self.generator = make_generator(params.seed)
+        self.session = ModelSession(loaded.model, loaded.context_length)
+        self.session.append(prompt_token_ids)
+        start = time.perf_counter_ns()
+        self.session.prefill()
+        self.prefill_ns = time.perf_counter_ns() - start
+
+    @property
+    def length(self) -> int:
+        """Committed tokens: every verdict ends with all of them decided."""
+        return self.session.length
+
+    def verify(
+        self,
+        base_len: int,
+        draft_token_ids: Sequence[int],
+        draft_probs: Sequence[SparseProbs] | None = None,
+    ) -> VerifyResult:
+        """Scores the proposal, commits its accepted prefix and one more token.
+
+        base_len must equal the committed length: a stale or repeated proposal raises
+        StaleProposal and changes nothing.
+        """
+        if base_len != self.length:
+            raise StaleProposal(
+                f"proposal extends length {base_len} but the session has {self.length} "
+                "committed tokens"
+            )
+        self._check_proposal(draft_token_ids, draft_probs)
+        start = time.perf_counter_ns()
+        self.session.append(draft_token_ids)
+        verdict = self._decide(draft_token_ids, draft_probs)
+        token_ids, stopped = self._cut_at_stop(verdict.committed_tokens(draft_token_ids))
+        self.session.truncate_to(base_len + min(verdict.num_accepted, len(token_ids)))
+        self.session.append(token_ids[verdict.num_accepted :])
+        return VerifyResult(verdict, token_ids, self.length, stopped, time.perf_counter_ns() - start)
+
+    def _decide(self, draft_token_ids, draft_probs) -> Verdict:
+        logits = self.session.logits(len(draft_token_ids) + 1)  # [k + 1, vocab_size]
+        if self.params.greedy:
+            return verify_greedy(draft_token_ids, logits)
+        if draft_probs is None:  # a deterministic proposal: one-hot distributions
+            draft_probs = [SparseProbs.one_hot(t) for t in draft_token_ids]
+        probs = logits_to_probs(logits, self.params)
+        return verify_sampled(draft_token_ids, draft_probs, probs, self.generator)
+
+    def _cut_at_stop(self, token_ids: list[int]) -> tuple[list[int], bool]:
+        for position, token_id in enumerate(token_ids):
+            if token_id in self.params.stop_token_ids:
+                return token_ids[: position + 1], True
+        return token_ids, False
+
+    def _check_proposal(self, draft_token_ids, draft_probs) -> None:
+        check_draft_tokens(draft_token_ids, self.vocab_size)
+        if self.length + len(draft_token_ids) + 1 > self.context_length:
+            raise InvalidArgument(
+                f"proposal of {len(draft_token_ids)} tokens after {self.length} would pass the "
+                f"context length of {self.context_length} tokens"
+            )
+        if draft_probs is not None:
+            check_draft_probs(draft_token_ids, draft_probs)
+            for probs in draft_probs:
+                check_draft_tokens(probs.token_ids.tolist(), self.vocab_size)
+
+    def truncate_to(self, length: int) -> None:
+        self.session.truncate_to(length)
+
+    def release(self) -> None:
+        self.session.release()
