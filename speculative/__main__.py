@@ -1,0 +1,5 @@
+import sys
+
+from speculative.cli import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""TargetSession: verification commits exactly the verdict, and refuses stale proposals."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculative.errors import InvalidArgument, StaleProposal
+from speculative.generator import SpeculativeGenerator
+from speculative.rejection import NextTokenKind
+from speculative.sampling import SamplingParams, SparseProbs
+from speculative.target import TargetSession
+
+GREEDY = SamplingParams(max_new_tokens=16)
+
+
+def test_verify_commits_accepted_prefix_and_next_token(tiny_target, prompt_ids):
+    ids = prompt_ids[0]
+    reference = SpeculativeGenerator(tiny_target).generate(ids, GREEDY, k=0).token_ids
+    target = TargetSession(tiny_target, ids, GREEDY)
+    wrong = (reference[2] + 1) % tiny_target.vocab_size
+    result = target.verify(len(ids), [reference[0], reference[1], wrong, 5])
+    assert result.verdict.num_accepted == 2
+    assert result.verdict.next_token_kind is NextTokenKind.RECOVERED
+    assert result.token_ids == reference[:3]
+    assert result.committed_len == target.length == len(ids) + 3
+    # The next round continues from the committed tokens as if nothing was drafted.
+    result = target.verify(len(ids) + 3, reference[3:6])
+    assert result.token_ids == reference[3:7]
+    assert result.verdict.next_token_kind is NextTokenKind.BONUS
+
+
+def test_stale_or_duplicate_proposal_is_refused_and_changes_nothing(tiny_target, prompt_ids):
+    ids = prompt_ids[1]
+    target = TargetSession(tiny_target, ids, GREEDY)
+    first = target.verify(len(ids), [1, 2])
+    with pytest.raises(StaleProposal, match=f"extends length {len(ids)} but the session has {first.committed_len}"):
+        target.verify(len(ids), [1, 2])  # the same proposal again
+    assert target.length == first.committed_len
+
+
+@pytest.mark.parametrize(
+    ("draft_token_ids", "draft_probs", "message"),
+    [
+        ([10**6], None, "outside the target vocabulary"),
+        ([1, 2], [SparseProbs.one_hot(1)], "2 draft tokens came with 1 distributions"),
+        ([1], [SparseProbs.one_hot(2)], "has probability 0"),
+    ],
+)
+def test_bad_proposals_are_refused_before_anything_changes(tiny_target, prompt_ids, draft_token_ids, draft_probs, message):
+    ids = prompt_ids[2]
+    target = TargetSession(tiny_target, ids, SamplingParams(temperature=1.0, seed=0))
+    with pytest.raises(InvalidArgument, match=message):
+        target.verify(len(ids), draft_token_ids, draft_probs)
+    assert target.length == len(ids)
+    assert target.verify(len(ids), []).committed_len == len(ids) + 1  # still serving
+
+
+def test_proposal_past_the_context_is_refused(tiny_target):
+    target = TargetSession(tiny_target, [7] * (tiny_target.context_length - 3), GREEDY)
+    with pytest.raises(InvalidArgument, match="would pass the context length"):
+        target.verify(target.length, [1, 2, 3])
