@@ -15,6 +15,7 @@ from speculative.drafters import ModelDrafter, NgramDrafter
 from speculative.errors import SpeculativeError
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import DEFAULT_MODEL, DTYPES, configure_threads, load_model
+from speculative.policy import AdaptiveK
 from speculative.sampling import SamplingParams
 
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="target model: packaged name, .gguf path, HF id or tiny-random[:SEED]")
     parser.add_argument("--drafter", default="ngram", help="'ngram', 'none', or 'model:NAME' (a small model with the target's tokenizer)")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (0 = target-only)")
+    parser.add_argument("--adaptive", action="store_true", help="choose k per round (up to --k) from measured acceptance and costs")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -60,7 +62,8 @@ def _run(args) -> int:
     prompt_ids = _encode(target.tokenizer, args.prompt, chat=not args.raw)
     if target.eos_token_id is not None:
         params = params.replace(stop_token_ids=(target.eos_token_id,))
-    result = generator.generate(prompt_ids, params, k=args.k if drafter else 0)
+    k = AdaptiveK(args.k) if args.adaptive and drafter else (args.k if drafter else 0)
+    result = generator.generate(prompt_ids, params, k=k)
     print(target.tokenizer.decode(result.token_ids, skip_special_tokens=True))
     print(f"\n--- {drafter.name if drafter else 'target only'}, k={args.k}, "
           f"finish: {result.finish_reason.value}", file=sys.stderr)

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from speculative import tiny
+from speculative.cpu_linear import pack_linears
 from speculative.errors import InvalidArgument, NotFound
 from speculative.fingerprint import tokenizer_fingerprint
 
@@ -100,9 +101,11 @@ def load_model(
     device: str = "cpu",
     dtype: str = "float32",
     device_map: str | None = None,
+    pack_cpu_linears: bool = True,
 ) -> LoadedModel:
     """Loads weights and tokenizer. device_map (e.g. "auto") shards across GPUs via
-    accelerate and overrides device."""
+    accelerate and overrides device. pack_cpu_linears: oneDNN linears for fp32 on CPU
+    (see cpu_linear.py); the model can then no longer be copied or moved."""
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":"):
@@ -122,7 +125,10 @@ def load_model(
         ) from None
     if device_map is None:
         model = model.to(device)
-    return _describe(name, model.eval(), tokenizer)
+    loaded = _describe(name, model.eval(), tokenizer)
+    if pack_cpu_linears:
+        pack_linears(model)
+    return loaded
 
 
 def load_tiny_model(name: str, *, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
