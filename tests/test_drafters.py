@@ -1,0 +1,71 @@
+"""Drafters: n-gram lookup, the model drafter's proposals, and its draft lag."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculative.drafters import ModelDrafter, NgramDrafter, lookup_continuation
+from speculative.errors import InvalidArgument
+from speculative.sampling import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "expected"),
+    [
+        ([1, 2, 3, 9, 1, 2], 3, [3, 9, 1]),  # 2-gram [1, 2] seen at 0: what followed
+        ([1, 2, 3, 9, 1, 2], 1, [3]),
+        ([5, 1, 2, 7, 1, 2, 8, 1, 2], 2, [7, 1]),  # the earliest occurrence wins
+        ([4, 1, 2, 3, 5, 1, 2, 3], 2, [5, 1]),  # the longest suffix (3-gram) wins
+        ([1, 2, 3, 4], 3, []),  # nothing repeats
+        ([7, 7], 3, []),  # too short for a 2-gram match with a continuation
+        ([1, 2, 1, 2], 5, [1, 2]),  # the continuation may run into the suffix itself
+        ([1, 2, 3, 1, 2], 0, []),
+    ],
+)
+def test_lookup_continuation(tokens, k, expected):
+    assert lookup_continuation(tokens, k, min_ngram=2, max_ngram=4) == expected
+
+
+def test_single_token_matches_when_allowed():
+    assert lookup_continuation([3, 8, 4, 3], 2, min_ngram=1, max_ngram=3) == [8, 4]
+    assert lookup_continuation([3, 8, 4, 3], 2, min_ngram=2, max_ngram=3) == []
+
+
+def test_ngram_session_follows_verdicts():
+    session = NgramDrafter().open([1, 2, 3, 4, 1, 2], SamplingParams())
+    assert session.propose(2).token_ids == [3, 4]
+    assert session.length == 8
+    session.truncate_to(7)  # one accepted
+    session.append([9])  # the recovered token
+    assert session.length == 8
+
+
+def test_bad_ngram_sizes():
+    with pytest.raises(InvalidArgument, match="min_ngram <= max_ngram"):
+        NgramDrafter(min_ngram=3, max_ngram=2)
+
+
+def test_model_draft_lag_runs_pending_tokens_together(tiny_target, prompt_ids):
+    """After a fully accepted proposal the draft's own last token and the bonus token are
+    both pending and run in one pass."""
+    session = ModelDrafter(tiny_target).open(prompt_ids[0], SamplingParams())
+    length = session.length
+    proposal = session.propose(3)
+    assert session.session.cached_length == length + 2  # the last draft never ran
+    session.truncate_to(length + 3)
+    session.append([42])
+    passes = session.session.num_forward_passes
+    session.propose(1)
+    assert session.session.num_forward_passes == passes + 1
+    assert session.session.cached_length == length + 4
+    assert len(proposal) == 3 and proposal.draft_probs is None
+
+
+def test_model_draft_sampling_sends_exact_sparse_distributions(tiny_target, prompt_ids):
+    session = ModelDrafter(tiny_target, draft_top_k=5).open(prompt_ids[0], SamplingParams(temperature=1.0, seed=3))
+    proposal = session.propose(4)
+    assert len(proposal.draft_probs) == 4
+    for token_id, probs in zip(proposal.token_ids, proposal.draft_probs):
+        assert len(probs.token_ids) == 5
+        assert abs(float(probs.probs.sum()) - 1.0) < 1e-6
+        assert probs.prob_of(token_id) > 0
