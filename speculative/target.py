@@ -114,7 +114,30 @@ class TargetSession:
             for probs in draft_probs:
                 check_draft_tokens(probs.token_ids.tolist(), self.vocab_size)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose keys and values the KV cache holds (the memory it uses)."""
+        return self.session.cached_length
+
+    def extend(self, base_len: int, token_ids: Sequence[int]) -> None:
+        """Appends new input (the next turn) and prefills it, reusing the KV cache."""
+        if base_len != self.length:
+            raise StaleProposal(
+                f"extend at length {base_len} but the session has {self.length} committed tokens"
+            )
+        check_prompt([*self.session.token_ids, *token_ids], self.vocab_size, self.context_length)
+        self.session.append(token_ids)
+        self.session.prefill()
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        """New sampling params from now on; a seed restarts the generator."""
+        self.params = params.validate()
+        if params.seed is not None:
+            self.generator = make_generator(params.seed)
+
     def truncate_to(self, length: int) -> None:
+        if length < 1:
+            raise InvalidArgument(f"a session keeps at least one token; cannot truncate to {length}")
         self.session.truncate_to(length)
 
     def release(self) -> None:

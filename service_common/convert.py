@@ -1,0 +1,98 @@
+"""Proto messages <-> core types. Proto3 zero values mean "default" (see common.proto)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.v1 import common_pb2
+from speculative.errors import InvalidArgument
+from speculative.generator import FinishReason
+from speculative.rejection import NextTokenKind
+from speculative.sampling import SamplingParams, SparseProbs
+from speculative.stats import GenerationStats, RoundStats
+
+NEXT_TOKEN_KIND_TO_PROTO = {
+    NextTokenKind.RECOVERED: common_pb2.NEXT_TOKEN_KIND_RECOVERED,
+    NextTokenKind.BONUS: common_pb2.NEXT_TOKEN_KIND_BONUS,
+}
+NEXT_TOKEN_KIND_FROM_PROTO = {v: k for k, v in NEXT_TOKEN_KIND_TO_PROTO.items()}
+FINISH_REASON_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
+}
+FINISH_REASON_FROM_PROTO = {v: k for k, v in FINISH_REASON_TO_PROTO.items()}
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams, default_max_new_tokens: int) -> SamplingParams:
+    """Validated core params; raises InvalidArgument naming the bad field."""
+    if message.max_new_tokens < 0:
+        raise InvalidArgument(f"max_new_tokens must be >= 1 (0 = server default), got {message.max_new_tokens}")
+    return SamplingParams(
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=message.top_p if message.top_p != 0.0 else 1.0,
+        seed=message.seed if message.HasField("seed") else None,
+        max_new_tokens=message.max_new_tokens or default_max_new_tokens,
+        stop_token_ids=tuple(message.stop_token_ids),
+    ).validate()
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        max_new_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    return message
+
+
+def sparse_from_proto(message: common_pb2.SparseDistribution) -> SparseProbs:
+    if len(message.token_ids) != len(message.probs) or not message.token_ids:
+        raise InvalidArgument(
+            f"a draft distribution needs as many probs as token ids (>= 1), got "
+            f"{len(message.token_ids)} ids and {len(message.probs)} probs"
+        )
+    return SparseProbs(torch.tensor(list(message.token_ids), dtype=torch.long), torch.tensor(list(message.probs)))
+
+
+def sparse_to_proto(probs: SparseProbs) -> common_pb2.SparseDistribution:
+    return common_pb2.SparseDistribution(token_ids=probs.token_ids.tolist(), probs=probs.probs.tolist())
+
+
+def round_stats_to_proto(stats: RoundStats, proposal_bytes: int = 0, verdict_bytes: int = 0) -> common_pb2.RoundStats:
+    return common_pb2.RoundStats(
+        round=stats.index, base_len=stats.base_len, num_drafted=stats.num_drafted,
+        num_accepted=stats.num_accepted, next_token_kind=NEXT_TOKEN_KIND_TO_PROTO[stats.next_token_kind],
+        draft_ns=stats.draft_ns, verify_rtt_ns=stats.verify_ns, target_compute_ns=stats.target_compute_ns,
+        proposal_bytes=proposal_bytes, verdict_bytes=verdict_bytes,
+    )
+
+
+def round_stats_from_proto(message: common_pb2.RoundStats, num_committed: int) -> RoundStats:
+    return RoundStats(
+        index=message.round, base_len=message.base_len, num_drafted=message.num_drafted,
+        num_accepted=message.num_accepted, num_committed=num_committed,
+        next_token_kind=NEXT_TOKEN_KIND_FROM_PROTO.get(message.next_token_kind, NextTokenKind.BONUS),
+        draft_ns=message.draft_ns, verify_ns=message.verify_rtt_ns, target_compute_ns=message.target_compute_ns,
+    )
+
+
+def generation_stats_to_proto(stats: GenerationStats, orchestrator_ns: int = 0, num_prefill_tokens: int = 0) -> common_pb2.GenerationStats:
+    return common_pb2.GenerationStats(
+        num_generated_tokens=stats.num_generated_tokens, num_rounds=stats.num_rounds,
+        num_drafted=stats.num_drafted, num_accepted=stats.num_accepted,
+        acceptance_rate=stats.acceptance_rate, mean_accepted_per_round=stats.mean_accepted_per_round,
+        accepted_per_position=stats.accepted_per_position, drafted_per_position=stats.drafted_per_position,
+        prefill_ns=stats.prefill_ns, draft_ns=stats.draft_ns, verify_ns=stats.verify_ns,
+        target_compute_ns=stats.target_compute_ns, network_ns=stats.network_ns,
+        orchestrator_ns=orchestrator_ns, total_ns=stats.total_ns, num_prefill_tokens=num_prefill_tokens,
+    )
+
+
+def model_info(loaded, device: str) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model_id=loaded.name, tokenizer_fingerprint=loaded.fingerprint, vocab_size=loaded.vocab_size,
+        context_length=loaded.context_length, device=device, dtype=str(loaded.dtype).removeprefix("torch."),
+    )

@@ -1,0 +1,73 @@
+"""A gRPC server with what every service needs: the library health service, reflection,
+message limits, interceptors, and a graceful stop on SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# Proposals and prompts are small; 16 MiB bounds a request whatever a client sends
+# (a larger one is RESOURCE_EXHAUSTED by gRPC itself).
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Proposals are latency-bound: keep connections warm between rounds.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def create_server(
+    address: str,
+    register: Callable[[grpc.Server], None],
+    service_names: Sequence[str],
+    max_workers: int = 64,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Builds (does not start) a server; returns it, the bound port and its health servicer.
+
+    address "host:0" binds a free port (tests).
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=list(interceptors),
+        options=CHANNEL_OPTIONS,
+    )
+    register(server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *service_names):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    return server, port, health_servicer
+
+
+def serve_until_signalled(server: grpc.Server, health_servicer: health.HealthServicer, grace_s: float) -> None:
+    """Runs until SIGTERM/SIGINT, then reports NOT_SERVING and lets calls finish."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    server.start()
+    stop.wait()
+    log.info("stopping: draining calls for up to %.0f s", grace_s)
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace_s).wait()
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
