@@ -131,6 +131,18 @@ def load_model(
     return loaded
 
 
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """The tokenizer alone (the orchestrator tokenizes; it holds no weights)."""
+    if name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":"):
+        return tiny.byte_tokenizer()
+    source = resolve_model_source(name)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        return AutoTokenizer.from_pretrained(source.path, **kwargs)
+    except OSError as error:
+        raise NotFound(f"no tokenizer for model {name!r}: {str(error).splitlines()[0]}") from None
+
+
 def load_tiny_model(name: str, *, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
     """`tiny-random` or `tiny-random:SEED`."""
     seed_text = name.partition(":")[2] or "0"

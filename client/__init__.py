@@ -1,0 +1,1 @@
+"""A command-line client of the orchestrator's public API."""

@@ -1,0 +1,1 @@
+"""Starts the whole system locally as separate processes: target, draft, orchestrator."""

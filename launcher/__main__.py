@@ -1,0 +1,134 @@
+"""`python -m launcher`: target, draft and orchestrator as local processes, health-checked.
+
+    python -m launcher                          # serve until Ctrl-C
+    python -m launcher --prompt "Hello"         # start, generate once through the client, stop
+
+Each role is the same module a container runs (`python -m target_service`, ...), with
+the same flags; logs go to --log-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Cluster:
+    """Child processes of one local system; stops them all on exit."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, module: str, args: list[str]) -> None:
+        log = open(self.log_dir / f"{name}.log", "w")
+        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append((name, process))
+
+    def wait_healthy(self, name: str, address: str, timeout_s: float) -> None:
+        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+        deadline = time.monotonic() + timeout_s
+        process = dict(self.processes)[name]
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"{name} exited with {process.returncode}; see {self.log_dir / (name + '.log')}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"{name} not healthy at {address} after {timeout_s:.0f} s; see {self.log_dir}")
+
+    def stop(self) -> None:
+        for _, process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for _, process in self.processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m launcher", description=__doc__.splitlines()[0])
+    parser.add_argument("--target-model", default="smollm2-135m")
+    parser.add_argument("--draft-model", default="", help="model for the 'model' drafter; empty = n-gram only")
+    parser.add_argument("--drafter", default="ngram", help="the draft workers' default drafter")
+    parser.add_argument("--target-workers", type=int, default=1)
+    parser.add_argument("--draft-workers", type=int, default=1)
+    parser.add_argument("--port", type=int, default=50050, help="the orchestrator's port (0 = any free port)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = default)")
+    parser.add_argument("--log-dir", default=".run/logs")
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--prompt", default=None, help="generate once through the client, then stop")
+    parser.add_argument("client_args", nargs=argparse.REMAINDER, help="after --: flags for the client")
+    return parser.parse_args(argv)
+
+
+def start_system(args, cluster: Cluster) -> str:
+    """Starts every role; returns the orchestrator's address once all are healthy."""
+    workers = {"target": [], "draft": []}
+    for pool, count, module, model_flags in (
+        ("target", args.target_workers, "target_service", ["--model", args.target_model]),
+        ("draft", args.draft_workers, "draft_service", ["--model", args.draft_model, "--default-drafter", args.drafter]),
+    ):
+        for index in range(count):
+            address = f"127.0.0.1:{free_port()}"
+            cluster.start(f"{pool}-{index}", module, [*model_flags, "--address", address, "--threads", str(args.threads)])
+            workers[pool].append((f"{pool}-{index}", address))
+    for name, address in workers["target"] + workers["draft"]:
+        cluster.wait_healthy(name, address, args.startup_timeout)
+    address = f"127.0.0.1:{args.port or free_port()}"
+    cluster.start("orchestrator", "orchestrator", [
+        "--address", address,
+        "--target-addresses", ",".join(a for _, a in workers["target"]),
+        "--draft-addresses", ",".join(a for _, a in workers["draft"]),
+    ])
+    cluster.wait_healthy("orchestrator", address, args.startup_timeout)
+    return address
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cluster = Cluster(Path(args.log_dir))
+    try:
+        print(f"starting target ({args.target_model}), draft ({args.draft_model or 'n-gram'}), orchestrator; "
+              f"logs in {args.log_dir}", file=sys.stderr)
+        started = time.monotonic()
+        address = start_system(args, cluster)
+        print(f"ready in {time.monotonic() - started:.0f} s: orchestrator at {address}", file=sys.stderr)
+        if args.prompt is not None:
+            client_args = [a for a in args.client_args if a != "--"]
+            return subprocess.call([sys.executable, "-m", "client", args.prompt, "--address", address, *client_args])
+        stop = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        stop.wait()
+        return 0
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

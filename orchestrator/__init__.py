@@ -1,0 +1,1 @@
+"""The public API and control plane: sessions, worker choice, rollback, tokenization."""

@@ -1,0 +1,296 @@
+"""One Generate call: resolve the session, place it on workers, stream rounds, stop,
+roll back, save. The servicer only translates this to and from the wire."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from service_common.convert import (
+    FINISH_REASON_TO_PROTO,
+    generation_stats_to_proto,
+    round_stats_from_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+)
+from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
+from speculative.errors import InvalidArgument
+from speculative.generator import FinishReason
+from speculative.rejection import NextTokenKind
+from speculative.sampling import SamplingParams, validate_num_speculative_tokens
+from speculative.stats import GenerationStats, RoundStats
+from orchestrator.config import OrchestratorConfig
+from orchestrator.store import SessionRecord, SessionStore, WorkerHandle
+from orchestrator.text import TextAssembler, common_prefix_length, render_chat
+from orchestrator.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+STOP_STRING = common_pb2.FINISH_REASON_STOP_STRING
+CANCELLED = common_pb2.FINISH_REASON_CANCELLED
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text_delta: str
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED  # set on the last chunk
+    stats: common_pb2.GenerationStats | None = None  # on the last chunk
+
+
+@dataclass
+class Plan:
+    """What a call will do, decided before any worker is touched."""
+
+    record: SessionRecord
+    tokens: list[int]  # the full sequence to generate after: history + new input
+    keep: int  # committed tokens of the record that stay (the rest is rolled back)
+    params: SamplingParams
+    k: int
+    drafter: str
+    adaptive: bool
+
+
+class Generation:
+    def __init__(self, config: OrchestratorConfig, pool: WorkerPool, store: SessionStore, tokenizer,
+                 request: orchestrator_pb2.GenerateRequest, context: grpc.ServicerContext):
+        self.config, self.pool, self.store, self.tokenizer = config, pool, store, tokenizer
+        self.request, self.context = request, context
+        self.stats = GenerationStats()
+        self.start_ns = time.perf_counter_ns()
+        self.call = None  # the streaming call to a worker, cancelled with the client's
+        self.session_id = request.session_id or uuid.uuid4().hex  # a new session if none
+        self.is_new = not request.session_id
+
+    def run(self) -> Iterator[Chunk]:
+        self._check_stop_strings()
+        with self.store.lease(self.session_id):
+            record = SessionRecord(self.session_id, []) if self.is_new else self.store.get(self.session_id)
+            plan = self._plan(record)
+            target, draft = self._place(plan)
+            yield from self._generate(plan, target, draft)
+
+    # 1. Plan: parameters, the new input, the room left in the context.
+
+    def _plan(self, record: SessionRecord) -> Plan:
+        params = self._sampling(record)
+        speculation = self._speculation(record)
+        tokens, keep = self._tokens(record)
+        if not tokens:
+            raise InvalidArgument("prompt is empty: give text, token ids or chat messages")
+        k = speculation.num_speculative_tokens if speculation.HasField("num_speculative_tokens") else self.config.default_k
+        return Plan(record, tokens, keep, params, validate_num_speculative_tokens(k),
+                    speculation.drafter, speculation.adaptive)
+
+    def _sampling(self, record: SessionRecord) -> SamplingParams:
+        message = common_pb2.SamplingParams()
+        if record.sampling:
+            message.ParseFromString(record.sampling)
+        if self.request.HasField("sampling"):
+            message = self.request.sampling
+        return sampling_from_proto(message, self.config.default_max_new_tokens)
+
+    def _speculation(self, record: SessionRecord) -> common_pb2.SpeculationParams:
+        message = common_pb2.SpeculationParams()
+        if record.speculation:
+            message.ParseFromString(record.speculation)
+        if self.request.HasField("speculation"):
+            message = self.request.speculation
+        if message.drafter not in ("", "model", "ngram"):
+            raise InvalidArgument(f"drafter must be 'model', 'ngram' or empty, got {message.drafter!r}")
+        return message
+
+    def _tokens(self, record: SessionRecord) -> tuple[list[int], int]:
+        """The sequence to continue from, and how much of the committed one it keeps."""
+        kind = self.request.WhichOneof("prompt")
+        history = record.token_ids
+        if kind == "chat":
+            messages = [*record.messages, *({"role": m.role, "content": m.content} for m in self.request.chat.messages)]
+            tokens = render_chat(self.tokenizer, messages)
+            record.messages = messages
+            # Rendering the whole conversation keeps the session equal to a fresh one;
+            # the common prefix keeps its KV cache.
+            return tokens, common_prefix_length(history, tokens)
+        if kind == "text":
+            new = self.tokenizer(self.request.text, add_special_tokens=not history).input_ids
+        elif kind == "token_ids":
+            new = list(self.request.token_ids.ids)
+        else:
+            new = []
+        return history + new, len(history)
+
+    def _check_stop_strings(self) -> None:
+        stops = self.request.stop
+        if len(stops) > self.config.max_stop_strings:
+            raise InvalidArgument(f"at most {self.config.max_stop_strings} stop strings, got {len(stops)}")
+        for stop in stops:
+            if not stop or len(stop) > self.config.max_stop_string_chars:
+                raise InvalidArgument(
+                    f"stop strings must have 1 to {self.config.max_stop_string_chars} characters, got {len(stop)}"
+                )
+
+    # 2. Place: a target (and a draft) session holding exactly plan.tokens.
+
+    def _place(self, plan: Plan) -> tuple[Worker, Worker | None]:
+        target = self._worker_for(plan.record.target, "target") or self.pool.pick_target()
+        context_length = target.info.model.context_length
+        room = context_length - len(plan.tokens)
+        if plan.params.max_new_tokens > room:
+            raise InvalidArgument(
+                f"max_new_tokens {plan.params.max_new_tokens} is above the room left in the context: "
+                f"{room} tokens ({len(plan.tokens)} of {context_length} used)"
+            )
+        for token in plan.tokens:
+            if not 0 <= token < target.info.model.vocab_size:
+                raise InvalidArgument(f"token id {token} is outside the vocabulary [0, {target.info.model.vocab_size})")
+        plan.record.target = self._sync(target, plan.record.target, plan)
+        draft = None
+        if plan.k > 0:
+            draft = self._worker_for(plan.record.draft, "draft") or self.pool.pick_draft(target, plan.drafter)
+        plan.record.draft = self._sync(draft, plan.record.draft, plan) if draft else plan.record.draft
+        return target, draft
+
+    def _worker_for(self, handle: WorkerHandle | None, pool: str) -> Worker | None:
+        """The worker that already holds the session's cache, if it is still there."""
+        return self.pool.by_address(pool, handle.address) if handle else None
+
+    def _sync(self, worker: Worker, handle: WorkerHandle | None, plan: Plan) -> WorkerHandle:
+        """Rolls the worker's session back to what it shares with plan.tokens, then
+        extends it; opens (prefills) a new one where it has none or lost it."""
+        timeout = self.config.rpc_timeout_s
+        if handle and handle.address == worker.address:
+            keep = min(plan.keep, handle.committed_len)
+            try:
+                # Always: the worker may have run past the committed tokens (a round in
+                # flight when the previous call stopped); rollback is absolute.
+                worker.stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=keep), timeout=timeout)
+                response = worker.stub.Extend(common_pb2.ExtendRequest(
+                    session_id=handle.session_id, base_len=keep, token_ids=plan.tokens[keep:]), timeout=timeout)
+                self.stats.prefill_ns += response.prefill_ns
+                return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(plan.tokens))
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                log.info("session %s evicted from %s: re-prefilling", handle.session_id, worker.address)
+        return self._open(worker, plan)
+
+    def _open(self, worker: Worker, plan: Plan) -> WorkerHandle:
+        timeout = self.config.rpc_timeout_s
+        if worker.pool == "target":
+            response = worker.stub.OpenSession(target_pb2.OpenSessionRequest(
+                prompt_token_ids=plan.tokens, sampling=sampling_to_proto(plan.params)), timeout=timeout)
+        else:
+            response = worker.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
+                prompt_token_ids=plan.tokens, drafter=plan.drafter), timeout=timeout)
+        self.stats.prefill_ns += response.prefill_ns
+        handle = response.handle
+        return WorkerHandle(handle.worker_id, worker.address, handle.session_id, handle.committed_len)
+
+    # 3. Generate: stream rounds, stop, roll back, save.
+
+    def _generate(self, plan: Plan, target: Worker, draft: Worker | None) -> Iterator[Chunk]:
+        assembler = TextAssembler(self.tokenizer, self.request.stop)
+        finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        try:
+            for token_ids, finish in self._rounds(plan, target, draft):
+                released, delta = assembler.add(token_ids)
+                if assembler.stopped_at is not None:
+                    self.call.cancel()
+                    finish = STOP_STRING
+                    break
+                if released or delta:
+                    yield Chunk(released, delta)
+                if not self.context.is_active():
+                    finish = CANCELLED
+                    break
+        finally:
+            self._commit(plan, assembler, target, draft)
+        released, delta = assembler.finish()
+        self.stats.total_ns = time.perf_counter_ns() - self.start_ns
+        yield Chunk(released, delta, finish, self._stats_proto(plan))
+
+    def _rounds(self, plan: Plan, target: Worker, draft: Worker | None):
+        """(token_ids, finish_reason) per round, from Speculate or, without a draft, Decode."""
+        timeout = self._deadline()
+        record = plan.record
+        if draft is None:
+            self.call = target.stub.Decode(target_pb2.DecodeRequest(
+                session_id=record.target.session_id, base_len=len(plan.tokens),
+                sampling=sampling_to_proto(plan.params)), timeout=timeout)
+            self.context.add_callback(self.call.cancel)
+            for index, token in enumerate(self.call):
+                self.stats.record_round(RoundStats(index, token.committed_len - 1, 0, 0, 1, NextTokenKind.BONUS,
+                                                   0, token.compute_ns, token.compute_ns))
+                yield [token.token_id], self._finish_of_decode(plan, index + 1, token.token_id)
+            return
+        speculation = common_pb2.SpeculationParams(
+            num_speculative_tokens=plan.k, drafter=plan.drafter, adaptive=plan.adaptive)
+        self.call = draft.stub.Speculate(draft_pb2.SpeculateRequest(
+            session_id=record.draft.session_id, base_len=len(plan.tokens),
+            target=common_pb2.KvHandle(worker_id=record.target.worker_id, worker_address=target.address,
+                                       session_id=record.target.session_id, committed_len=len(plan.tokens)),
+            sampling=sampling_to_proto(plan.params), speculation=speculation), timeout=timeout)
+        self.context.add_callback(self.call.cancel)
+        for update in self.call:
+            self.stats.record_round(round_stats_from_proto(update.round, len(update.token_ids)))
+            yield list(update.token_ids), update.finish_reason
+
+    def _finish_of_decode(self, plan: Plan, count: int, token: int) -> int:
+        if token in plan.params.stop_token_ids:
+            return FINISH_REASON_TO_PROTO[FinishReason.STOP_TOKEN]
+        return FINISH_REASON_TO_PROTO[FinishReason.LENGTH] if count == plan.params.max_new_tokens else 0
+
+    def _deadline(self) -> float:
+        remaining = self.context.time_remaining()
+        return min(self.config.generate_timeout_s, remaining) if remaining is not None else self.config.generate_timeout_s
+
+    def _commit(self, plan: Plan, assembler: TextAssembler, target: Worker, draft: Worker | None) -> None:
+        """Saves the committed tokens and rolls both workers back to exactly them; a
+        session this call created and its client cancelled is closed instead."""
+        record = plan.record
+        if self.is_new and not self.context.is_active():
+            self._close(record, target, draft)
+            return
+        record.token_ids = plan.tokens + assembler.kept_tokens
+        if self.request.WhichOneof("prompt") == "chat":
+            record.messages.append({"role": "assistant", "content": assembler.text})
+        for worker, handle in ((target, record.target), (draft, record.draft)):
+            if worker is not None and handle is not None:
+                self._truncate(worker, handle, len(record.token_ids))
+        record.last_used_ms = int(time.time() * 1000)
+        if not record.sampling and self.request.HasField("sampling"):
+            record.sampling = self.request.sampling.SerializeToString()
+        self.store.put(record)
+
+    def _close(self, record: SessionRecord, target: Worker, draft: Worker | None) -> None:
+        for worker, handle in ((target, record.target), (draft, record.draft)):
+            if worker is not None and handle is not None:
+                try:
+                    worker.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id),
+                                             timeout=self.config.rpc_timeout_s)
+                except grpc.RpcError as error:
+                    log.warning("closing %s on %s: %s", handle.session_id, worker.address, error.code())
+        self.store.delete(record.session_id)
+
+    def _truncate(self, worker: Worker, handle: WorkerHandle, length: int) -> None:
+        """Absolute rollback: harmless when the worker already has exactly length."""
+        try:
+            worker.stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=length),
+                                 timeout=self.config.rpc_timeout_s)
+            handle.committed_len = length
+        except grpc.RpcError as error:
+            # The next call re-syncs or re-prefills from the committed tokens.
+            log.warning("truncate on %s failed (%s); session will be re-synced", worker.address, error.code())
+            handle.committed_len = min(handle.committed_len, length)
+
+    def _stats_proto(self, plan: Plan) -> common_pb2.GenerationStats | None:
+        if not self.request.include_stats:
+            return None
+        s = self.stats
+        orchestrator_ns = max(0, s.total_ns - s.prefill_ns - s.draft_ns - s.verify_ns)
+        return generation_stats_to_proto(s, orchestrator_ns, len(plan.tokens) - plan.keep)

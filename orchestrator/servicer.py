@@ -1,0 +1,104 @@
+"""The public gRPC API: thin translation between the wire and Generation / the store."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from service_common.status import rpc_errors
+from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import Generation
+from orchestrator.store import SessionRecord, SessionStore
+from orchestrator.text import render_chat
+from orchestrator.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(self, config: OrchestratorConfig, pool: WorkerPool, store: SessionStore, tokenizer):
+        self.config, self.pool, self.store, self.tokenizer = config, pool, store, tokenizer
+
+    @rpc_errors
+    def Generate(self, request, context):
+        response = orchestrator_pb2.GenerateResponse()
+        generation = self._generation(request, context)
+        for chunk in generation.run():
+            response.text += chunk.text_delta
+            response.token_ids.extend(chunk.token_ids)
+            response.finish_reason = chunk.finish_reason
+            if chunk.stats is not None:
+                response.stats.CopyFrom(chunk.stats)
+        response.session_id = generation.session_id
+        return response
+
+    @rpc_errors
+    def GenerateStream(self, request, context):
+        first = True
+        generation = self._generation(request, context)
+        for chunk in generation.run():
+            message = orchestrator_pb2.GenerateChunk(
+                text_delta=chunk.text_delta, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
+            )
+            if first:
+                message.session_id, first = generation.session_id, False
+            if chunk.stats is not None:
+                message.stats.CopyFrom(chunk.stats)
+            yield message
+
+    def _generation(self, request, context) -> Generation:
+        return Generation(self.config, self.pool, self.store, self.tokenizer, request, context)
+
+    @rpc_errors
+    def CreateSession(self, request, context):
+        record = SessionRecord(uuid.uuid4().hex, [])
+        if request.system_prompt:
+            # Rendered now, prefilled on the first Generate (which places the session).
+            record.messages = [{"role": "system", "content": request.system_prompt}]
+            record.token_ids = render_chat(self.tokenizer, record.messages, add_generation_prompt=False)
+        if request.HasField("sampling"):
+            record.sampling = request.sampling.SerializeToString()
+        if request.HasField("speculation"):
+            record.speculation = request.speculation.SerializeToString()
+        self.store.put(record)
+        return self._describe(record)
+
+    @rpc_errors
+    def GetSession(self, request, context):
+        return self._describe(self.store.get(request.session_id))
+
+    @rpc_errors
+    def CloseSession(self, request, context):
+        record = self.store.get(request.session_id)
+        with self.store.lease(record.session_id):
+            for pool, handle in (("target", record.target), ("draft", record.draft)):
+                worker = self.pool.by_address(pool, handle.address) if handle else None
+                if worker is not None:
+                    try:
+                        worker.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id),
+                                                 timeout=self.config.rpc_timeout_s)
+                    except Exception as error:  # noqa: BLE001 - its cache is gone either way
+                        log.warning("closing %s on %s: %s", handle.session_id, handle.address, error)
+            self.store.delete(record.session_id)
+        return common_pb2.CloseSessionResponse()
+
+    @rpc_errors
+    def ListWorkers(self, request, context):
+        return orchestrator_pb2.ListWorkersResponse(workers=self.pool.describe())
+
+    def _describe(self, record: SessionRecord) -> orchestrator_pb2.Session:
+        session = orchestrator_pb2.Session(
+            session_id=record.session_id, num_committed_tokens=len(record.token_ids),
+            created_unix_ms=record.created_ms, last_used_unix_ms=record.last_used_ms,
+        )
+        for field, handle in (("target", record.target), ("draft", record.draft)):
+            if handle is not None:
+                getattr(session, field).CopyFrom(common_pb2.KvHandle(
+                    worker_id=handle.worker_id, worker_address=handle.address,
+                    session_id=handle.session_id, committed_len=handle.committed_len))
+        if record.sampling:
+            session.sampling.ParseFromString(record.sampling)
+        if record.speculation:
+            session.speculation.ParseFromString(record.speculation)
+        return session

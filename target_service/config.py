@@ -1,0 +1,66 @@
+"""Configuration of the target worker: flags `--model`, `--max-sessions`, ... and the
+environment variables `TARGET_MODEL`, `TARGET_MAX_SESSIONS`, ... (flags win)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass
+
+ENV_PREFIX = "TARGET"
+
+
+def _option(default, help_text: str):
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class TargetConfig:
+    # All interfaces, the conventional first gRPC port; ":0" binds a free port (tests).
+    address: str = _option("0.0.0.0:50051", "host:port to listen on; port 0 picks a free port (logged)")
+    # The packaged SmolLM2-135M runs anywhere without a download; a real deployment
+    # names a large model.
+    model: str = _option("smollm2-135m", "packaged name, .gguf path, Hugging Face id or tiny-random[:SEED]")
+    # CPU always exists; "cuda" / "cuda:1" on a GPU host.
+    device: str = _option("cpu", "cpu, cuda, cuda:1, ...")
+    # fp32 keeps greedy verification bit-for-bit equal to target-only decoding on CPU;
+    # "bfloat16" halves memory on GPUs.
+    dtype: str = _option("float32", "float32, bfloat16 or float16")
+    # None = the whole model on `device`; "auto" shards one model across all GPUs of
+    # the host with accelerate (overrides device).
+    device_map: str | None = _option(None, "'auto' shards the model across the host's GPUs (accelerate)")
+    # Empty = f"target-{hostname}-{pid}": unique per process, stable for its lifetime.
+    worker_id: str = _option("", "id in KV-cache handles; empty = target-HOSTNAME-PID")
+    # Other workers must reach this one (e.g. the pod IP in Kubernetes); empty = derived
+    # from `address`, with the hostname for a wildcard host.
+    advertise_address: str = _option("", "host:port other workers use to reach this one; empty = derived")
+    # Sessions whose KV caches are held at once; the least recently used is evicted
+    # (its owner re-prefills it) when a new one needs room.
+    max_sessions: int = _option(64, "sessions held at once (least recently used evicted)")
+    # KV cache budget summed over sessions, in tokens: 64 sessions of 4 Ki tokens. For
+    # SmolLM2-135M in fp32 that is 256 Ki * (30 layers * 2 * 3 kv heads * 64 * 4 bytes)
+    # = 11.25 GiB; size it to the host's memory for other models.
+    max_cached_tokens: int = _option(262144, "KV cache budget over all sessions, in tokens")
+    # Used when a request leaves max_new_tokens at 0: long enough for a paragraph,
+    # short enough that a forgotten limit does not hold a worker for minutes.
+    default_max_new_tokens: int = _option(256, "max_new_tokens of requests that leave it at 0")
+    # 0 = torch's default (all cores), which suits a worker that owns its host.
+    threads: int = _option(0, "torch CPU threads; 0 = torch's default")
+    # Kubernetes sends SIGKILL 30 s after SIGTERM by default.
+    grace_s: float = _option(10.0, "seconds in-flight calls get to finish after SIGTERM")
+    # INFO logs start-up, evictions and shutdown; DEBUG adds per-call details.
+    log_level: str = _option("INFO", "DEBUG, INFO, WARNING or ERROR")
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"target-{socket.gethostname()}-{os.getpid()}"
+
+    def resolved_advertise_address(self, port: int) -> str:
+        """The advertised address, or `address` with the bound port and, for a wildcard
+        host, this host's name."""
+        if self.advertise_address:
+            return self.advertise_address
+        host = self.address.rpartition(":")[0]
+        if host in ("", "0.0.0.0", "[::]", "::"):
+            host = socket.gethostname()
+        return f"{host}:{port}"

@@ -1,0 +1,83 @@
+"""Construction and the process entry point of the target worker."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health
+
+from specdec.v1 import target_pb2, target_pb2_grpc
+from speculative.errors import SpeculativeError
+from speculative.loading import LoadedModel, configure_threads, load_model
+from service_common import server as common_server
+from service_common.config import parse
+from service_common.convert import model_info
+from service_common.logs import configure_logging
+from target_service.config import ENV_PREFIX, TargetConfig
+from target_service.servicer import TargetServicer
+from target_service.sessions import SessionCache
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name  # "specdec.v1.TargetService"
+
+
+def create_server(
+    config: TargetConfig, loaded_model: LoadedModel | None = None
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Builds (does not start) the server; loads config.model unless a model is given."""
+    loaded = loaded_model or load_model(
+        config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None
+    )
+    servicer = TargetServicer(
+        SessionCache(loaded, config.max_sessions, config.max_cached_tokens),
+        worker_id=config.resolved_worker_id(),
+        model_info=model_info(loaded, describe_device(loaded)),
+        default_max_new_tokens=config.default_max_new_tokens,
+    )
+    server, port, health_servicer = common_server.create_server(
+        config.address,
+        lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        # Each open Verify or Decode stream holds a thread (about one per session), plus
+        # headroom for unary calls and health checks.
+        max_workers=config.max_sessions + 16,
+    )
+    servicer.worker_address = config.resolved_advertise_address(port)
+    return server, port, health_servicer
+
+
+def describe_device(loaded: LoadedModel) -> str:
+    """"cpu", "cuda:0", or for a model sharded by accelerate e.g. "cuda:0-3"."""
+    device_map = getattr(loaded.model, "hf_device_map", None)
+    if not device_map:
+        return str(loaded.device)
+    places = set(device_map.values())
+    if all(isinstance(p, int) for p in places):  # GPU indices
+        low, high = min(places), max(places)
+        if len(places) == high - low + 1:
+            return f"cuda:{low}" if low == high else f"cuda:{low}-{high}"
+    return ",".join(sorted(f"cuda:{p}" if isinstance(p, int) else str(p) for p in places))
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse(TargetConfig, ENV_PREFIX, argv, description="The target worker: specdec.v1.TargetService.")
+    configure_logging("target", config.log_level)
+    configure_threads(config.threads)
+    log.info("loading model", extra={"fields": {
+        "model": config.model, "device": config.device_map or config.device, "dtype": config.dtype,
+    }})
+    try:
+        server, port, health_servicer = create_server(config)
+    except (SpeculativeError, OSError) as error:
+        log.error("cannot start: %s", error)
+        return 2
+    # One parseable line for launchers: the bound port (address ":0" picks a free one).
+    log.info("serving", extra={"fields": {
+        "address": config.address, "port": port, "worker_id": config.resolved_worker_id(),
+        "advertise_address": config.resolved_advertise_address(port),
+    }})
+    common_server.serve_until_signalled(server, health_servicer, config.grace_s)
+    log.info("stopped")
+    return 0

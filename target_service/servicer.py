@@ -1,0 +1,199 @@
+"""`specdec.v1.TargetService`: protos in, core calls, protos out.
+
+The logic lives in `speculative.target.TargetSession` (verification, rollback) and
+`target_service.sessions.SessionCache` (budget, eviction, locks); every handler maps the
+core's errors to gRPC statuses through `rpc_errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from speculative.errors import InvalidArgument, StaleProposal
+from speculative.sampling import SamplingParams
+from speculative.target import TargetSession, VerifyResult
+from service_common.convert import NEXT_TOKEN_KIND_TO_PROTO, sampling_from_proto, sparse_from_proto
+from service_common.status import rpc_errors
+from target_service.sessions import SessionCache
+
+log = logging.getLogger(__name__)
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(
+        self,
+        sessions: SessionCache,
+        worker_id: str,
+        model_info: common_pb2.ModelInfo,
+        default_max_new_tokens: int,
+        worker_address: str = "",  # set once the server has bound its port
+    ):
+        self.sessions = sessions
+        self.worker_id = worker_id
+        self.worker_address = worker_address
+        self.model_info = model_info
+        self.default_max_new_tokens = default_max_new_tokens
+
+    @rpc_errors
+    def OpenSession(self, request, context):
+        params = self._sampling(request.sampling)
+        session_id = request.session_id or uuid.uuid4().hex
+        prompt_token_ids = list(request.prompt_token_ids)
+        prefill_ns = self.sessions.open(session_id, prompt_token_ids, params)
+        log.debug("opened session", extra={"fields": {"session_id": session_id, "prompt_len": len(prompt_token_ids)}})
+        handle = common_pb2.KvHandle(
+            worker_id=self.worker_id, worker_address=self.worker_address,
+            session_id=session_id, committed_len=len(prompt_token_ids),
+        )
+        return target_pb2.OpenSessionResponse(handle=handle, prefill_ns=prefill_ns)
+
+    @rpc_errors
+    def Extend(self, request, context):
+        with self.sessions.use(request.session_id, growth=len(request.token_ids)) as target:
+            start = time.perf_counter_ns()
+            with self.sessions.model_lock:
+                target.extend(request.base_len, list(request.token_ids))
+            return common_pb2.ExtendResponse(committed_len=target.length, prefill_ns=time.perf_counter_ns() - start)
+
+    @rpc_errors
+    def Verify(self, request_iterator, context):
+        for proposal in request_iterator:
+            yield self._verify(proposal)
+
+    @rpc_errors
+    def Decode(self, request, context):
+        length, max_new_tokens = self._start_decode(request)
+        for _ in range(max_new_tokens):
+            if not context.is_active():  # the client cancelled: stop computing for it
+                return
+            with self.sessions.use(request.session_id, growth=1) as target:
+                if length >= target.context_length:
+                    return
+                with self.sessions.model_lock:
+                    result = target.verify(length, [])
+            length = result.committed_len
+            yield target_pb2.DecodeToken(
+                token_id=result.token_ids[0], committed_len=length, compute_ns=result.target_compute_ns
+            )
+            if result.stopped:
+                return
+
+    @rpc_errors
+    def Truncate(self, request, context):
+        with self.sessions.use(request.session_id) as target:
+            if not 1 <= request.length <= target.length:
+                raise InvalidArgument(
+                    f"truncate length must be in [1, {target.length}] (the session's committed "
+                    f"length), got {request.length}"
+                )
+            target.truncate_to(request.length)
+            return common_pb2.TruncateResponse(committed_len=target.length)
+
+    @rpc_errors
+    def CloseSession(self, request, context):
+        # Idempotent (common.proto): closing an unknown or evicted session is not an error.
+        if not self.sessions.close(request.session_id):
+            log.debug("close of unknown session", extra={"fields": {"session_id": request.session_id}})
+        return common_pb2.CloseSessionResponse()
+
+    @rpc_errors
+    def Info(self, request, context):
+        load = self.sessions.load()
+        return common_pb2.InfoResponse(
+            worker_id=self.worker_id,
+            model=self.model_info,
+            load=common_pb2.WorkerLoad(
+                active_sessions=load.active_sessions, max_sessions=self.sessions.max_sessions,
+                cached_tokens=load.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
+            ),
+        )
+
+    # Verify: one proposal -> one verdict.
+
+    def _verify(self, proposal: target_pb2.Proposal) -> target_pb2.Verdict:
+        # 1. Parse and validate what needs no session.
+        sampling = self._sampling(proposal.sampling) if proposal.HasField("sampling") else None
+        draft_probs = [sparse_from_proto(d) for d in proposal.draft_distributions] or None
+        draft_token_ids = list(proposal.draft_token_ids)
+        with self.sessions.use(proposal.session_id, growth=len(draft_token_ids) + 1) as target:
+            # 2. A stale or duplicated proposal is answered in-band, nothing applied.
+            if _is_stale(target, proposal):
+                log.debug("discarded proposal", extra={"fields": {
+                    "session_id": proposal.session_id, "round": proposal.round,
+                    "base_len": proposal.base_len, "committed_len": target.length,
+                }})
+                return _echo(proposal, discarded=True, committed_len=target.length)
+            # 3. One forward pass, the acceptance rule and the rollback, in the core.
+            with self.sessions.model_lock, _sampling_applied(target, sampling):
+                result = target.verify(proposal.base_len, draft_token_ids, draft_probs)
+            return _verdict(proposal, result, target.context_length)
+
+    def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int]:
+        """Checks base_len, applies the call's sampling; returns (base_len, max_new_tokens)."""
+        sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
+        with self.sessions.use(request.session_id) as target:
+            if request.base_len != target.length:
+                raise StaleProposal(
+                    f"decode from length {request.base_len} but the session has {target.length} committed tokens"
+                )
+            if sampling is not None:
+                target.set_sampling(sampling)
+            return target.length, target.params.max_new_tokens
+
+    def _sampling(self, message: common_pb2.SamplingParams) -> SamplingParams:
+        return sampling_from_proto(message, self.default_max_new_tokens)
+
+
+def _is_stale(target: TargetSession, proposal: target_pb2.Proposal) -> bool:
+    if proposal.base_len != target.length:
+        return True
+    if not proposal.HasField("expected_last_token_id"):
+        return False
+    return target.session.token_ids[-1] != proposal.expected_last_token_id
+
+
+@contextlib.contextmanager
+def _sampling_applied(target: TargetSession, sampling: SamplingParams | None) -> Iterator[None]:
+    """Sets the proposal's sampling; restores the previous params if the proposal fails,
+    so a refused proposal changes nothing."""
+    if sampling is None:
+        yield
+        return
+    previous = (target.params, target.generator)
+    target.set_sampling(sampling)
+    try:
+        yield
+    except BaseException:
+        target.params, target.generator = previous
+        raise
+
+
+def _echo(proposal: target_pb2.Proposal, **fields) -> target_pb2.Verdict:
+    """A verdict echoing the proposal's identity."""
+    return target_pb2.Verdict(
+        session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len, **fields
+    )
+
+
+def _verdict(proposal: target_pb2.Proposal, result: VerifyResult, context_length: int) -> target_pb2.Verdict:
+    if result.stopped:
+        finish_reason = common_pb2.FINISH_REASON_STOP_TOKEN
+    elif result.committed_len >= context_length:  # not even a k = 0 proposal fits
+        finish_reason = common_pb2.FINISH_REASON_LENGTH
+    else:
+        finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+    return _echo(
+        proposal,
+        num_accepted=result.verdict.num_accepted,
+        next_token_id=result.verdict.next_token_id,
+        next_token_kind=NEXT_TOKEN_KIND_TO_PROTO[result.verdict.next_token_kind],
+        committed_len=result.committed_len,
+        target_compute_ns=result.target_compute_ns,
+        finished=finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED,
+        finish_reason=finish_reason,
+    )

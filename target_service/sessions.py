@@ -1,0 +1,214 @@
+"""The worker's target sessions: KV caches under a budget, evicted least recently used.
+
+Budget: at most `max_sessions` sessions and `max_cached_tokens` committed tokens summed
+over them. A call that grows a session reserves its growth first (prompt length, k + 1
+for a proposal, ...); when a new session or a reservation would pass the budget, the
+least recently used other sessions are evicted: released and forgotten. Their owner
+gets NOT_FOUND on the next call and re-prefills from the committed tokens it keeps.
+
+Locks, always taken in this order, never the other way:
+1. `SessionCache._lock` guards the table and the accounting; held only for bookkeeping,
+   never while waiting for another lock.
+2. One lock per session: concurrent calls on one session are serialized (a TargetSession
+   is not thread-safe). Releasing an evicted session waits for its lock, so a session is
+   never released under a forward pass. A caller waits for victims' locks while holding
+   no session lock, except `open`, whose victims are all older than its new session:
+   such waits cannot form a cycle.
+3. `model_lock`, one per model: forward passes run one at a time. On a CPU, torch already
+   spreads one forward over every core, so two concurrent forwards only contend for them
+   (both get slower, and target_compute_ns would measure the contention); on a GPU the
+   kernels of one process share the device anyway, and accelerate's device_map hooks are
+   not meant for concurrent forwards. Batching the proposals of many sessions into one
+   forward pass is the way to use the hardware better, not threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from speculative.errors import InvalidArgument, NotFound, ResourceExhausted
+from speculative.loading import LoadedModel
+from speculative.sampling import SamplingParams
+from speculative.target import TargetSession, check_prompt
+from service_common.status import AlreadyExists
+
+log = logging.getLogger(__name__)
+
+# Ids of recently evicted sessions, remembered only to say "evicted" in NOT_FOUND.
+REMEMBERED_EVICTIONS = 4096
+
+
+@dataclass
+class _Entry:
+    session_id: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    target: TargetSession | None = None  # None while the prompt is being prefilled
+    length: int = 0  # committed tokens as of the last finished call, in tokens
+    reserved: int = 0  # growth reserved by calls in flight, in tokens
+    gone: bool = False  # evicted or closed: forgotten by the table
+
+
+@dataclass(frozen=True)
+class CacheLoad:
+    active_sessions: int
+    cached_tokens: int  # committed tokens summed over sessions (what the budget counts)
+
+
+class SessionCache:
+    """Thread-safe table of TargetSessions keyed by session id, with LRU eviction."""
+
+    def __init__(self, loaded: LoadedModel, max_sessions: int, max_cached_tokens: int):
+        if max_sessions < 1 or max_cached_tokens < 1:
+            raise InvalidArgument(
+                f"max_sessions and max_cached_tokens must be >= 1, got {max_sessions} and {max_cached_tokens}"
+            )
+        self.loaded = loaded
+        self.max_sessions = max_sessions
+        self.max_cached_tokens = max_cached_tokens
+        self.model_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+
+    def open(self, session_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Creates and prefills a session; returns the prefill time in nanoseconds."""
+        check_prompt(prompt_token_ids, self.loaded.vocab_size, self.loaded.context_length)
+        growth = len(prompt_token_ids)
+        entry, victims = self._insert(session_id, growth)  # entry comes locked
+        try:
+            self._release(victims)
+            with self.model_lock:
+                entry.target = TargetSession(self.loaded, prompt_token_ids, params)
+            return entry.target.prefill_ns
+        except BaseException:
+            self._forget(entry)
+            raise
+        finally:
+            entry.lock.release()
+            self._settle(entry, growth)
+
+    @contextlib.contextmanager
+    def use(self, session_id: str, growth: int = 0) -> Iterator[TargetSession]:
+        """The session, locked for the caller, with room reserved for `growth` more
+        tokens. Take `model_lock` inside for forward passes."""
+        entry, victims = self._reserve(session_id, growth)
+        try:
+            self._release(victims)
+            with entry.lock:
+                if entry.gone or entry.target is None:  # evicted or closed meanwhile
+                    with self._lock:
+                        error = self._not_found(session_id)
+                    raise error
+                yield entry.target
+        finally:
+            self._settle(entry, growth)
+
+    def close(self, session_id: str) -> bool:
+        """Releases and forgets a session; False when there was none."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                return False
+            self._forget_locked(entry)
+            self._evicted.pop(session_id, None)
+        self._release([entry])
+        return True
+
+    def load(self) -> CacheLoad:
+        with self._lock:
+            return CacheLoad(len(self._entries), sum(e.length for e in self._entries.values()))
+
+    # Bookkeeping: the methods below take self._lock, or expect it held (_locked, and
+    # those called from them).
+
+    def _insert(self, session_id: str, growth: int) -> tuple[_Entry, list[_Entry]]:
+        self._check_fits(session_id, growth)
+        with self._lock:
+            if session_id in self._entries:
+                raise AlreadyExists(f"target session {session_id!r} already exists: close it or pick another id")
+            entry = _Entry(session_id, reserved=growth)
+            entry.lock.acquire()  # nobody uses the session before its prefill is done
+            self._entries[session_id] = entry
+            self._evicted.pop(session_id, None)
+            return entry, self._evict_for(entry)
+
+    def _reserve(self, session_id: str, growth: int) -> tuple[_Entry, list[_Entry]]:
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                raise self._not_found(session_id)
+            self._check_fits(session_id, entry.length + entry.reserved + growth)
+            self._entries.move_to_end(session_id)
+            entry.reserved += growth
+            return entry, self._evict_for(entry)
+
+    def _check_fits(self, session_id: str, num_tokens: int) -> None:
+        if num_tokens > self.max_cached_tokens:
+            raise ResourceExhausted(
+                f"target session {session_id!r} would hold {num_tokens} tokens, more than the "
+                f"worker's whole KV cache budget of {self.max_cached_tokens} tokens"
+            )
+
+    def _evict_for(self, keep: _Entry) -> list[_Entry]:
+        """Forgets least recently used sessions other than `keep` until within budget."""
+        total = sum(e.length + e.reserved for e in self._entries.values())
+        victims = []
+        for entry in list(self._entries.values()):
+            too_many = len(self._entries) > self.max_sessions
+            if not too_many and total <= self.max_cached_tokens:
+                break
+            if entry is keep:
+                continue
+            total -= entry.length + entry.reserved
+            self._forget_locked(entry)
+            self._evicted[entry.session_id] = None
+            while len(self._evicted) > REMEMBERED_EVICTIONS:
+                self._evicted.popitem(last=False)
+            victims.append(entry)
+            log.info(
+                "evicted session", extra={"fields": {
+                    "session_id": entry.session_id, "committed_len": entry.length,
+                    "reason": "max_sessions" if too_many else "max_cached_tokens",
+                }},
+            )
+        return victims
+
+    def _forget_locked(self, entry: _Entry) -> None:
+        entry.gone = True
+        self._entries.pop(entry.session_id, None)
+
+    def _forget(self, entry: _Entry) -> None:
+        with self._lock:
+            self._forget_locked(entry)
+
+    def _settle(self, entry: _Entry, growth: int) -> None:
+        """After a call: the reservation becomes the session's actual length."""
+        with self._lock:
+            entry.reserved -= growth
+            if entry.target is not None:
+                entry.length = entry.target.length
+
+    def _not_found(self, session_id: str) -> NotFound:
+        if session_id in self._evicted:
+            return NotFound(
+                f"target session {session_id!r} was evicted (least recently used, to keep the "
+                "worker within its KV cache budget): open it again from the committed tokens"
+            )
+        return NotFound(
+            f"target session {session_id!r} not found (evicted or never opened): open it "
+            "again from the committed tokens"
+        )
+
+    # Outside self._lock.
+
+    @staticmethod
+    def _release(entries: list[_Entry]) -> None:
+        for entry in entries:
+            with entry.lock:  # waits for a call in flight on it to finish
+                if entry.target is not None:
+                    entry.target.release()
