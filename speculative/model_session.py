@@ -39,6 +39,10 @@ class ModelSession:
         return self._cached_len
 
     @property
+    def last_token_id(self) -> int:
+        return self._token_ids[-1]
+
+    @property
     def token_ids(self) -> list[int]:
         return list(self._token_ids)
 

@@ -115,6 +115,10 @@ class TargetSession:
                 check_draft_tokens(probs.token_ids.tolist(), self.vocab_size)
 
     @property
+    def last_token_id(self) -> int:
+        return self.session.last_token_id
+
+    @property
     def cached_tokens(self) -> int:
         """Tokens whose keys and values the KV cache holds (the memory it uses)."""
         return self.session.cached_length

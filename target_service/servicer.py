@@ -154,7 +154,7 @@ def _is_stale(target: TargetSession, proposal: target_pb2.Proposal) -> bool:
         return True
     if not proposal.HasField("expected_last_token_id"):
         return False
-    return target.session.token_ids[-1] != proposal.expected_last_token_id
+    return target.last_token_id != proposal.expected_last_token_id
 
 
 @contextlib.contextmanager
