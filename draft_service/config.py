@@ -1,0 +1,90 @@
+"""Configuration of the draft worker: flags `--model`, `--default-k`, ... and the
+environment variables `DRAFT_MODEL`, `DRAFT_DEFAULT_K`, ... (flags win)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from speculative.drafters import DEFAULT_DRAFT_TOP_K
+from speculative.errors import InvalidArgument
+from speculative.sampling import validate_num_speculative_tokens
+
+ENV_PREFIX = "DRAFT"
+
+
+@dataclass
+class DraftConfig:
+    # All interfaces, the port after the target's 50051; ":0" binds a free port (tests).
+    address: str = "0.0.0.0:50052"
+    # The small model of the "model" drafter (packaged name, HF id, directory, .gguf or
+    # tiny-random[:SEED]); empty = no model, the worker serves the n-gram drafter only
+    # (which needs no weights and suits any target).
+    model: str = ""
+    # Drafter of sessions that do not name one: n-gram lookup works without a model and
+    # with every target vocabulary.
+    default_drafter: str = "ngram"
+    # CPU always exists; "cuda" / "cuda:1" on a GPU host.
+    device: str = "cpu"
+    # fp32 keeps the draft's greedy proposals deterministic on CPU; "bfloat16" on GPUs
+    # halves memory (drafts only change speed, never the output).
+    dtype: str = "float32"
+    # Empty = f"draft-{hostname}-{pid}": unique per process, stable for its lifetime.
+    worker_id: str = ""
+    # Address other services use to reach this one (e.g. the pod IP in Kubernetes);
+    # empty = derived from `address`, with the hostname for a wildcard host.
+    advertise_address: str = ""
+    # Sessions held at once; the least recently used idle one is evicted (its owner
+    # opens it again) when a new one needs room.
+    max_sessions: int = 256
+    # Tokens held summed over sessions (the draft model's KV caches, or n-gram
+    # histories): 256 sessions of 1 Ki tokens; a draft model is small, so this is cheap.
+    max_cached_tokens: int = 262144
+    # Draft tokens per round when a request does not say: a good trade on the tiny and
+    # small models measured in benchmarks/ (acceptance decays with position).
+    default_k: int = 4
+    # Support of the draft's sampled distribution, in tokens: small proposals on the
+    # wire, and the mass outside a small model's top 32 barely changes acceptance.
+    draft_top_k: int = DEFAULT_DRAFT_TOP_K
+    # n-gram drafter's suffix lengths to look up (speculative.drafters.NgramDrafter:
+    # single-token matches propose mostly wrong tokens).
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # Deadline of one Verify stream, i.e. of one Speculate call's rounds against the
+    # target, in seconds (a shorter deadline of the Speculate caller wins). Bounds a
+    # hung target; raise it for long generations on a slow target.
+    verify_timeout_s: float = 60.0
+    # Used when a request leaves max_new_tokens at 0; the same default as the target's.
+    default_max_new_tokens: int = 256
+    # torch intra-op threads; 0 = torch's default (all cores), which suits a worker
+    # that owns its host.
+    threads: int = 0
+    # On SIGTERM, seconds in-flight calls get to finish (Kubernetes sends SIGKILL 30 s
+    # after SIGTERM by default).
+    grace_s: float = 10.0
+    # INFO logs start-up, evictions and shutdown; DEBUG adds per-call details.
+    log_level: str = "INFO"
+
+    def validate(self) -> DraftConfig:
+        """Raises InvalidArgument naming the first bad setting (at start-up, not per call)."""
+        validate_num_speculative_tokens(self.default_k)
+        for name in ("max_sessions", "max_cached_tokens", "draft_top_k", "default_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.verify_timeout_s > 0:
+            raise InvalidArgument(f"verify_timeout_s must be > 0, got {self.verify_timeout_s}")
+        return self
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"draft-{socket.gethostname()}-{os.getpid()}"
+
+    def resolved_advertise_address(self, port: int) -> str:
+        """The advertised address, or `address` with the bound port and, for a wildcard
+        host, this host's name."""
+        if self.advertise_address:
+            return self.advertise_address
+        host = self.address.rpartition(":")[0]
+        if host in ("", "0.0.0.0", "[::]", "::"):
+            host = socket.gethostname()
+        return f"{host}:{port}"

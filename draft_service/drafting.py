@@ -1,0 +1,162 @@
+"""The drafters a draft worker offers, by name, and how a session's drafter is set up
+for one Speculate call.
+
+"model" is the worker's small model (`--model`), "ngram" prompt lookup (no model). A
+session keeps the drafter it was opened with; each Speculate call brings its own
+sampling params, draft truncation and n-gram sizes, applied here before its rounds.
+
+Forward passes of the draft model run one at a time (`model_lock`), as on the target
+worker: on a CPU torch already spreads one pass over every core, so concurrent passes of
+many sessions would only contend for them (and inflate the measured draft time).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from speculative.drafters import (
+    Drafter,
+    DraftSession,
+    ModelDrafter,
+    ModelDraftSession,
+    NgramDrafter,
+    NgramDraftSession,
+    Proposal,
+    draft_seed,
+)
+from speculative.errors import InvalidArgument
+from speculative.loading import LoadedModel
+from speculative.sampling import SamplingParams, make_generator
+
+MODEL = "model"
+NGRAM = "ngram"
+DRAFTER_NAMES = (MODEL, NGRAM)
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """How one Speculate call drafts (the output is the target's whatever these are)."""
+
+    params: SamplingParams  # the target's sampling params: greedy or sampled drafts, seed
+    draft_top_k: int  # support of the draft's sampled distribution, in tokens
+    min_ngram: int  # n-gram drafter: shortest suffix looked up, in tokens
+    max_ngram: int  # n-gram drafter: longest suffix looked up, in tokens
+
+
+class Drafters:
+    """The worker's drafters: the model drafter (if a model is loaded) and n-gram lookup."""
+
+    def __init__(self, loaded: LoadedModel | None, default_drafter: str, draft_top_k: int,
+                 min_ngram: int, max_ngram: int):
+        self.loaded = loaded
+        self.model_lock = threading.Lock()  # one forward pass of the draft model at a time
+        self.by_name: dict[str, Drafter] = {NGRAM: NgramDrafter(min_ngram, max_ngram)}
+        if loaded is not None:
+            self.by_name[MODEL] = ModelDrafter(loaded, draft_top_k)
+        self.default = self.resolve(default_drafter)  # fails at start-up, not per request
+
+    def resolve(self, name: str) -> str:
+        """The drafter's name (empty = the worker's default); InvalidArgument if unknown
+        or not available on this worker."""
+        if not name:
+            return self.default
+        if name not in DRAFTER_NAMES:
+            raise InvalidArgument(f"unknown drafter {name!r}: choose one of {list(DRAFTER_NAMES)} (empty = default)")
+        if name not in self.by_name:
+            raise InvalidArgument(
+                f"drafter {name!r} needs a draft model, and this draft worker was started without "
+                f"one (--model / DRAFT_MODEL): use drafter {NGRAM!r}"
+            )
+        return name
+
+    def fingerprint(self, name: str) -> str:
+        return self.by_name[name].fingerprint
+
+    def model_name(self, name: str) -> str:
+        return self.by_name[name].name
+
+    def check_tokens(self, name: str, num_existing: int, token_ids: Sequence[int]) -> None:
+        """New input tokens must be in the vocabulary and leave room to generate."""
+        if not token_ids:
+            raise InvalidArgument("no token ids given: send at least one")
+        limit = self.loaded.vocab_size if name == MODEL else None
+        bad = [t for t in token_ids if t < 0 or (limit is not None and t >= limit)]
+        if bad:
+            vocabulary = f"[0, {limit})" if limit is not None else "ids >= 0"
+            raise InvalidArgument(f"token ids {bad[:5]} are outside the draft vocabulary {vocabulary}")
+        if name == MODEL and num_existing + len(token_ids) >= self.loaded.context_length:
+            raise InvalidArgument(
+                f"{num_existing + len(token_ids)} tokens leave no room to generate in the draft "
+                f"model's context length of {self.loaded.context_length} tokens"
+            )
+
+    def context_length(self, name: str) -> int | None:
+        """The drafter's own limit on a sequence, in tokens (None: no limit)."""
+        return self.loaded.context_length if name == MODEL else None
+
+    def open(self, name: str, prompt_token_ids: Sequence[int]) -> DraftSession:
+        """Opens and prefills; the sampling params arrive with each Speculate call."""
+        self.check_tokens(name, 0, prompt_token_ids)
+        if name != MODEL:
+            return self.by_name[name].open(prompt_token_ids, SamplingParams())
+        with self.model_lock:
+            return SerializedModelDraftSession(self.by_name[name].open(prompt_token_ids, SamplingParams()), self.model_lock)
+
+
+class SerializedModelDraftSession(DraftSession):
+    """A model draft session whose forward passes hold the worker's model lock."""
+
+    def __init__(self, inner: ModelDraftSession, model_lock: threading.Lock):
+        self.inner = inner
+        self.model_lock = model_lock
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    def propose(self, k: int) -> Proposal:
+        with self.model_lock:
+            return self.inner.propose(k)
+
+    def prefill(self) -> None:
+        with self.model_lock:
+            self.inner.session.prefill()
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        self.inner.append(token_ids)
+
+    def truncate_to(self, length: int) -> None:
+        self.inner.truncate_to(length)
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+def apply_settings(draft: DraftSession, settings: DraftSettings) -> None:
+    """Sets up a session's drafter for one Speculate call.
+
+    A seed restarts the draft's generator exactly as the in-process generator seeds it
+    (from the request's seed), so a seeded call reproduces SpeculativeGenerator's output.
+    """
+    if isinstance(draft, SerializedModelDraftSession):
+        draft.inner.params = settings.params
+        draft.inner.generator = make_generator(draft_seed(settings.params.seed))
+        draft.inner.draft_top_k = settings.draft_top_k
+    elif isinstance(draft, NgramDraftSession):
+        draft.min_ngram, draft.max_ngram = settings.min_ngram, settings.max_ngram
+
+
+def prefill(draft: DraftSession) -> None:
+    """Runs new input tokens through the draft model now rather than in the next round."""
+    if isinstance(draft, SerializedModelDraftSession):
+        draft.prefill()
+
+
+def check_ngram_sizes(min_ngram: int, max_ngram: int) -> None:
+    if not 1 <= min_ngram <= max_ngram:
+        raise InvalidArgument(
+            f"prompt lookup sizes need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+            f"{min_ngram} and {max_ngram}"
+        )

@@ -1,0 +1,246 @@
+"""The target as the speculation loop sees it, across the network.
+
+`RemoteVerifier` implements the loop's `Verifier` protocol (speculative.generator) over
+one open bidirectional `TargetService.Verify` stream: each `verify` call sends one
+Proposal and reads one Verdict, one round trip per round. `TargetConnections` keeps one
+gRPC channel per target address, and what each target serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from service_common.convert import NEXT_TOKEN_KIND_FROM_PROTO, sampling_to_proto, sparse_to_proto
+from service_common.server import channel
+from service_common.status import Unavailable
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from speculative.errors import StaleProposal
+from speculative.rejection import Verdict
+from speculative.sampling import SamplingParams, SparseProbs
+from speculative.target import VerifyResult
+
+log = logging.getLogger(__name__)
+
+_END_OF_STREAM = None  # put on the request queue to half-close the Verify stream
+
+
+class TargetRpcError(grpc.RpcError):
+    """A target's error status, passed on with the same code and the target's address
+    (service_common.status turns any grpc.RpcError into the caller's status)."""
+
+    def __init__(self, address: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"target worker at {address}: {details}")
+        self._code = code
+        self._details = f"target worker at {address}: {details}"
+
+    @classmethod
+    def from_rpc_error(cls, address: str, error: grpc.RpcError) -> TargetRpcError:
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else str(error)
+        return cls(address, code, details or code.name)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a target worker serves, as far as drafting cares."""
+
+    model_id: str
+    tokenizer_fingerprint: str
+    context_length: int | None  # tokens; None = the target did not say
+
+
+class TargetConnections:
+    """One channel per target address (gRPC multiplexes all streams over it), and each
+    target's model info, asked once per address."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, target_pb2_grpc.TargetServiceStub] = {}
+        self._infos: dict[str, TargetInfo] = {}
+        self._reached: set[str] = set()  # addresses that answered Info at least once
+
+    def stub(self, address: str) -> target_pb2_grpc.TargetServiceStub:
+        with self._lock:
+            if address not in self._stubs:
+                self._channels[address] = channel(address)
+                self._stubs[address] = target_pb2_grpc.TargetServiceStub(self._channels[address])
+            return self._stubs[address]
+
+    def info(self, address: str, timeout_s: float) -> TargetInfo:
+        """The target's model (cached after the first successful Info call)."""
+        with self._lock:
+            cached = self._infos.get(address)
+        if cached is not None:
+            return cached
+        try:
+            response = self.stub(address).Info(common_pb2.InfoRequest(), timeout=timeout_s)
+        except grpc.RpcError as error:
+            self._drop_channel_if_never_reached(address)
+            raise as_target_error(address, error) from None
+        model = response.model
+        info = TargetInfo(model.model_id, model.tokenizer_fingerprint, model.context_length or None)
+        with self._lock:
+            self._infos[address] = info
+            self._reached.add(address)
+        return info
+
+    def forget(self, address: str) -> None:
+        """Drops what was learnt about a target (it may have restarted with another model)."""
+        with self._lock:
+            self._infos.pop(address, None)
+
+    def _drop_channel_if_never_reached(self, address: str) -> None:
+        """Keeps no channel to an address that never answered (a typo must not cost a
+        channel for the worker's lifetime); one that did may carry other calls' streams."""
+        with self._lock:
+            if address in self._reached:
+                return
+            open_channel = self._channels.pop(address, None)
+            self._stubs.pop(address, None)
+        if open_channel is not None:
+            open_channel.close()
+
+    def close(self) -> None:
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+            self._stubs.clear()
+            self._infos.clear()
+        for open_channel in channels:
+            open_channel.close()
+
+
+def as_target_error(address: str, error: grpc.RpcError) -> Exception:
+    """A target's status as the caller should see it; an unreachable target is
+    UNAVAILABLE with its address named."""
+    if hasattr(error, "code") and error.code() == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"target worker at {address} is unavailable: {error.details()}")
+    return TargetRpcError.from_rpc_error(address, error)
+
+
+class RemoteVerifier:
+    """A Verifier over one Verify stream to one target session. Not thread-safe: one
+    speculation loop drives it; `close()` ends the stream."""
+
+    def __init__(
+        self,
+        stub: target_pb2_grpc.TargetServiceStub,
+        address: str,
+        target_session_id: str,
+        params: SamplingParams,
+        first_round: int,
+        timeout_s: float,
+    ):
+        self.address = address
+        self.session_id = target_session_id
+        self.round = first_round  # Proposal.round of the next proposal (0-based per session)
+        self.proposal_bytes = 0  # serialized size of the last Proposal, in bytes
+        self.verdict_bytes = 0  # serialized size of the last Verdict, in bytes
+        self._sampling = sampling_to_proto(params)  # sent with the first proposal only
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight = False  # a proposal was sent and its verdict not read
+        self._closed = False
+        # gRPC reads the request iterator on its own thread; the deadline bounds the stream.
+        self._responses = stub.Verify(iter(self._requests.get, _END_OF_STREAM), timeout=timeout_s)
+
+    def verify(
+        self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None
+    ) -> VerifyResult:
+        """Sends one proposal, waits for its verdict; StaleProposal if it was discarded."""
+        proposal = self._proposal(base_len, draft_token_ids, draft_probs)
+        self.proposal_bytes = proposal.ByteSize()
+        self._requests.put(proposal)
+        self._in_flight = True
+        verdict = self._next_verdict()
+        self._in_flight = False
+        self.verdict_bytes = verdict.ByteSize()
+        self.round += 1
+        return self._result(proposal, verdict)
+
+    def _proposal(self, base_len, draft_token_ids, draft_probs) -> target_pb2.Proposal:
+        proposal = target_pb2.Proposal(
+            session_id=self.session_id, round=self.round, base_len=base_len,
+            draft_token_ids=list(draft_token_ids),
+            draft_distributions=[sparse_to_proto(probs) for probs in draft_probs or ()],
+        )
+        if self._sampling is not None:
+            proposal.sampling.CopyFrom(self._sampling)
+            self._sampling = None
+        return proposal
+
+    def _next_verdict(self) -> target_pb2.Verdict:
+        try:
+            return next(self._responses)
+        except grpc.RpcError as error:
+            raise as_target_error(self.address, error) from None
+        except StopIteration:
+            raise Unavailable(
+                f"target worker at {self.address} ended the Verify stream without a verdict"
+            ) from None
+
+    def _result(self, proposal: target_pb2.Proposal, verdict: target_pb2.Verdict) -> VerifyResult:
+        """Verdict -> VerifyResult, as speculative.target.TargetSession.verify returns it."""
+        base_len, draft_token_ids = proposal.base_len, list(proposal.draft_token_ids)
+        if verdict.round != proposal.round or verdict.base_len != base_len:
+            raise RuntimeError(
+                f"target worker at {self.address} answered round {verdict.round} at length "
+                f"{verdict.base_len} to round {proposal.round} at length {base_len}"
+            )
+        if verdict.discarded:
+            raise StaleProposal(
+                f"target worker at {self.address} discarded the proposal at length {base_len}: "
+                f"its session {self.session_id!r} holds {verdict.committed_len} committed tokens; "
+                "truncate both sessions to the committed length and retry"
+            )
+        num_committed = verdict.committed_len - base_len
+        if not (0 <= verdict.num_accepted <= len(draft_token_ids)
+                and 1 <= num_committed <= verdict.num_accepted + 1
+                and verdict.next_token_kind in NEXT_TOKEN_KIND_FROM_PROTO):
+            raise RuntimeError(
+                f"target worker at {self.address} sent an inconsistent verdict: "
+                f"{verdict.num_accepted} of {len(draft_token_ids)} accepted, committed length "
+                f"{verdict.committed_len} after {base_len}, next token kind {verdict.next_token_kind}"
+            )
+        decision = Verdict(
+            verdict.num_accepted, verdict.next_token_id, NEXT_TOKEN_KIND_FROM_PROTO[verdict.next_token_kind]
+        )
+        return VerifyResult(
+            verdict=decision,
+            token_ids=decision.committed_tokens(draft_token_ids)[:num_committed],
+            committed_len=verdict.committed_len,
+            stopped=verdict.finished and verdict.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN,
+            target_compute_ns=verdict.target_compute_ns,
+        )
+
+    def close(self) -> None:
+        """Ends the stream: half-closes it and waits for the target to end it, or cancels
+        it when a verdict is still outstanding (after an error). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._requests.put(_END_OF_STREAM)  # also frees gRPC's request-reading thread
+        if self._in_flight:
+            self._responses.cancel()
+            return
+        try:
+            for extra in self._responses:
+                log.warning("unexpected verdict after the last proposal",
+                            extra={"fields": {"target": self.address, "round": extra.round}})
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.CANCELLED:
+                log.warning("Verify stream ended with an error",
+                            extra={"fields": {"target": self.address, "code": error.code().name,
+                                              "details": error.details()}})

@@ -1,0 +1,73 @@
+"""Construction and the command line of the draft worker."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from draft_service.config import ENV_PREFIX, DraftConfig
+from draft_service.drafting import Drafters
+from draft_service.remote_verifier import TargetConnections
+from draft_service.servicer import DraftServicer
+from draft_service.sessions import SessionCache
+from service_common import config as config_flags
+from service_common import server as common_server
+from service_common.logs import configure_logging
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+from speculative.errors import SpeculativeError
+from speculative.loading import LoadedModel, configure_threads, load_model
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None):
+    """Builds (does not start) the worker: returns (server, bound port, health servicer).
+
+    loaded_model: the "model" drafter's model, already loaded (tests share one); None =
+    load config.model, or serve the n-gram drafter only when that is empty.
+    """
+    config.validate()
+    if loaded_model is None and config.model:
+        loaded_model = load_model(config.model, device=config.device, dtype=config.dtype)
+    drafters = Drafters(loaded_model, config.default_drafter, config.draft_top_k,
+                        config.prompt_lookup_min, config.prompt_lookup_max)
+    servicer = DraftServicer(config, drafters, SessionCache(config.max_sessions, config.max_cached_tokens),
+                             TargetConnections())
+
+    def register(server: grpc.Server) -> None:
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+
+    server, port, health = common_server.create_server(
+        config.address, register, [SERVICE_NAME],
+        # Each Speculate stream holds a thread for its rounds (about one per session),
+        # plus headroom for unary calls and health checks.
+        max_workers=config.max_sessions + 16,
+    )
+    servicer.advertise_address = config.resolved_advertise_address(port)
+    return server, port, health
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = config_flags.parse(
+        DraftConfig, ENV_PREFIX, argv,
+        description="Draft worker: drafts tokens and runs speculation rounds against a target worker.",
+    )
+    configure_logging("draft", config.log_level)
+    configure_threads(config.threads or None)
+    try:
+        server, port, health = create_server(config)
+    except (SpeculativeError, OSError) as error:
+        log.error("cannot start: %s", error)
+        return 2
+    # One parseable line for launchers: the bound port (address ":0" picks a free one).
+    log.info("draft worker serving", extra={"fields": {
+        "port": port, "address": config.resolved_advertise_address(port),
+        "worker_id": config.resolved_worker_id(), "model": config.model or None,
+        "default_drafter": config.default_drafter,
+    }})
+    common_server.serve_until_signalled(server, health, config.grace_s)
+    log.info("stopped")
+    return 0

@@ -1,0 +1,166 @@
+"""The DraftService RPCs: thin wrappers over the session cache, the drafters and the
+speculation loop. Errors are typed (speculative.errors, service_common.status) and turned
+into statuses by `rpc_errors`; a target's error status is passed on unchanged."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import grpc
+
+from draft_service.config import DraftConfig
+from draft_service.drafting import MODEL, Drafters, apply_settings, prefill
+from draft_service.remote_verifier import RemoteVerifier, TargetConnections
+from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
+from draft_service.speculation import check_start, plan_call, run_rounds
+from service_common.convert import model_info
+from service_common.status import Unavailable, rpc_errors
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from speculative.errors import InvalidArgument, StaleProposal
+from speculative.fingerprint import ANY_VOCABULARY
+
+log = logging.getLogger(__name__)
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, config: DraftConfig, drafters: Drafters, sessions: SessionCache, targets: TargetConnections):
+        self.config = config
+        self.drafters = drafters
+        self.sessions = sessions
+        self.targets = targets
+        self.worker_id = config.resolved_worker_id()
+        self.advertise_address = config.advertise_address  # set by create_server once bound
+
+    # --- sessions ---------------------------------------------------------------------
+
+    @rpc_errors
+    def OpenSession(self, request, context):
+        drafter = self.drafters.resolve(request.drafter)
+        session_id = request.session_id or uuid.uuid4().hex
+        prompt = list(request.prompt_token_ids)
+        self.drafters.check_tokens(drafter, 0, prompt)
+        self.sessions.check_new(session_id)
+        self.sessions.make_room(len(prompt))
+        start = time.perf_counter_ns()
+        draft = self.drafters.open(drafter, prompt)
+        prefill_ns = time.perf_counter_ns() - start
+        self.sessions.add(SessionEntry(session_id, drafter, draft))
+        return draft_pb2.DraftOpenSessionResponse(handle=self._handle(session_id, len(prompt)), prefill_ns=prefill_ns)
+
+    @rpc_errors
+    def Extend(self, request, context):
+        with self._locked(request.session_id, context) as entry:
+            if request.base_len != entry.length:
+                raise StaleProposal(
+                    f"Extend at length {request.base_len}, but draft session {request.session_id!r} "
+                    f"holds {entry.length} committed tokens"
+                )
+            token_ids = list(request.token_ids)
+            self.drafters.check_tokens(entry.drafter, entry.length, token_ids)
+            self.sessions.make_room(len(token_ids), keep=entry)
+            start = time.perf_counter_ns()
+            entry.draft.append(token_ids)
+            prefill(entry.draft)
+            return common_pb2.ExtendResponse(committed_len=entry.length, prefill_ns=time.perf_counter_ns() - start)
+
+    @rpc_errors
+    def Truncate(self, request, context):
+        with self._locked(request.session_id, context) as entry:
+            if not 1 <= request.length <= entry.length:
+                raise InvalidArgument(
+                    f"truncate length must be in [1, {entry.length}] (the committed length of draft "
+                    f"session {request.session_id!r}), got {request.length}"
+                )
+            entry.draft.truncate_to(request.length)
+            return common_pb2.TruncateResponse(committed_len=entry.length)
+
+    @rpc_errors
+    def CloseSession(self, request, context):
+        try:
+            self.sessions.close(request.session_id, self._wait_s(context))
+        except SessionBusy as error:
+            context.abort(grpc.StatusCode.ABORTED, str(error))
+        return common_pb2.CloseSessionResponse()
+
+    @rpc_errors
+    def Info(self, request, context):
+        if MODEL in self.drafters.by_name:
+            model = model_info(self.drafters.loaded, self.config.device)
+        else:
+            model = common_pb2.ModelInfo(model_id="ngram", tokenizer_fingerprint=ANY_VOCABULARY)
+        load = common_pb2.WorkerLoad(
+            active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions,
+            cached_tokens=self.sessions.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
+        )
+        return common_pb2.InfoResponse(worker_id=self.worker_id, model=model, load=load)
+
+    # --- the speculation loop ---------------------------------------------------------
+
+    @rpc_errors
+    def Speculate(self, request, context):
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)  # the caller cancelled, or its deadline passed
+        plan = plan_call(request, self.config)
+        with self._locked(request.session_id, context) as entry:
+            timeout_s = self._wait_s(context)
+            target = self.targets.info(plan.target_address, timeout_s)
+            context_length = check_start(entry, request, plan, self.drafters, target)
+            apply_settings(entry.draft, plan.settings)
+            verifier = RemoteVerifier(
+                self.targets.stub(plan.target_address), plan.target_address, plan.target_session_id,
+                plan.settings.params, entry.next_round, timeout_s,
+            )
+            try:
+                yield from run_rounds(
+                    entry, verifier, plan, request.base_len, context_length,
+                    cancelled=lambda: cancelled.is_set() or not context.is_active(),
+                )
+            except Unavailable:  # it may come back with another model: ask it again
+                self.targets.forget(plan.target_address)
+                raise
+            finally:
+                log.debug("speculate ended", extra={"fields": {
+                    "session_id": entry.session_id, "target": plan.target_address,
+                    "rounds": verifier.round - entry.next_round, "committed_len": entry.length,
+                }})
+                entry.next_round = verifier.round
+                verifier.close()
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _handle(self, session_id: str, committed_len: int) -> common_pb2.KvHandle:
+        return common_pb2.KvHandle(
+            worker_id=self.worker_id, worker_address=self.advertise_address,
+            session_id=session_id, committed_len=committed_len,
+        )
+
+    def _wait_s(self, context) -> float:
+        """How long a call may wait (for its session, for the target): the caller's
+        deadline, at most verify_timeout_s."""
+        remaining = context.time_remaining()
+        return self.config.verify_timeout_s if remaining is None else min(remaining, self.config.verify_timeout_s)
+
+    def _locked(self, session_id: str, context):
+        """The session, held for the block; ABORTED if another call holds it too long."""
+        return _AbortWhenBusy(self.sessions.locked(session_id, self._wait_s(context)), context)
+
+
+class _AbortWhenBusy:
+    """Wraps SessionCache.locked: a busy session is ABORTED (retry after the other call),
+    a status service_common.status has no error class for."""
+
+    def __init__(self, locked, context):
+        self._locked = locked
+        self._context = context
+
+    def __enter__(self) -> SessionEntry:
+        try:
+            return self._locked.__enter__()
+        except SessionBusy as error:
+            self._context.abort(grpc.StatusCode.ABORTED, str(error))
+
+    def __exit__(self, *exc_info):
+        return self._locked.__exit__(*exc_info)
