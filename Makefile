@@ -1,5 +1,6 @@
 # Two commands on a fresh machine (Debian, Python 3.11):
-#   make run    set up, then generate from a prompt with the default model
+#   make run    set up, start target + draft + orchestrator as local processes with the
+#               default model, generate once through the public API, stop
 #   make test   set up, then run the test suite
 # Set-up is idempotent: it installs only what is missing.
 
@@ -9,9 +10,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PROMPT ?= Summarize in one sentence: The city council met on Monday to discuss the new park. The council approved the park's budget and chose a site near the river.
-RUN_ARGS ?= --drafter ngram --k 4
+RUN_ARGS ?= --drafter ngram --k 4 --max-new-tokens 96
 
-.PHONY: setup run test test-slow protos bench clean
+.PHONY: setup run run-local test test-slow protos bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +27,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
+	$(PY) -m launcher --prompt "$(PROMPT)" -- $(RUN_ARGS)
+
+# The same generation in one process, no network (the core's CLI).
+run-local: setup
 	$(PY) -m speculative "$(PROMPT)" $(RUN_ARGS)
 
 test: setup

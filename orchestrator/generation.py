@@ -93,7 +93,12 @@ class Generation:
             message.ParseFromString(record.sampling)
         if self.request.HasField("sampling"):
             message = self.request.sampling
-        return sampling_from_proto(message, self.config.default_max_new_tokens)
+        params = sampling_from_proto(message, self.config.default_max_new_tokens)
+        # The end-of-text token always ends generation, as users of every server expect.
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and eos not in params.stop_token_ids:
+            params = params.replace(stop_token_ids=(*params.stop_token_ids, eos))
+        return params
 
     def _speculation(self, record: SessionRecord) -> common_pb2.SpeculationParams:
         message = common_pb2.SpeculationParams()
@@ -140,6 +145,11 @@ class Generation:
         target = self._worker_for(plan.record.target, "target") or self.pool.pick_target()
         context_length = target.info.model.context_length
         room = context_length - len(plan.tokens)
+        if room <= 0:
+            raise InvalidArgument(
+                f"prompt of {len(plan.tokens)} tokens does not fit the model's context length of "
+                f"{context_length} tokens"
+            )
         if plan.params.max_new_tokens > room:
             raise InvalidArgument(
                 f"max_new_tokens {plan.params.max_new_tokens} is above the room left in the context: "
