@@ -5,17 +5,17 @@ for one Speculate call.
 session keeps the drafter it was opened with; each Speculate call brings its own
 sampling params, draft truncation and n-gram sizes, applied here before its rounds.
 
-Forward passes of the draft model run one at a time (`model_lock`), as on the target
+Forward passes of the draft model run one at a time on a ComputeThread, as on the target
 worker: on a CPU torch already spreads one pass over every core, so concurrent passes of
 many sessions would only contend for them (and inflate the measured draft time).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from speculative.compute_thread import ComputeThread
 from speculative.drafters import (
     Drafter,
     DraftSession,
@@ -24,11 +24,10 @@ from speculative.drafters import (
     NgramDrafter,
     NgramDraftSession,
     Proposal,
-    draft_seed,
 )
 from speculative.errors import InvalidArgument
 from speculative.loading import LoadedModel
-from speculative.sampling import SamplingParams, make_generator
+from speculative.sampling import SamplingParams
 
 MODEL = "model"
 NGRAM = "ngram"
@@ -49,9 +48,10 @@ class Drafters:
     """The worker's drafters: the model drafter (if a model is loaded) and n-gram lookup."""
 
     def __init__(self, loaded: LoadedModel | None, default_drafter: str, draft_top_k: int,
-                 min_ngram: int, max_ngram: int):
+                 min_ngram: int, max_ngram: int, compute: ComputeThread | None = None):
         self.loaded = loaded
-        self.model_lock = threading.Lock()  # one forward pass of the draft model at a time
+        # Every forward pass of the draft model runs here, one at a time (see ComputeThread).
+        self.compute = compute or ComputeThread("draft-compute")
         self.by_name: dict[str, Drafter] = {NGRAM: NgramDrafter(min_ngram, max_ngram)}
         if loaded is not None:
             self.by_name[MODEL] = ModelDrafter(loaded, draft_top_k)
@@ -101,28 +101,29 @@ class Drafters:
         self.check_tokens(name, 0, prompt_token_ids)
         if name != MODEL:
             return self.by_name[name].open(prompt_token_ids, SamplingParams())
-        with self.model_lock:
-            return SerializedModelDraftSession(self.by_name[name].open(prompt_token_ids, SamplingParams()), self.model_lock)
+        inner = self.compute.run(self.by_name[name].open, prompt_token_ids, SamplingParams())
+        return SerializedModelDraftSession(inner, self.compute)
 
 
 class SerializedModelDraftSession(DraftSession):
-    """A model draft session whose forward passes hold the worker's model lock."""
+    """A model draft session whose forward passes run on the worker's compute thread."""
 
-    def __init__(self, inner: ModelDraftSession, model_lock: threading.Lock):
+    def __init__(self, inner: ModelDraftSession, compute: ComputeThread):
         self.inner = inner
-        self.model_lock = model_lock
+        self.compute = compute
 
     @property
     def length(self) -> int:
         return self.inner.length
 
     def propose(self, k: int) -> Proposal:
-        with self.model_lock:
-            return self.inner.propose(k)
+        return self.compute.run(self.inner.propose, k)
 
     def prefill(self) -> None:
-        with self.model_lock:
-            self.inner.session.prefill()
+        self.compute.run(self.inner.prefill)
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.inner.set_sampling(params)
 
     def append(self, token_ids: Sequence[int]) -> None:
         self.inner.append(token_ids)
@@ -140,9 +141,8 @@ def apply_settings(draft: DraftSession, settings: DraftSettings) -> None:
     A seed restarts the draft's generator exactly as the in-process generator seeds it
     (from the request's seed), so a seeded call reproduces SpeculativeGenerator's output.
     """
+    draft.set_sampling(settings.params)
     if isinstance(draft, SerializedModelDraftSession):
-        draft.inner.params = settings.params
-        draft.inner.generator = make_generator(draft_seed(settings.params.seed))
         draft.inner.draft_top_k = settings.draft_top_k
     elif isinstance(draft, NgramDraftSession):
         draft.min_ngram, draft.max_ngram = settings.min_ngram, settings.max_ngram
@@ -150,8 +150,7 @@ def apply_settings(draft: DraftSession, settings: DraftSettings) -> None:
 
 def prefill(draft: DraftSession) -> None:
     """Runs new input tokens through the draft model now rather than in the next round."""
-    if isinstance(draft, SerializedModelDraftSession):
-        draft.prefill()
+    draft.prefill()
 
 
 def check_ngram_sizes(min_ngram: int, max_ngram: int) -> None:

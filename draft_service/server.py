@@ -16,6 +16,7 @@ from service_common import server as common_server
 from service_common.logs import configure_logging
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from speculative.errors import SpeculativeError
+from speculative.compute_thread import ComputeThread
 from speculative.loading import LoadedModel, configure_threads, load_model
 
 log = logging.getLogger(__name__)
@@ -30,10 +31,13 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None):
     load config.model, or serve the n-gram drafter only when that is empty.
     """
     config.validate()
+    # The model is loaded, and every forward pass run, on one thread (see ComputeThread).
+    compute = ComputeThread("draft-compute")
+    compute.run(configure_threads, config.threads or None)
     if loaded_model is None and config.model:
-        loaded_model = load_model(config.model, device=config.device, dtype=config.dtype)
+        loaded_model = compute.run(load_model, config.model, device=config.device, dtype=config.dtype)
     drafters = Drafters(loaded_model, config.default_drafter, config.draft_top_k,
-                        config.prompt_lookup_min, config.prompt_lookup_max)
+                        config.prompt_lookup_min, config.prompt_lookup_max, compute)
     servicer = DraftServicer(config, drafters, SessionCache(config.max_sessions, config.max_cached_tokens),
                              TargetConnections())
 

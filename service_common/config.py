@@ -39,7 +39,9 @@ def from_args(config_class, args: argparse.Namespace):
 
 
 def parse(config_class, env_prefix: str, argv=None, description: str | None = None):
-    parser = argparse.ArgumentParser(description=description)
+    """Flags and environment; the program is named after the config's package."""
+    package = config_class.__module__.split(".")[0]
+    parser = argparse.ArgumentParser(prog=f"python -m {package}", description=description)
     add_arguments(parser, config_class, env_prefix)
     return from_args(config_class, parser.parse_args(argv))
 

@@ -62,6 +62,13 @@ class DraftSession(abc.ABC):
     def release(self) -> None:
         """Frees what the session holds (a KV cache)."""
 
+    def prefill(self) -> None:
+        """Runs appended input now rather than with the next proposal (model drafters)."""
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        """Sampling from now on (model drafters sample like the target); a seed restarts
+        the draft's generator."""
+
 
 class Drafter(abc.ABC):
     name: str
@@ -130,6 +137,13 @@ class ModelDraftSession(DraftSession):
 
     def release(self) -> None:
         self.session.release()
+
+    def prefill(self) -> None:
+        self.session.prefill()
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = make_generator(draft_seed(params.seed))
 
 
 # --- prompt lookup: no model at all ---------------------------------------------------

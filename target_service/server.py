@@ -9,6 +9,7 @@ from grpc_health.v1 import health
 
 from specdec.v1 import target_pb2, target_pb2_grpc
 from speculative.errors import SpeculativeError
+from speculative.compute_thread import ComputeThread
 from speculative.loading import LoadedModel, configure_threads, load_model
 from service_common import server as common_server
 from service_common.config import parse
@@ -27,11 +28,14 @@ def create_server(
     config: TargetConfig, loaded_model: LoadedModel | None = None
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Builds (does not start) the server; loads config.model unless a model is given."""
-    loaded = loaded_model or load_model(
-        config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None
+    # The model is loaded, and every forward pass run, on one thread (see ComputeThread).
+    compute = ComputeThread("target-compute")
+    compute.run(configure_threads, config.threads)
+    loaded = loaded_model or compute.run(
+        load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None
     )
     servicer = TargetServicer(
-        SessionCache(loaded, config.max_sessions, config.max_cached_tokens),
+        SessionCache(loaded, config.max_sessions, config.max_cached_tokens, compute),
         worker_id=config.resolved_worker_id(),
         model_info=model_info(loaded, describe_device(loaded)),
         default_max_new_tokens=config.default_max_new_tokens,

@@ -56,8 +56,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def Extend(self, request, context):
         with self.sessions.use(request.session_id, growth=len(request.token_ids)) as target:
             start = time.perf_counter_ns()
-            with self.sessions.model_lock:
-                target.extend(request.base_len, list(request.token_ids))
+            self.sessions.compute.run(target.extend, request.base_len, list(request.token_ids))
             return common_pb2.ExtendResponse(committed_len=target.length, prefill_ns=time.perf_counter_ns() - start)
 
     @rpc_errors
@@ -74,8 +73,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             with self.sessions.use(request.session_id, growth=1) as target:
                 if length >= target.context_length:
                     return
-                with self.sessions.model_lock:
-                    result = target.verify(length, [])
+                result = self.sessions.compute.run(target.verify, length, [])
             length = result.committed_len
             yield target_pb2.DecodeToken(
                 token_id=result.token_ids[0], committed_len=length, compute_ns=result.target_compute_ns
@@ -129,8 +127,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 }})
                 return _echo(proposal, discarded=True, committed_len=target.length)
             # 3. One forward pass, the acceptance rule and the rollback, in the core.
-            with self.sessions.model_lock, _sampling_applied(target, sampling):
-                result = target.verify(proposal.base_len, draft_token_ids, draft_probs)
+            with _sampling_applied(target, sampling):
+                result = self.sessions.compute.run(target.verify, proposal.base_len, draft_token_ids, draft_probs)
             return _verdict(proposal, result, target.context_length)
 
     def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int]:

@@ -14,7 +14,8 @@ Locks, always taken in this order, never the other way:
    never released under a forward pass. A caller waits for victims' locks while holding
    no session lock, except `open`, whose victims are all older than its new session:
    such waits cannot form a cycle.
-3. `model_lock`, one per model: forward passes run one at a time. On a CPU, torch already
+3. The model's `ComputeThread` (speculative/compute_thread.py): every forward pass runs
+   on it, one at a time. On a CPU, torch already
    spreads one forward over every core, so two concurrent forwards only contend for them
    (both get slower, and target_compute_ns would measure the contention); on a GPU the
    kernels of one process share the device anyway, and accelerate's device_map hooks are
@@ -28,6 +29,8 @@ import contextlib
 import logging
 import threading
 from collections import OrderedDict
+
+from speculative.compute_thread import ComputeThread
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -62,7 +65,8 @@ class CacheLoad:
 class SessionCache:
     """Thread-safe table of TargetSessions keyed by session id, with LRU eviction."""
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, max_cached_tokens: int):
+    def __init__(self, loaded: LoadedModel, max_sessions: int, max_cached_tokens: int,
+                 compute: ComputeThread | None = None):
         if max_sessions < 1 or max_cached_tokens < 1:
             raise InvalidArgument(
                 f"max_sessions and max_cached_tokens must be >= 1, got {max_sessions} and {max_cached_tokens}"
@@ -70,7 +74,7 @@ class SessionCache:
         self.loaded = loaded
         self.max_sessions = max_sessions
         self.max_cached_tokens = max_cached_tokens
-        self.model_lock = threading.Lock()
+        self.compute = compute or ComputeThread()
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._evicted: OrderedDict[str, None] = OrderedDict()
@@ -82,8 +86,7 @@ class SessionCache:
         entry, victims = self._insert(session_id, growth)  # entry comes locked
         try:
             self._release(victims)
-            with self.model_lock:
-                entry.target = TargetSession(self.loaded, prompt_token_ids, params)
+            entry.target = self.compute.run(TargetSession, self.loaded, prompt_token_ids, params)
             return entry.target.prefill_ns
         except BaseException:
             self._forget(entry)
@@ -95,7 +98,7 @@ class SessionCache:
     @contextlib.contextmanager
     def use(self, session_id: str, growth: int = 0) -> Iterator[TargetSession]:
         """The session, locked for the caller, with room reserved for `growth` more
-        tokens. Take `model_lock` inside for forward passes."""
+        tokens. Run forward passes through `compute`."""
         entry, victims = self._reserve(session_id, growth)
         try:
             self._release(victims)
