@@ -60,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         description="Draft worker: drafts tokens and runs speculation rounds against a target worker.",
     )
     configure_logging("draft", config.log_level)
-    configure_threads(config.threads or None)
     try:
         server, port, health = create_server(config)
     except (SpeculativeError, OSError) as error:

@@ -68,7 +68,6 @@ def describe_device(loaded: LoadedModel) -> str:
 def main(argv: list[str] | None = None) -> int:
     config = parse(TargetConfig, ENV_PREFIX, argv, description="The target worker: specdec.v1.TargetService.")
     configure_logging("target", config.log_level)
-    configure_threads(config.threads)
     log.info("loading model", extra={"fields": {
         "model": config.model, "device": config.device_map or config.device, "dtype": config.dtype,
     }})
