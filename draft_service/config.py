@@ -3,10 +3,9 @@ environment variables `DRAFT_MODEL`, `DRAFT_DEFAULT_K`, ... (flags win)."""
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 
+from service_common.server import advertised_address, default_worker_id
 from speculative.drafters import DEFAULT_DRAFT_TOP_K
 from speculative.errors import InvalidArgument
 from speculative.sampling import validate_num_speculative_tokens
@@ -77,14 +76,7 @@ class DraftConfig:
         return self
 
     def resolved_worker_id(self) -> str:
-        return self.worker_id or f"draft-{socket.gethostname()}-{os.getpid()}"
+        return self.worker_id or default_worker_id("draft")
 
     def resolved_advertise_address(self, port: int) -> str:
-        """The advertised address, or `address` with the bound port and, for a wildcard
-        host, this host's name."""
-        if self.advertise_address:
-            return self.advertise_address
-        host = self.address.rpartition(":")[0]
-        if host in ("", "0.0.0.0", "[::]", "::"):
-            host = socket.gethostname()
-        return f"{host}:{port}"
+        return advertised_address(self.advertise_address, self.address, port)

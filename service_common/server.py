@@ -4,7 +4,9 @@ message limits, interceptors, and a graceful stop on SIGTERM."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -71,3 +73,19 @@ def serve_until_signalled(server: grpc.Server, health_servicer: health.HealthSer
 
 def channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def default_worker_id(role: str) -> str:
+    """A worker id unique on this host for the process's lifetime."""
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def advertised_address(configured: str, bind_address: str, port: int) -> str:
+    """How other processes reach this one: the configured address, else the bound one
+    with the real port and, for a wildcard host, this host's name."""
+    if configured:
+        return configured
+    host = bind_address.rpartition(":")[0]
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        host = socket.gethostname()
+    return f"{host}:{port}"

@@ -4,9 +4,9 @@ environment variables `TARGET_MODEL`, `TARGET_MAX_SESSIONS`, ... (flags win)."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 from dataclasses import dataclass
+
+from service_common.server import advertised_address, default_worker_id
 
 ENV_PREFIX = "TARGET"
 
@@ -53,14 +53,7 @@ class TargetConfig:
     log_level: str = _option("INFO", "DEBUG, INFO, WARNING or ERROR")
 
     def resolved_worker_id(self) -> str:
-        return self.worker_id or f"target-{socket.gethostname()}-{os.getpid()}"
+        return self.worker_id or default_worker_id("target")
 
     def resolved_advertise_address(self, port: int) -> str:
-        """The advertised address, or `address` with the bound port and, for a wildcard
-        host, this host's name."""
-        if self.advertise_address:
-            return self.advertise_address
-        host = self.address.rpartition(":")[0]
-        if host in ("", "0.0.0.0", "[::]", "::"):
-            host = socket.gethostname()
-        return f"{host}:{port}"
+        return advertised_address(self.advertise_address, self.address, port)
