@@ -27,7 +27,7 @@ from speculative.stats import GenerationStats, RoundStats
 from orchestrator.config import OrchestratorConfig
 from orchestrator.store import SessionRecord, SessionStore, WorkerHandle
 from orchestrator.text import TextAssembler, common_prefix_length, render_chat
-from orchestrator.workers import Worker, WorkerPool
+from orchestrator.workers import Worker, WorkerPool, close_worker_sessions
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class Generation:
         self.config, self.pool, self.store, self.tokenizer = config, pool, store, tokenizer
         self.request, self.context = request, context
         self.stats = GenerationStats()
+        self.num_prefill_tokens = 0  # tokens the target prefilled for this call
         self.start_ns = time.perf_counter_ns()
         self.call = None  # the streaming call to a worker, cancelled with the client's
         self.session_id = request.session_id or uuid.uuid4().hex  # a new session if none
@@ -181,7 +182,7 @@ class Generation:
                 worker.stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=keep), timeout=timeout)
                 response = worker.stub.Extend(common_pb2.ExtendRequest(
                     session_id=handle.session_id, base_len=keep, token_ids=plan.tokens[keep:]), timeout=timeout)
-                self.stats.prefill_ns += response.prefill_ns
+                self._count_prefill(worker, response.prefill_ns, len(plan.tokens) - keep)
                 return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(plan.tokens))
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.NOT_FOUND:
@@ -197,9 +198,14 @@ class Generation:
         else:
             response = worker.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
                 prompt_token_ids=plan.tokens, drafter=plan.drafter), timeout=timeout)
-        self.stats.prefill_ns += response.prefill_ns
+        self._count_prefill(worker, response.prefill_ns, len(plan.tokens))
         handle = response.handle
         return WorkerHandle(handle.worker_id, worker.address, handle.session_id, handle.committed_len)
+
+    def _count_prefill(self, worker: Worker, prefill_ns: int, num_tokens: int) -> None:
+        self.stats.prefill_ns += prefill_ns
+        if worker.pool == "target":
+            self.num_prefill_tokens += num_tokens
 
     # 3. Generate: stream rounds, stop, roll back, save.
 
@@ -222,7 +228,7 @@ class Generation:
             self._commit(plan, assembler, target, draft)
         released, delta = assembler.finish()
         self.stats.total_ns = time.perf_counter_ns() - self.start_ns
-        yield Chunk(released, delta, finish, self._stats_proto(plan))
+        yield Chunk(released, delta, finish, self._stats_proto())
 
     def _rounds(self, plan: Plan, target: Worker, draft: Worker | None):
         """(token_ids, finish_reason) per round, from Speculate or, without a draft, Decode."""
@@ -264,7 +270,7 @@ class Generation:
         session this call created and its client cancelled is closed instead."""
         record = plan.record
         if self.is_new and not self.context.is_active():
-            self._close(record, target, draft)
+            self._close(record)
             return
         record.token_ids = plan.tokens + assembler.kept_tokens
         if self.request.WhichOneof("prompt") == "chat":
@@ -277,14 +283,9 @@ class Generation:
             record.sampling = self.request.sampling.SerializeToString()
         self.store.put(record)
 
-    def _close(self, record: SessionRecord, target: Worker, draft: Worker | None) -> None:
-        for worker, handle in ((target, record.target), (draft, record.draft)):
-            if worker is not None and handle is not None:
-                try:
-                    worker.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id),
-                                             timeout=self.config.rpc_timeout_s)
-                except grpc.RpcError as error:
-                    log.warning("closing %s on %s: %s", handle.session_id, worker.address, error.code())
+    def _close(self, record: SessionRecord) -> None:
+        close_worker_sessions(self.pool, (("target", record.target), ("draft", record.draft)),
+                              self.config.rpc_timeout_s)
         self.store.delete(record.session_id)
 
     def _truncate(self, worker: Worker, handle: WorkerHandle, length: int) -> None:
@@ -298,9 +299,9 @@ class Generation:
             log.warning("truncate on %s failed (%s); session will be re-synced", worker.address, error.code())
             handle.committed_len = min(handle.committed_len, length)
 
-    def _stats_proto(self, plan: Plan) -> common_pb2.GenerationStats | None:
+    def _stats_proto(self) -> common_pb2.GenerationStats | None:
         if not self.request.include_stats:
             return None
         s = self.stats
         orchestrator_ns = max(0, s.total_ns - s.prefill_ns - s.draft_ns - s.verify_ns)
-        return generation_stats_to_proto(s, orchestrator_ns, len(plan.tokens) - plan.keep)
+        return generation_stats_to_proto(s, orchestrator_ns, self.num_prefill_tokens)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import uuid
 
 from service_common.status import rpc_errors
@@ -11,9 +10,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Generation
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import render_chat
-from orchestrator.workers import WorkerPool
-
-log = logging.getLogger(__name__)
+from orchestrator.workers import WorkerPool, close_worker_sessions
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -72,14 +69,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def CloseSession(self, request, context):
         record = self.store.get(request.session_id)
         with self.store.lease(record.session_id):
-            for pool, handle in (("target", record.target), ("draft", record.draft)):
-                worker = self.pool.by_address(pool, handle.address) if handle else None
-                if worker is not None:
-                    try:
-                        worker.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id),
-                                                 timeout=self.config.rpc_timeout_s)
-                    except Exception as error:  # noqa: BLE001 - its cache is gone either way
-                        log.warning("closing %s on %s: %s", handle.session_id, handle.address, error)
+            close_worker_sessions(self.pool, (("target", record.target), ("draft", record.draft)),
+                                  self.config.rpc_timeout_s)
             self.store.delete(record.session_id)
         return common_pb2.CloseSessionResponse()
 

@@ -96,14 +96,8 @@ class InMemorySessionStore(SessionStore):
             with self._lock:
                 self._leased.discard(session_id)
 
-    def expired_sessions(self) -> list[SessionRecord]:
-        """Removes and returns the idle records past their TTL (their caches to free)."""
-        with self._lock:
-            return self._expire()
-
-    def _expire(self) -> list[SessionRecord]:
+    def _expire(self) -> None:
         now = time.time() * 1000
         expired = [r for r in self._records.values() if now - r.last_used_ms > self._ttl_ms and r.session_id not in self._leased]
         for record in expired:
             del self._records[record.session_id]
-        return expired

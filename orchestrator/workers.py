@@ -124,6 +124,19 @@ class WorkerPool:
         ]
 
 
+def close_worker_sessions(pool: WorkerPool, handles, timeout_s: float) -> None:
+    """Frees a session's caches on the workers that hold them (best effort: a cache on
+    an unreachable worker is gone anyway, or evicted later)."""
+    for pool_name, handle in handles:
+        worker = pool.by_address(pool_name, handle.address) if handle else None
+        if worker is None:
+            continue
+        try:
+            worker.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=timeout_s)
+        except grpc.RpcError as error:
+            log.warning("closing %s on %s: %s", handle.session_id, handle.address, error.code())
+
+
 def _compatible(target: Worker, draft: Worker) -> bool:
     try:
         check_compatible(target.model_id, target.fingerprint, draft.model_id, draft.fingerprint)

@@ -21,7 +21,6 @@ FINISH_REASON_TO_PROTO = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
 }
-FINISH_REASON_FROM_PROTO = {v: k for k, v in FINISH_REASON_TO_PROTO.items()}
 
 
 def sampling_from_proto(message: common_pb2.SamplingParams, default_max_new_tokens: int) -> SamplingParams:
