@@ -26,7 +26,7 @@ from speculative.sampling import SamplingParams
 PROMPT_LOOKUP_K = 4  # Hugging Face prompt_lookup_num_tokens, and our fixed k
 
 
-def _chat_ids(tokenizer, text):
+def chat_ids(tokenizer, text):
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
@@ -69,7 +69,7 @@ def measure(loaded, max_new_tokens, repeats):
     methods = _methods(loaded, max_new_tokens)
     results = {}
     for name, text in PROMPTS.items():
-        ids = _chat_ids(loaded.tokenizer, text)
+        ids = chat_ids(loaded.tokenizer, text)
         methods["target-only (ours)"](ids)  # warm-up
         runs = {method: [] for method in methods}
         for _ in range(repeats):

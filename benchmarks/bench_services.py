@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from benchmarks.bench_core import chat_ids
 from benchmarks.prompts import PROMPTS
 from launcher.__main__ import Cluster, start_system
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
@@ -35,8 +36,7 @@ def _in_process(loaded, k, max_new_tokens):
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(loaded.eos_token_id,))
 
     def run(text):
-        ids = loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = chat_ids(loaded.tokenizer, text)
         start = time.perf_counter()
         result = generator.generate(ids, params, k=k)
         return result.token_ids, time.perf_counter() - start, None
@@ -87,8 +87,8 @@ def measure(methods, repeats):
     for name, text in PROMPTS.items():
         for run in methods.values():
             run(text)  # warm-up
-        runs = {method: [run(text) for _ in range(1)] for method, run in methods.items()}
-        for _ in range(repeats - 1):
+        runs = {method: [] for method in methods}
+        for _ in range(repeats):  # interleaved, so drift hits every method alike
             for method, run in methods.items():
                 runs[method].append(run(text))
         results[name] = runs
