@@ -32,12 +32,20 @@ def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int, context_lengt
     """Raises InvalidArgument for an empty, out-of-vocabulary or too long prompt."""
     if not prompt_token_ids:
         raise InvalidArgument("prompt is empty: give at least one token")
-    if len(prompt_token_ids) >= context_length:
+    check_room(len(prompt_token_ids), context_length)
+    check_vocabulary(prompt_token_ids, vocab_size)
+
+
+def check_room(length: int, context_length: int) -> None:
+    if length >= context_length:
         raise InvalidArgument(
-            f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate in the "
+            f"prompt of {length} tokens leaves no room to generate in the "
             f"model's context length of {context_length} tokens"
         )
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+
+
+def check_vocabulary(token_ids: Sequence[int], vocab_size: int) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidArgument(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
@@ -129,7 +137,8 @@ class TargetSession:
             raise StaleProposal(
                 f"extend at length {base_len} but the session has {self.length} committed tokens"
             )
-        check_prompt([*self.session.token_ids, *token_ids], self.vocab_size, self.context_length)
+        check_room(self.length + len(token_ids), self.context_length)
+        check_vocabulary(token_ids, self.vocab_size)  # the committed tokens were checked
         self.session.append(token_ids)
         self.session.prefill()
 
