@@ -108,21 +108,10 @@ def load_model(
     (see cpu_linear.py); the model can then no longer be copied or moved."""
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":"):
+    if _is_tiny(name):
         return load_tiny_model(name, device=device, dtype=dtype)
-    source = resolve_model_source(name)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=DTYPES[dtype], device_map=device_map, **kwargs
-        )
-    except OSError as error:
-        raise NotFound(
-            f"unknown model {name!r}: not a packaged model ({', '.join(PACKAGED_MODELS)}), "
-            f"not a {TINY_PREFIX}[:SEED] model, and not loadable as a local path or "
-            f"Hugging Face id ({error.__class__.__name__}: {str(error).splitlines()[0]})"
-        ) from None
+    tokenizer = load_tokenizer(name)
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=DTYPES[dtype], device_map=device_map)
     if device_map is None:
         model = model.to(device)
     loaded = _describe(name, model.eval(), tokenizer)
@@ -133,14 +122,26 @@ def load_model(
 
 def load_tokenizer(name: str = DEFAULT_MODEL):
     """The tokenizer alone (the orchestrator tokenizes; it holds no weights)."""
-    if name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":"):
-        return tiny.byte_tokenizer()
+    return tiny.byte_tokenizer() if _is_tiny(name) else _from_pretrained(AutoTokenizer, name)
+
+
+def _is_tiny(name: str) -> bool:
+    return name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":")
+
+
+def _from_pretrained(auto_class, name: str, **kwargs):
+    """auto_class.from_pretrained for a resolved name; NotFound naming what was tried."""
     source = resolve_model_source(name)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
     try:
-        return AutoTokenizer.from_pretrained(source.path, **kwargs)
+        return auto_class.from_pretrained(source.path, **kwargs)
     except OSError as error:
-        raise NotFound(f"no tokenizer for model {name!r}: {str(error).splitlines()[0]}") from None
+        raise NotFound(
+            f"unknown model {name!r}: not a packaged model ({', '.join(PACKAGED_MODELS)}), "
+            f"not a {TINY_PREFIX}[:SEED] model, and not loadable as a local path or "
+            f"Hugging Face id ({error.__class__.__name__}: {str(error).splitlines()[0]})"
+        ) from None
 
 
 def load_tiny_model(name: str, *, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
