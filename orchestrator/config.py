@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service_common.options import TelemetryConfig
+
 
 @dataclass
-class OrchestratorConfig:
+class OrchestratorConfig(TelemetryConfig):
     address: str = "0.0.0.0:50050"  # the public API
-    # Comma-separated worker addresses (a registry replaces these lists in deployments).
-    target_addresses: str = "127.0.0.1:50051"
-    draft_addresses: str = "127.0.0.1:50052"
+    # Shared state for replicas: sessions and the worker registry live in this Redis
+    # (redis://[:password@]host:port/db). Empty = one replica with sessions in memory
+    # and the worker addresses below.
+    redis_url: str = ""
+    # Comma-separated worker addresses, without Redis (with it, workers register).
+    target_addresses: str = ""
+    draft_addresses: str = ""
     # Tokenizer to load; empty = the target's model id (the same name loads the same
     # tokenizer without weights).
     tokenizer: str = ""
@@ -20,10 +26,15 @@ class OrchestratorConfig:
     # deadline, when shorter, wins.
     generate_timeout_s: float = 600.0
     rpc_timeout_s: float = 30.0  # deadline of each unary call to a worker
-    worker_refresh_s: float = 2.0  # how often worker Info (load) is refreshed
+    worker_refresh_s: float = 1.0  # how often the pools (and their load) are re-read
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     session_ttl_s: float = 3600.0  # idle sessions are forgotten after this
+    # A replica holds a session while it generates; the hold is renewed every third of
+    # this, so a replica that dies frees its sessions within this many seconds.
+    lease_ttl_s: float = 15.0
+    # Failovers one call may go through (a worker lost mid-generation) before it fails.
+    max_failovers: int = 4
     grace_s: float = 10.0  # graceful shutdown: time for calls in flight
     log_level: str = "INFO"
 

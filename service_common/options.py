@@ -1,0 +1,34 @@
+"""Settings every service (or every worker) shares, as flags and PREFIX_* variables like
+the rest of its configuration: TelemetryConfig (service_common/telemetry.py) and
+RegistryConfig (service_common/registry.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+def _option(default, help_text: str):
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class TelemetryConfig:
+    # Off by default: no provider is installed and instrumentation costs nothing.
+    trace_exporter: str = _option("none", "none, otlp (gRPC), jsonl (one span per line to --trace-file) or console")
+    trace_file: str = _option("", "path of the JSON-lines span file (trace_exporter jsonl)")
+    # Empty = the standard OTEL_EXPORTER_OTLP_ENDPOINT variable, else http://localhost:4317.
+    otlp_endpoint: str = _option("", "OTLP gRPC endpoint of a collector, e.g. http://otel-collector:4317")
+    # Prometheus text format at http://0.0.0.0:PORT/metrics; 0 = no endpoint.
+    metrics_port: int = _option(0, "port of the Prometheus /metrics endpoint; 0 = off")
+
+
+@dataclass
+class RegistryConfig:
+    """How a worker joins its pool: a record in Redis that expires unless refreshed."""
+
+    # Empty = no registration (the orchestrator is given worker addresses instead).
+    redis_url: str = _option("", "Redis of the worker registry, e.g. redis://redis:6379/0; empty = do not register")
+    heartbeat_s: float = _option(1.0, "seconds between heartbeats (load is refreshed with each)")
+    # A worker that misses heartbeats for this long leaves its pool.
+    heartbeat_ttl_s: float = _option(5.0, "seconds a registration lives without a heartbeat")
