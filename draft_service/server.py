@@ -14,7 +14,8 @@ from draft_service.sessions import SessionCache
 from service_common import config as config_flags
 from service_common import server as common_server
 from service_common.logs import configure_logging
-from specdec.v1 import draft_pb2, draft_pb2_grpc
+from service_common.registry import join_pool
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2
 from speculative.errors import SpeculativeError
 from speculative.compute_thread import ComputeThread
 from speculative.loading import LoadedModel, configure_threads, load_model
@@ -24,8 +25,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
-def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None):
-    """Builds (does not start) the worker: returns (server, bound port, health servicer).
+def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) -> common_server.Service:
+    """Builds (does not start) the worker; with config.redis_url it joins the draft pool
+    once it serves.
 
     loaded_model: the "model" drafter's model, already loaded (tests share one); None =
     load config.model, or serve the n-gram drafter only when that is empty.
@@ -51,7 +53,10 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None):
         max_workers=config.max_sessions + 16,
     )
     servicer.advertise_address = config.resolved_advertise_address(port)
-    return server, port, health
+    service = common_server.Service(server, port, health)
+    join_pool(service, config, orchestrator_pb2.WORKER_POOL_DRAFT, servicer.advertise_address,
+              lambda: servicer.Info(common_pb2.InfoRequest(), None))
+    return service
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,16 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     configure_logging("draft", config.log_level)
     try:
-        server, port, health = create_server(config)
+        service = create_server(config)
     except (SpeculativeError, OSError) as error:
         log.error("cannot start: %s", error)
         return 2
     # One parseable line for launchers: the bound port (address ":0" picks a free one).
     log.info("draft worker serving", extra={"fields": {
-        "port": port, "address": config.resolved_advertise_address(port),
+        "port": service.port, "address": config.resolved_advertise_address(service.port),
         "worker_id": config.resolved_worker_id(), "model": config.model or None,
         "default_drafter": config.default_drafter,
     }})
-    common_server.serve_until_signalled(server, health, config.grace_s)
+    service.serve_until_signalled(config.grace_s)
     log.info("stopped")
     return 0

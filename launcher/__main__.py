@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -76,7 +77,13 @@ def parse_args(argv):
     parser.add_argument("--drafter", default="ngram", help="the draft workers' default drafter")
     parser.add_argument("--target-workers", type=int, default=1)
     parser.add_argument("--draft-workers", type=int, default=1)
-    parser.add_argument("--port", type=int, default=50050, help="the orchestrator's port (0 = any free port)")
+    parser.add_argument("--orchestrators", type=int, default=1, help="orchestrator replicas (more than 1 needs Redis)")
+    parser.add_argument("--redis-url", default="",
+                        help="shared Redis: sessions and the worker registry (e.g. redis://127.0.0.1:6379/0); "
+                             "empty = sessions in memory, worker addresses passed to one orchestrator")
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="worker heartbeat period, with --redis-url")
+    parser.add_argument("--heartbeat-ttl-s", type=float, default=5.0, help="registration lifetime without heartbeat")
+    parser.add_argument("--port", type=int, default=50050, help="the first orchestrator's port (0 = any free port)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = default)")
     parser.add_argument("--log-dir", default=".run/logs")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
@@ -85,27 +92,60 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def start_system(args, cluster: Cluster) -> str:
-    """Starts every role; returns the orchestrator's address once all are healthy."""
-    workers = {"target": [], "draft": []}
-    for pool, count, module, model_flags in (
+@dataclass
+class Role:
+    """One process of the system: its name, module, flags and gRPC address."""
+
+    name: str
+    pool: str  # "target", "draft" or "orchestrator"
+    module: str
+    args: list[str]
+    address: str
+
+
+def layout(args) -> list[Role]:
+    """The processes to start for args, each on a free port: workers first."""
+    if args.orchestrators > 1 and not args.redis_url:
+        raise SystemExit("several orchestrators share sessions through Redis: give --redis-url")
+    registry = ["--redis-url", args.redis_url, "--heartbeat-s", str(args.heartbeat_s),
+                "--heartbeat-ttl-s", str(args.heartbeat_ttl_s)] if args.redis_url else []
+    roles = []
+    for pool, count, module, flags in (
         ("target", args.target_workers, "target_service", ["--model", args.target_model]),
         ("draft", args.draft_workers, "draft_service", ["--model", args.draft_model, "--default-drafter", args.drafter]),
     ):
         for index in range(count):
             address = f"127.0.0.1:{free_port()}"
-            cluster.start(f"{pool}-{index}", module, [*model_flags, "--address", address, "--threads", str(args.threads)])
-            workers[pool].append((f"{pool}-{index}", address))
-    for name, address in workers["target"] + workers["draft"]:
-        cluster.wait_healthy(name, address, args.startup_timeout)
-    address = f"127.0.0.1:{args.port or free_port()}"
-    cluster.start("orchestrator", "orchestrator", [
-        "--address", address,
-        "--target-addresses", ",".join(a for _, a in workers["target"]),
-        "--draft-addresses", ",".join(a for _, a in workers["draft"]),
-    ])
-    cluster.wait_healthy("orchestrator", address, args.startup_timeout)
-    return address
+            roles.append(Role(f"{pool}-{index}", pool, module,
+                              [*flags, "--address", address, "--threads", str(args.threads), *registry], address))
+    if args.redis_url:
+        discovery = ["--redis-url", args.redis_url, "--worker-refresh-s", str(min(1.0, args.heartbeat_s))]
+    else:
+        discovery = ["--target-addresses", ",".join(r.address for r in roles if r.pool == "target"),
+                     "--draft-addresses", ",".join(r.address for r in roles if r.pool == "draft")]
+    for index in range(args.orchestrators):
+        port = args.port if index == 0 and args.port else free_port()
+        address = f"127.0.0.1:{port}"
+        name = "orchestrator" if index == 0 else f"orchestrator-{index}"
+        roles.append(Role(name, "orchestrator", "orchestrator", ["--address", address, *discovery], address))
+    return roles
+
+
+def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str:
+    """Starts every role (of layout(args) unless given); returns the first orchestrator's
+    address once all are healthy."""
+    roles = roles or layout(args)
+    workers = [r for r in roles if r.pool != "orchestrator"]
+    for role in workers:
+        cluster.start(role.name, role.module, role.args)
+    for role in workers:
+        cluster.wait_healthy(role.name, role.address, args.startup_timeout)
+    orchestrators = [r for r in roles if r.pool == "orchestrator"]
+    for role in orchestrators:
+        cluster.start(role.name, role.module, role.args)
+    for role in orchestrators:
+        cluster.wait_healthy(role.name, role.address, args.startup_timeout)
+    return orchestrators[0].address
 
 
 def main(argv=None) -> int:

@@ -3,6 +3,7 @@ roll back, save. The servicer only translates this to and from the wire."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -25,14 +26,18 @@ from speculative.rejection import NextTokenKind
 from speculative.sampling import SamplingParams, validate_num_speculative_tokens
 from speculative.stats import GenerationStats, RoundStats
 from orchestrator.config import OrchestratorConfig
-from orchestrator.store import SessionRecord, SessionStore, WorkerHandle
+from orchestrator.store import Lease, SessionRecord, SessionStore, WorkerHandle
 from orchestrator.text import TextAssembler, common_prefix_length, render_chat
-from orchestrator.workers import Worker, WorkerPool, close_worker_sessions
+from orchestrator.workers import DRAFT, TARGET, Worker, WorkerPool, close_worker_sessions
 
 log = logging.getLogger(__name__)
 
 STOP_STRING = common_pb2.FINISH_REASON_STOP_STRING
 CANCELLED = common_pb2.FINISH_REASON_CANCELLED
+# A worker lost (killed, partitioned) or a session evicted mid-call: the call goes on
+# from the committed tokens on another worker, or the same one re-prefilled.
+FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+PROBE_TIMEOUT_S = 2.0  # a live worker answers Info at once
 
 
 @dataclass
@@ -63,18 +68,24 @@ class Generation:
         self.request, self.context = request, context
         self.stats = GenerationStats()
         self.num_prefill_tokens = 0  # tokens the target prefilled for this call
+        self.num_failovers = 0
         self.start_ns = time.perf_counter_ns()
         self.call = None  # the streaming call to a worker, cancelled with the client's
         self.session_id = request.session_id or uuid.uuid4().hex  # a new session if none
         self.is_new = not request.session_id
+        self.target: Worker | None = None  # the workers serving the call, as placed
+        self.draft: Worker | None = None
+        self.generated: list[int] = []  # tokens received from the workers (committed by the target)
+        self.synced_len = 0  # tokens both workers certainly hold (base of the last stream)
+        self._in_flight = contextlib.ExitStack()  # counts the call on its workers' load
 
     def run(self) -> Iterator[Chunk]:
         self._check_stop_strings()
-        with self.store.lease(self.session_id):
+        with self.store.lease(self.session_id) as lease, self._in_flight:
             record = SessionRecord(self.session_id, []) if self.is_new else self.store.get(self.session_id)
             plan = self._plan(record)
-            target, draft = self._place(plan)
-            yield from self._generate(plan, target, draft)
+            self._place(plan)
+            yield from self._generate(plan, lease)
 
     # 1. Plan: parameters, the new input, the room left in the context.
 
@@ -140,11 +151,21 @@ class Generation:
                     f"stop strings must have 1 to {self.config.max_stop_string_chars} characters, got {len(stop)}"
                 )
 
-    # 2. Place: a target (and a draft) session holding exactly plan.tokens.
+    # 2. Place: a target (and a draft) session holding exactly the committed tokens.
 
-    def _place(self, plan: Plan) -> tuple[Worker, Worker | None]:
-        target = self._worker_for(plan.record.target, "target") or self.pool.pick_target()
-        context_length = target.info.model.context_length
+    def _place(self, plan: Plan) -> None:
+        """Keeps the session on the workers that hold its caches when they are alive
+        (affinity), else the least-loaded ones; a worker that fails while being synced
+        is replaced like one lost mid-generation."""
+        record = plan.record
+        self.target = self._worker_for(record.target, TARGET) or self._adopt(self.pool.pick_target())
+        self._check_room(plan, self.target)
+        if plan.k > 0:
+            self.draft = self._worker_for(record.draft, DRAFT) or self._adopt(self.pool.pick_draft(self.target, plan.drafter))
+        self._sync_all(plan, plan.keep)
+
+    def _check_room(self, plan: Plan, target: Worker) -> None:
+        context_length = target.model.context_length
         room = context_length - len(plan.tokens)
         if room <= 0:
             raise InvalidArgument(
@@ -157,63 +178,112 @@ class Generation:
                 f"{room} tokens ({len(plan.tokens)} of {context_length} used)"
             )
         for token in plan.tokens:
-            if not 0 <= token < target.info.model.vocab_size:
-                raise InvalidArgument(f"token id {token} is outside the vocabulary [0, {target.info.model.vocab_size})")
-        plan.record.target = self._sync(target, plan.record.target, plan)
-        draft = None
-        if plan.k > 0:
-            draft = self._worker_for(plan.record.draft, "draft") or self.pool.pick_draft(target, plan.drafter)
-        plan.record.draft = self._sync(draft, plan.record.draft, plan) if draft else plan.record.draft
-        return target, draft
+            if not 0 <= token < target.model.vocab_size:
+                raise InvalidArgument(f"token id {token} is outside the vocabulary [0, {target.model.vocab_size})")
 
     def _worker_for(self, handle: WorkerHandle | None, pool: str) -> Worker | None:
         """The worker that already holds the session's cache, if it is still there."""
-        return self.pool.by_address(pool, handle.address) if handle else None
+        worker = self.pool.by_address(pool, handle.address) if handle else None
+        return self._adopt(worker)
 
-    def _sync(self, worker: Worker, handle: WorkerHandle | None, plan: Plan) -> WorkerHandle:
-        """Rolls the worker's session back to what it shares with plan.tokens, then
-        extends it; opens (prefills) a new one where it has none or lost it."""
+    def _adopt(self, worker: Worker | None) -> Worker | None:
+        if worker is not None:
+            self._in_flight.enter_context(self.pool.placed(worker))
+        return worker
+
+    def _sync_all(self, plan: Plan, keep: int) -> None:
+        """Brings target and draft to exactly the committed tokens, replacing a worker
+        that turns out to be unreachable (at most max_failovers times)."""
+        tokens = self._committed(plan)
+        while True:
+            try:
+                plan.record.target = self._sync(self.target, plan.record.target, tokens, keep, plan)
+                if self.draft is not None:
+                    plan.record.draft = self._sync(self.draft, plan.record.draft, tokens, keep, plan)
+                break
+            except grpc.RpcError as error:
+                self._replace_lost_workers(plan, error)
+        self.synced_len = len(tokens)
+
+    def _sync(self, worker: Worker, handle: WorkerHandle | None, tokens: list[int], keep: int, plan: Plan) -> WorkerHandle:
+        """Rolls the worker's session back to what it shares with tokens, then extends
+        it; opens (prefills) a new one where it has none or lost it."""
         timeout = self.config.rpc_timeout_s
         if handle and handle.address == worker.address:
-            keep = min(plan.keep, handle.committed_len)
+            keep = min(keep, handle.committed_len)
             try:
                 # Always: the worker may have run past the committed tokens (a round in
                 # flight when the previous call stopped); rollback is absolute.
                 worker.stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=keep), timeout=timeout)
                 response = worker.stub.Extend(common_pb2.ExtendRequest(
-                    session_id=handle.session_id, base_len=keep, token_ids=plan.tokens[keep:]), timeout=timeout)
-                self._count_prefill(worker, response.prefill_ns, len(plan.tokens) - keep)
-                return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(plan.tokens))
+                    session_id=handle.session_id, base_len=keep, token_ids=tokens[keep:]), timeout=timeout)
+                self._count_prefill(worker, response.prefill_ns, len(tokens) - keep)
+                return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(tokens))
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.NOT_FOUND:
                     raise
                 log.info("session %s evicted from %s: re-prefilling", handle.session_id, worker.address)
-        return self._open(worker, plan)
+        return self._open(worker, tokens, plan)
 
-    def _open(self, worker: Worker, plan: Plan) -> WorkerHandle:
+    def _open(self, worker: Worker, tokens: list[int], plan: Plan) -> WorkerHandle:
         timeout = self.config.rpc_timeout_s
-        if worker.pool == "target":
+        if worker.pool == TARGET:
             response = worker.stub.OpenSession(target_pb2.OpenSessionRequest(
-                prompt_token_ids=plan.tokens, sampling=sampling_to_proto(plan.params)), timeout=timeout)
+                prompt_token_ids=tokens, sampling=sampling_to_proto(plan.params)), timeout=timeout)
         else:
             response = worker.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
-                prompt_token_ids=plan.tokens, drafter=plan.drafter), timeout=timeout)
-        self._count_prefill(worker, response.prefill_ns, len(plan.tokens))
+                prompt_token_ids=tokens, drafter=plan.drafter), timeout=timeout)
+        self._count_prefill(worker, response.prefill_ns, len(tokens))
         handle = response.handle
         return WorkerHandle(handle.worker_id, worker.address, handle.session_id, handle.committed_len)
 
     def _count_prefill(self, worker: Worker, prefill_ns: int, num_tokens: int) -> None:
         self.stats.prefill_ns += prefill_ns
-        if worker.pool == "target":
+        if worker.pool == TARGET:
             self.num_prefill_tokens += num_tokens
 
-    # 3. Generate: stream rounds, stop, roll back, save.
+    # 3. Failover: a worker lost mid-call is replaced; the call goes on from the
+    # committed tokens, so the client sees no token lost or repeated.
 
-    def _generate(self, plan: Plan, target: Worker, draft: Worker | None) -> Iterator[Chunk]:
+    def _replace_lost_workers(self, plan: Plan, error: grpc.RpcError) -> None:
+        """Finds which worker is gone and replaces it: the target by another target
+        (re-prefilled), the draft by another draft or, with none left, by target-only
+        decoding. Raises the error when it is not a lost worker or failovers ran out."""
+        if (error.code() not in FAILOVER_CODES or self.num_failovers >= self.config.max_failovers
+                or not self.context.is_active()):
+            raise error
+        self.num_failovers += 1
+        lost = [w for w in (self.target, self.draft) if w is not None and not self._answers(w)]
+        log.warning("failover %d of session %s after %s (%s): lost %s", self.num_failovers, self.session_id,
+                    error.code().name, error.details(), [w.address for w in lost] or "none, re-syncing")
+        for worker in lost:
+            self.pool.suspect(worker)
+        if self.target in lost:
+            plan.record.target = None
+            self.target = self._adopt(self.pool.pick_target())
+        if self.draft in lost:
+            plan.record.draft = None
+            self.draft = self._adopt(self.pool.pick_draft(self.target, plan.drafter))
+            if self.draft is None:
+                log.warning("no draft worker left: session %s goes on with target-only decoding", self.session_id)
+
+    def _answers(self, worker: Worker) -> bool:
+        try:
+            worker.stub.Info(common_pb2.InfoRequest(), timeout=PROBE_TIMEOUT_S)
+            return True
+        except grpc.RpcError:
+            return False
+
+    def _committed(self, plan: Plan) -> list[int]:
+        return plan.tokens + self.generated
+
+    # 4. Generate: stream rounds, stop, roll back, save.
+
+    def _generate(self, plan: Plan, lease: Lease) -> Iterator[Chunk]:
         assembler = TextAssembler(self.tokenizer, self.request.stop)
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         try:
-            for token_ids, finish in self._rounds(plan, target, draft):
+            for token_ids, finish in self._rounds_with_failover(plan):
                 released, delta = assembler.add(token_ids)
                 if assembler.stopped_at is not None:
                     self.call.cancel()
@@ -225,68 +295,84 @@ class Generation:
                     finish = CANCELLED
                     break
         finally:
-            self._commit(plan, assembler, target, draft)
+            self._commit(plan, assembler, lease)
         released, delta = assembler.finish()
         self.stats.total_ns = time.perf_counter_ns() - self.start_ns
         yield Chunk(released, delta, finish, self._stats_proto())
 
-    def _rounds(self, plan: Plan, target: Worker, draft: Worker | None):
+    def _rounds_with_failover(self, plan: Plan):
+        """The rounds of _rounds; when a worker is lost, the remaining ones from new workers."""
+        while True:
+            try:
+                for token_ids, finish in self._rounds(plan):
+                    self.generated.extend(token_ids)
+                    yield token_ids, finish
+                    if finish:
+                        return
+                return
+            except grpc.RpcError as error:
+                self._replace_lost_workers(plan, error)
+                self._sync_all(plan, self.synced_len)
+
+    def _rounds(self, plan: Plan):
         """(token_ids, finish_reason) per round, from Speculate or, without a draft, Decode."""
         timeout = self._deadline()
         record = plan.record
-        if draft is None:
-            self.call = target.stub.Decode(target_pb2.DecodeRequest(
-                session_id=record.target.session_id, base_len=len(plan.tokens),
-                sampling=sampling_to_proto(plan.params)), timeout=timeout)
+        base_len = len(plan.tokens) + len(self.generated)
+        params = plan.params.replace(max_new_tokens=plan.params.max_new_tokens - len(self.generated))
+        if self.draft is None:
+            self.call = self.target.stub.Decode(target_pb2.DecodeRequest(
+                session_id=record.target.session_id, base_len=base_len,
+                sampling=sampling_to_proto(params)), timeout=timeout)
             self.context.add_callback(self.call.cancel)
             for index, token in enumerate(self.call):
                 self.stats.record_round(RoundStats(index, token.committed_len - 1, 0, 0, 1, NextTokenKind.BONUS,
                                                    0, token.compute_ns, token.compute_ns))
-                yield [token.token_id], self._finish_of_decode(plan, index + 1, token.token_id)
+                yield [token.token_id], self._finish_of_decode(params, index + 1, token.token_id)
             return
         speculation = common_pb2.SpeculationParams(
             num_speculative_tokens=plan.k, drafter=plan.drafter, adaptive=plan.adaptive)
-        self.call = draft.stub.Speculate(draft_pb2.SpeculateRequest(
-            session_id=record.draft.session_id, base_len=len(plan.tokens),
-            target=common_pb2.KvHandle(worker_id=record.target.worker_id, worker_address=target.address,
-                                       session_id=record.target.session_id, committed_len=len(plan.tokens)),
-            sampling=sampling_to_proto(plan.params), speculation=speculation), timeout=timeout)
+        self.call = self.draft.stub.Speculate(draft_pb2.SpeculateRequest(
+            session_id=record.draft.session_id, base_len=base_len,
+            target=common_pb2.KvHandle(worker_id=record.target.worker_id, worker_address=self.target.address,
+                                       session_id=record.target.session_id, committed_len=base_len),
+            sampling=sampling_to_proto(params), speculation=speculation), timeout=timeout)
         self.context.add_callback(self.call.cancel)
         for update in self.call:
             self.stats.record_round(round_stats_from_proto(update.round, len(update.token_ids)))
             yield list(update.token_ids), update.finish_reason
 
-    def _finish_of_decode(self, plan: Plan, count: int, token: int) -> int:
-        if token in plan.params.stop_token_ids:
+    def _finish_of_decode(self, params: SamplingParams, count: int, token: int) -> int:
+        if token in params.stop_token_ids:
             return FINISH_REASON_TO_PROTO[FinishReason.STOP_TOKEN]
-        return FINISH_REASON_TO_PROTO[FinishReason.LENGTH] if count == plan.params.max_new_tokens else 0
+        return FINISH_REASON_TO_PROTO[FinishReason.LENGTH] if count == params.max_new_tokens else 0
 
     def _deadline(self) -> float:
         remaining = self.context.time_remaining()
         return min(self.config.generate_timeout_s, remaining) if remaining is not None else self.config.generate_timeout_s
 
-    def _commit(self, plan: Plan, assembler: TextAssembler, target: Worker, draft: Worker | None) -> None:
+    def _commit(self, plan: Plan, assembler: TextAssembler, lease: Lease) -> None:
         """Saves the committed tokens and rolls both workers back to exactly them; a
         session this call created and its client cancelled is closed instead."""
         record = plan.record
         if self.is_new and not self.context.is_active():
-            self._close(record)
+            self._close(record, lease)
             return
         record.token_ids = plan.tokens + assembler.kept_tokens
         if self.request.WhichOneof("prompt") == "chat":
             record.messages.append({"role": "assistant", "content": assembler.text})
-        for worker, handle in ((target, record.target), (draft, record.draft)):
+        for worker, handle in ((self.target, record.target), (self.draft, record.draft)):
             if worker is not None and handle is not None:
                 self._truncate(worker, handle, len(record.token_ids))
         record.last_used_ms = int(time.time() * 1000)
         if not record.sampling and self.request.HasField("sampling"):
             record.sampling = self.request.sampling.SerializeToString()
-        self.store.put(record)
+        self.store.put(record, lease)
 
-    def _close(self, record: SessionRecord) -> None:
-        close_worker_sessions(self.pool, (("target", record.target), ("draft", record.draft)),
+    def _close(self, record: SessionRecord, lease: Lease) -> None:
+        close_worker_sessions(self.pool, ((TARGET, record.target), (DRAFT, record.draft)),
                               self.config.rpc_timeout_s)
-        self.store.delete(record.session_id)
+        self.store.delete(record.session_id, lease)
 
     def _truncate(self, worker: Worker, handle: WorkerHandle, length: int) -> None:
         """Absolute rollback: harmless when the worker already has exactly length."""
@@ -304,4 +390,6 @@ class Generation:
             return None
         s = self.stats
         orchestrator_ns = max(0, s.total_ns - s.prefill_ns - s.draft_ns - s.verify_ns)
-        return generation_stats_to_proto(s, orchestrator_ns, self.num_prefill_tokens)
+        stats = generation_stats_to_proto(s, orchestrator_ns, self.num_prefill_tokens)
+        stats.num_failovers = self.num_failovers
+        return stats

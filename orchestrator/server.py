@@ -1,50 +1,72 @@
-"""Orchestrator process: `python -m orchestrator --target-addresses ... --draft-addresses ...`."""
+"""Orchestrator process: `python -m orchestrator --redis-url redis://...` (replicas share
+sessions and discover workers in Redis), or `--target-addresses ... --draft-addresses ...`
+(one replica, sessions in memory)."""
 
 from __future__ import annotations
 
 import logging
 
-import grpc
-
 from service_common import config as config_flags
 from service_common.logs import configure_logging
+from service_common.redis_client import describe
+from service_common.server import Service
 from service_common.server import create_server as create_grpc_server
-from service_common.server import serve_until_signalled
 from specdec.v1 import orchestrator_pb2_grpc
-from speculative.loading import load_tokenizer
+from speculative.errors import InvalidArgument
 from orchestrator.config import OrchestratorConfig
+from orchestrator.redis_store import RedisSessionStore
 from orchestrator.servicer import OrchestratorServicer
-from orchestrator.store import InMemorySessionStore
-from orchestrator.workers import TARGET, WorkerPool
+from orchestrator.store import InMemorySessionStore, SessionStore
+from orchestrator.tokenizer import TargetTokenizer
+from orchestrator.workers import WorkerPool, registry_discovery, static_discovery
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specdec.v1.Orchestrator"
 ENV_PREFIX = "ORCHESTRATOR"
 
 
-def create_server(config: OrchestratorConfig, tokenizer=None) -> tuple[grpc.Server, int, object]:
-    """Builds the server; connects to the workers and loads the target's tokenizer."""
-    pool = WorkerPool(config.target_list(), config.draft_list(), config.rpc_timeout_s, config.worker_refresh_s)
+def create_server(config: OrchestratorConfig, tokenizer=None) -> Service:
+    """Builds the server; discovers the workers. Starts even when Redis or the workers
+    are not up yet: calls fail with UNAVAILABLE naming what is missing until they are."""
+    pool = WorkerPool(_discovery(config), config.worker_refresh_s)
     pool.start()
-    if tokenizer is None:
-        tokenizer = load_tokenizer(config.tokenizer or _target_model_id(pool))
-    servicer = OrchestratorServicer(config, pool, InMemorySessionStore(config.session_ttl_s), tokenizer)
+    store = _store(config)
+    servicer = OrchestratorServicer(config, pool, store, TargetTokenizer(pool, config.tokenizer, tokenizer))
     server, port, health = create_grpc_server(
         config.address, lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s), [SERVICE_NAME]
     )
-    return server, port, health
+    service = Service(server, port, health)
+    service.on_stopping += [pool.stop, store.close]
+    return service
 
 
-def _target_model_id(pool: WorkerPool) -> str:
-    targets = pool.live(TARGET)
-    if not targets:
-        raise SystemExit("no target worker reachable to learn the model from; set --tokenizer")
-    return targets[0].model_id
+def _discovery(config: OrchestratorConfig):
+    if config.redis_url:
+        if config.target_list() or config.draft_list():
+            raise InvalidArgument("give either --redis-url (workers register there) or worker addresses, not both")
+        return registry_discovery(config.redis_url)
+    if not config.target_list():
+        raise InvalidArgument("no workers: give --redis-url (workers register there) or --target-addresses")
+    return static_discovery(config.target_list(), config.draft_list(), config.rpc_timeout_s)
 
 
-def main(argv=None) -> None:
+def _store(config: OrchestratorConfig) -> SessionStore:
+    if config.redis_url:
+        return RedisSessionStore(config.redis_url, config.session_ttl_s, config.lease_ttl_s)
+    return InMemorySessionStore(config.session_ttl_s)
+
+
+def main(argv=None) -> int:
     config = config_flags.parse(OrchestratorConfig, ENV_PREFIX, argv, description=__doc__)
     configure_logging("orchestrator", config.log_level)
-    server, port, health = create_server(config)
-    log.info("orchestrator serving", extra={"fields": {"address": config.address, "port": port}})
-    serve_until_signalled(server, health, config.grace_s)
+    try:
+        service = create_server(config)
+    except (InvalidArgument, OSError) as error:
+        log.error("cannot start: %s", error)
+        return 2
+    log.info("orchestrator serving", extra={"fields": {
+        "address": config.address, "port": service.port,
+        "sessions": describe(config.redis_url) if config.redis_url else "in memory",
+    }})
+    service.serve_until_signalled(config.grace_s)
+    return 0

@@ -10,11 +10,12 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Generation
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import render_chat
-from orchestrator.workers import WorkerPool, close_worker_sessions
+from orchestrator.tokenizer import TargetTokenizer
+from orchestrator.workers import DRAFT, TARGET, WorkerPool, close_worker_sessions
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, config: OrchestratorConfig, pool: WorkerPool, store: SessionStore, tokenizer):
+    def __init__(self, config: OrchestratorConfig, pool: WorkerPool, store: SessionStore, tokenizer: TargetTokenizer):
         self.config, self.pool, self.store, self.tokenizer = config, pool, store, tokenizer
 
     @rpc_errors
@@ -45,7 +46,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             yield message
 
     def _generation(self, request, context) -> Generation:
-        return Generation(self.config, self.pool, self.store, self.tokenizer, request, context)
+        return Generation(self.config, self.pool, self.store, self.tokenizer.get(), request, context)
 
     @rpc_errors
     def CreateSession(self, request, context):
@@ -53,7 +54,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if request.system_prompt:
             # Rendered now, prefilled on the first Generate (which places the session).
             record.messages = [{"role": "system", "content": request.system_prompt}]
-            record.token_ids = render_chat(self.tokenizer, record.messages, add_generation_prompt=False)
+            record.token_ids = render_chat(self.tokenizer.get(), record.messages, add_generation_prompt=False)
         if request.HasField("sampling"):
             record.sampling = request.sampling.SerializeToString()
         if request.HasField("speculation"):
@@ -67,11 +68,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     @rpc_errors
     def CloseSession(self, request, context):
-        record = self.store.get(request.session_id)
-        with self.store.lease(record.session_id):
-            close_worker_sessions(self.pool, (("target", record.target), ("draft", record.draft)),
+        with self.store.lease(request.session_id) as lease:
+            record = self.store.get(request.session_id)
+            close_worker_sessions(self.pool, ((TARGET, record.target), (DRAFT, record.draft)),
                                   self.config.rpc_timeout_s)
-            self.store.delete(record.session_id)
+            self.store.delete(record.session_id, lease)
         return common_pb2.CloseSessionResponse()
 
     @rpc_errors

@@ -1,77 +1,129 @@
 """The draft and target pools as this orchestrator sees them: addresses, model, load.
 
-Workers are polled with Info; the least-loaded reachable worker is chosen for a new
-session, and a draft is only ever paired with a target of the same vocabulary.
+Where the pools come from is a `discover` function: the worker registry in Redis (workers
+heartbeat themselves in; see service_common/registry.py), or a fixed list of addresses
+polled with Info. The pool re-reads it every `refresh_s` and picks, for a new session,
+the least-loaded reachable worker, counting the sessions this replica has just placed
+(heartbeats lag behind a burst of new sessions); a draft is only ever paired with a
+target of the same vocabulary. A worker found dead mid-call is suspected, i.e. skipped,
+until it heartbeats again or leaves the registry.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
+from service_common.registry import WorkerRegistry
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, target_pb2_grpc
+from speculative.errors import SpeculativeError
 from speculative.fingerprint import check_compatible
 
 log = logging.getLogger(__name__)
 
 TARGET, DRAFT = "target", "draft"
+POOL_OF_PROTO = {orchestrator_pb2.WORKER_POOL_TARGET: TARGET, orchestrator_pb2.WORKER_POOL_DRAFT: DRAFT}
+PROTO_OF_POOL = {name: value for value, name in POOL_OF_PROTO.items()}
+STUB_OF_POOL = {TARGET: target_pb2_grpc.TargetServiceStub, DRAFT: draft_pb2_grpc.DraftServiceStub}
 
 
 @dataclass
 class Worker:
     pool: str  # TARGET or DRAFT
-    address: str
+    record: orchestrator_pb2.Worker  # as registered: id, address, model, load, heartbeat
     stub: object  # TargetServiceStub or DraftServiceStub
-    info: common_pb2.InfoResponse | None = None  # None until the first Info answered
-    last_seen_ms: int = 0
+
+    @property
+    def address(self) -> str:
+        return self.record.address
 
     @property
     def worker_id(self) -> str:
-        return self.info.worker_id if self.info else ""
+        return self.record.worker_id
 
     @property
-    def fingerprint(self) -> str:
-        return self.info.model.tokenizer_fingerprint
+    def model(self) -> common_pb2.ModelInfo:
+        return self.record.model
 
     @property
     def model_id(self) -> str:
-        return self.info.model.model_id
+        return self.record.model.model_id
 
-    def load(self) -> float:
-        """Fraction of the worker's session capacity in use."""
-        load = self.info.load
-        return load.active_sessions / max(1, load.max_sessions)
+    @property
+    def fingerprint(self) -> str:
+        return self.record.model.tokenizer_fingerprint
+
+
+Discover = Callable[[], list[orchestrator_pb2.Worker]]
+
+
+def registry_discovery(url: str) -> Discover:
+    return WorkerRegistry(url).workers
+
+
+def static_discovery(target_addresses: list[str], draft_addresses: list[str], rpc_timeout_s: float) -> Discover:
+    """Polls each address's Info; a worker that does not answer is left out."""
+    stubs = [(orchestrator_pb2.WORKER_POOL_TARGET, a, target_pb2_grpc.TargetServiceStub(channel(a)))
+             for a in target_addresses]
+    stubs += [(orchestrator_pb2.WORKER_POOL_DRAFT, a, draft_pb2_grpc.DraftServiceStub(channel(a)))
+              for a in draft_addresses]
+
+    def discover() -> list[orchestrator_pb2.Worker]:
+        found = []
+        for pool, address, stub in stubs:
+            try:
+                info = stub.Info(common_pb2.InfoRequest(), timeout=rpc_timeout_s)
+            except grpc.RpcError as error:
+                log.debug("worker %s unreachable: %s", address, error.code())
+                continue
+            found.append(orchestrator_pb2.Worker(
+                pool=pool, worker_id=info.worker_id, address=address, model=info.model, load=info.load,
+                last_heartbeat_unix_ms=int(time.time() * 1000)))
+        return found
+
+    return discover
 
 
 class WorkerPool:
-    def __init__(self, target_addresses, draft_addresses, rpc_timeout_s: float, refresh_s: float):
-        self.rpc_timeout_s = rpc_timeout_s
+    def __init__(self, discover: Discover, refresh_s: float):
+        self.discover = discover
         self.refresh_s = refresh_s
-        self.workers = [
-            *(Worker(TARGET, a, target_pb2_grpc.TargetServiceStub(channel(a))) for a in target_addresses),
-            *(Worker(DRAFT, a, draft_pb2_grpc.DraftServiceStub(channel(a))) for a in draft_addresses),
-        ]
+        self._workers: list[Worker] = []
+        self._stubs: dict[tuple[str, str], object] = {}
+        self._placed: collections.Counter[str] = collections.Counter()  # calls in flight per address
+        self._suspects: dict[str, int] = {}  # address -> its heartbeat time when suspected
+        self._healthy = True
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
+    # Discovery.
+
     def refresh(self) -> None:
-        for worker in self.workers:
-            try:
-                info = worker.stub.Info(common_pb2.InfoRequest(), timeout=self.rpc_timeout_s)
-            except grpc.RpcError as error:
-                if worker.info is not None:
-                    log.warning("worker %s unreachable: %s", worker.address, error.code())
-                with self._lock:
-                    worker.info = None
-                continue
-            with self._lock:
-                worker.info, worker.last_seen_ms = info, int(time.time() * 1000)
+        try:
+            records = self.discover()
+        except SpeculativeError as error:  # Redis away: keep the last view of the pools
+            if self._healthy:
+                log.warning("cannot read the worker pools, keeping the last view: %s", error)
+            self._healthy = False
+            return
+        self._healthy = True
+        workers = [Worker(POOL_OF_PROTO[r.pool], r, self._stub(POOL_OF_PROTO[r.pool], r.address))
+                   for r in records if r.pool in POOL_OF_PROTO]
+        with self._lock:
+            self._workers = workers
+            beats = {w.address: w.record.last_heartbeat_unix_ms for w in workers}
+            # A suspect is forgiven when it heartbeats again, forgotten when it is gone.
+            self._suspects = {a: t for a, t in self._suspects.items() if beats.get(a) == t}
 
     def start(self) -> None:
         self.refresh()
@@ -84,18 +136,45 @@ class WorkerPool:
         while not self._stop.wait(self.refresh_s):
             self.refresh()
 
+    def _stub(self, pool: str, address: str):
+        key = (pool, address)
+        if key not in self._stubs:
+            self._stubs[key] = STUB_OF_POOL[pool](channel(address))
+        return self._stubs[key]
+
+    # Views.
+
     def live(self, pool: str) -> list[Worker]:
         with self._lock:
-            return [w for w in self.workers if w.pool == pool and w.info is not None]
+            return [w for w in self._workers if w.pool == pool and w.address not in self._suspects]
 
     def by_address(self, pool: str, address: str) -> Worker | None:
         return next((w for w in self.live(pool) if w.address == address), None)
+
+    def describe(self) -> list[orchestrator_pb2.Worker]:
+        return [w.record for pool in (TARGET, DRAFT) for w in self.live(pool)]
+
+    # Placement.
+
+    def load(self, worker: Worker) -> float:
+        """Fraction of the worker's session capacity in use, counting this replica's
+        calls in flight on it (they may not show in its last heartbeat yet)."""
+        load = worker.record.load
+        with self._lock:
+            placed = self._placed[worker.address]
+        return (load.active_sessions + placed) / max(1, load.max_sessions)
+
+    def least_loaded(self, workers: list[Worker]) -> Worker:
+        loads = [self.load(w) for w in workers]
+        lightest = min(loads)
+        # Ties at random: replicas with the same view must not all pick the same worker.
+        return random.choice([w for w, load in zip(workers, loads) if load == lightest])
 
     def pick_target(self) -> Worker:
         targets = self.live(TARGET)
         if not targets:
             raise Unavailable("no target worker is reachable; check the target pool")
-        return min(targets, key=Worker.load)
+        return self.least_loaded(targets)
 
     def pick_draft(self, target: Worker, drafter: str) -> Worker | None:
         """The least-loaded draft that can serve target; None if the pool is empty.
@@ -111,17 +190,25 @@ class WorkerPool:
             if not compatible:
                 check_compatible(target.model_id, target.fingerprint, drafts[0].model_id, drafts[0].fingerprint)
             drafts = compatible
-        return min(drafts, key=Worker.load)
+        return self.least_loaded(drafts)
 
-    def describe(self) -> list[orchestrator_pb2.Worker]:
-        pools = {TARGET: orchestrator_pb2.WORKER_POOL_TARGET, DRAFT: orchestrator_pb2.WORKER_POOL_DRAFT}
-        return [
-            orchestrator_pb2.Worker(
-                pool=pools[w.pool], worker_id=w.worker_id, address=w.address, model=w.info.model,
-                load=w.info.load, last_heartbeat_unix_ms=w.last_seen_ms,
-            )
-            for pool in (TARGET, DRAFT) for w in self.live(pool)
-        ]
+    @contextlib.contextmanager
+    def placed(self, worker: Worker):
+        """Counts a call in flight on worker for the duration of the block."""
+        with self._lock:
+            self._placed[worker.address] += 1
+        try:
+            yield worker
+        finally:
+            with self._lock:
+                self._placed[worker.address] -= 1
+
+    def suspect(self, worker: Worker) -> None:
+        """Skips a worker that failed a call until it heartbeats again."""
+        log.warning("%s worker %s at %s unreachable: skipped until it heartbeats again",
+                    worker.pool, worker.worker_id, worker.address)
+        with self._lock:
+            self._suspects[worker.address] = worker.record.last_heartbeat_unix_ms
 
 
 def close_worker_sessions(pool: WorkerPool, handles, timeout_s: float) -> None:

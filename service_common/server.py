@@ -10,6 +10,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -59,16 +60,41 @@ def create_server(
     return server, port, health_servicer
 
 
-def serve_until_signalled(server: grpc.Server, health_servicer: health.HealthServicer, grace_s: float) -> None:
-    """Runs until SIGTERM/SIGINT, then reports NOT_SERVING and lets calls finish."""
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    server.start()
-    stop.wait()
-    log.info("stopping: draining calls for up to %.0f s", grace_s)
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace_s).wait()
+@dataclass
+class Service:
+    """A built (not started) server with what runs around it: hooks run once it serves
+    (e.g. joining a pool) and at SIGTERM before calls are drained (e.g. leaving it)."""
+
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+    on_started: list[Callable[[], None]] = field(default_factory=list)
+    on_stopping: list[Callable[[], None]] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.server.start()
+        for hook in self.on_started:
+            hook()
+
+    def stop(self, grace_s: float) -> None:
+        """Reports NOT_SERVING, runs the stopping hooks, lets calls in flight finish."""
+        self.health.enter_graceful_shutdown()
+        for hook in self.on_stopping:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - stopping goes on
+                log.exception("stopping hook failed")
+        self.server.stop(grace_s).wait()
+
+    def serve_until_signalled(self, grace_s: float) -> None:
+        """Runs until SIGTERM/SIGINT, then stops gracefully."""
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        self.start()
+        stop.wait()
+        log.info("stopping: draining calls for up to %.0f s", grace_s)
+        self.stop(grace_s)
 
 
 def channel(address: str) -> grpc.Channel:

@@ -29,6 +29,10 @@ class Unavailable(SpeculativeError):
     """A worker or dependency cannot be reached (UNAVAILABLE)."""
 
 
+class FailedPrecondition(SpeculativeError):
+    """The request is valid but the state does not allow it now (FAILED_PRECONDITION)."""
+
+
 STATUS_OF_ERROR = [
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
@@ -36,6 +40,7 @@ STATUS_OF_ERROR = [
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
 ]
 
 

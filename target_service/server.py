@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 
-import grpc
-from grpc_health.v1 import health
 
-from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import SpeculativeError
 from speculative.compute_thread import ComputeThread
 from speculative.loading import LoadedModel, configure_threads, load_model
@@ -15,6 +13,7 @@ from service_common import server as common_server
 from service_common.config import parse
 from service_common.convert import model_info
 from service_common.logs import configure_logging
+from service_common.registry import join_pool
 from target_service.config import ENV_PREFIX, TargetConfig
 from target_service.servicer import TargetServicer
 from target_service.sessions import SessionCache
@@ -24,10 +23,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name  # "specdec.v1.TargetService"
 
 
-def create_server(
-    config: TargetConfig, loaded_model: LoadedModel | None = None
-) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Builds (does not start) the server; loads config.model unless a model is given."""
+def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None) -> common_server.Service:
+    """Builds (does not start) the server; loads config.model unless a model is given.
+    With config.redis_url the worker joins the target pool once it serves."""
     # The model is loaded, and every forward pass run, on one thread (see ComputeThread).
     compute = ComputeThread("target-compute")
     compute.run(configure_threads, config.threads)
@@ -49,7 +47,10 @@ def create_server(
         max_workers=config.max_sessions + 16,
     )
     servicer.worker_address = config.resolved_advertise_address(port)
-    return server, port, health_servicer
+    service = common_server.Service(server, port, health_servicer)
+    join_pool(service, config, orchestrator_pb2.WORKER_POOL_TARGET, servicer.worker_address,
+              lambda: servicer.Info(common_pb2.InfoRequest(), None))
+    return service
 
 
 def describe_device(loaded: LoadedModel) -> str:
@@ -72,15 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         "model": config.model, "device": config.device_map or config.device, "dtype": config.dtype,
     }})
     try:
-        server, port, health_servicer = create_server(config)
+        service = create_server(config)
     except (SpeculativeError, OSError) as error:
         log.error("cannot start: %s", error)
         return 2
     # One parseable line for launchers: the bound port (address ":0" picks a free one).
     log.info("serving", extra={"fields": {
-        "address": config.address, "port": port, "worker_id": config.resolved_worker_id(),
-        "advertise_address": config.resolved_advertise_address(port),
+        "address": config.address, "port": service.port, "worker_id": config.resolved_worker_id(),
+        "advertise_address": config.resolved_advertise_address(service.port),
     }})
-    common_server.serve_until_signalled(server, health_servicer, config.grace_s)
+    service.serve_until_signalled(config.grace_s)
     log.info("stopped")
     return 0

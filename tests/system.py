@@ -1,44 +1,61 @@
-"""The three services as separate local processes, for system tests."""
+"""The services as separate local processes, for system tests."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from pathlib import Path
 
 import grpc
 
-from launcher.__main__ import Cluster, start_system
+from launcher.__main__ import Cluster, layout, parse_args, start_system
 from specdec.v1 import orchestrator_pb2_grpc
 
 
 class LocalSystem:
-    """target + draft + orchestrator processes on loopback, tiny models by default."""
+    """Target, draft and orchestrator processes on loopback, tiny models by default;
+    any launcher option can be given (redis_url, orchestrators, target_workers, ...)."""
 
-    def __init__(self, target_model="tiny-random:1", draft_model="tiny-random:2", drafter="ngram",
-                 target_workers=1, draft_workers=1, log_dir: str | None = None):
+    def __init__(self, target_model="tiny-random:1", draft_model="tiny-random:2", log_dir: str | None = None,
+                 **launcher_options):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        self.args = argparse.Namespace(
-            target_model=target_model, draft_model=draft_model, drafter=drafter,
-            target_workers=target_workers, draft_workers=draft_workers, port=0, threads=1,
-            log_dir=log_dir or tempfile.mkdtemp(prefix="specdec-logs-"), startup_timeout=120.0,
-        )
+        self.args = parse_args([])
+        self.args.target_model, self.args.draft_model = target_model, draft_model
+        self.args.port, self.args.threads, self.args.startup_timeout = 0, 1, 120.0
+        self.args.log_dir = log_dir or tempfile.mkdtemp(prefix="specdec-logs-")
+        for name, value in launcher_options.items():
+            if not hasattr(self.args, name):
+                raise TypeError(f"unknown launcher option {name!r}")
+            setattr(self.args, name, value)
         self.cluster = Cluster(Path(self.args.log_dir))
+        self.roles = layout(self.args)
+        self.channels: list[grpc.Channel] = []
 
     def __enter__(self) -> LocalSystem:
         try:
-            self.address = start_system(self.args, self.cluster)
+            self.address = start_system(self.args, self.cluster, self.roles)
         except BaseException:
             self.cluster.stop()
             raise
-        self.channel = grpc.insecure_channel(self.address)
-        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+        self.stub = self.orchestrator(0)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.channel.close()
+        for channel in self.channels:
+            channel.close()
         self.cluster.stop()
+
+    def orchestrator(self, index: int):
+        """A stub of the index-th orchestrator replica."""
+        address = [r.address for r in self.roles if r.pool == "orchestrator"][index]
+        self.channels.append(grpc.insecure_channel(address))
+        return orchestrator_pb2_grpc.OrchestratorStub(self.channels[-1])
+
+    def role(self, address: str):
+        return next(r for r in self.roles if r.address == address)
+
+    def process(self, name: str):
+        return dict(self.cluster.processes)[name]
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(Path(self.args.log_dir).glob("*.log")))

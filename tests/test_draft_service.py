@@ -43,10 +43,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # --- servers ---------------------------------------------------------------------------
 
 
-def _start(server_and_port):
-    server, port, _health = server_and_port
-    server.start()
-    return server, f"127.0.0.1:{port}"
+def _start(service):
+    service.start()
+    return service.server, f"127.0.0.1:{service.port}"
 
 
 @pytest.fixture(scope="module")

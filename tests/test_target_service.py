@@ -35,9 +35,9 @@ BONUS, RECOVERED = common_pb2.NEXT_TOKEN_KIND_BONUS, common_pb2.NEXT_TOKEN_KIND_
 
 
 def _start(loaded, **config) -> tuple[grpc.Server, grpc.Channel]:
-    server, port, _ = create_server(TargetConfig(address="127.0.0.1:0", worker_id="target-test", **config), loaded)
-    server.start()
-    return server, grpc.insecure_channel(f"127.0.0.1:{port}")
+    service = create_server(TargetConfig(address="127.0.0.1:0", worker_id="target-test", **config), loaded)
+    service.start()
+    return service.server, grpc.insecure_channel(f"127.0.0.1:{service.port}")
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,7 @@ class RoundStats(_message.Message):
     def __init__(self, round: _Optional[int] = ..., base_len: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., draft_ns: _Optional[int] = ..., verify_rtt_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., verdict_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("num_generated_tokens", "num_rounds", "num_drafted", "num_accepted", "acceptance_rate", "mean_accepted_per_round", "accepted_per_position", "drafted_per_position", "prefill_ns", "draft_ns", "verify_ns", "target_compute_ns", "network_ns", "orchestrator_ns", "total_ns", "num_prefill_tokens")
+    __slots__ = ("num_generated_tokens", "num_rounds", "num_drafted", "num_accepted", "acceptance_rate", "mean_accepted_per_round", "accepted_per_position", "drafted_per_position", "prefill_ns", "draft_ns", "verify_ns", "target_compute_ns", "network_ns", "orchestrator_ns", "total_ns", "num_prefill_tokens", "num_failovers")
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class GenerationStats(_message.Message):
     ORCHESTRATOR_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     num_generated_tokens: int
     num_rounds: int
     num_drafted: int
@@ -139,7 +140,8 @@ class GenerationStats(_message.Message):
     orchestrator_ns: int
     total_ns: int
     num_prefill_tokens: int
-    def __init__(self, num_generated_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., prefill_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., network_ns: _Optional[int] = ..., orchestrator_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ...) -> None: ...
+    num_failovers: int
+    def __init__(self, num_generated_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., prefill_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., network_ns: _Optional[int] = ..., orchestrator_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_failovers: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "tokenizer_fingerprint", "vocab_size", "context_length", "device", "dtype")

@@ -1,0 +1,34 @@
+"""The target's tokenizer, loaded on first use.
+
+The orchestrator may start before any target worker (Kubernetes starts pods in any
+order): without --tokenizer it learns the model from the first target it sees, and
+until then answers UNAVAILABLE rather than refusing to start.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from service_common.status import Unavailable
+from speculative.loading import load_tokenizer
+from orchestrator.workers import TARGET, WorkerPool
+
+
+class TargetTokenizer:
+    def __init__(self, pool: WorkerPool, name: str = "", tokenizer=None):
+        self.pool, self.name = pool, name
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self.name or self._target_model_id())
+            return self._tokenizer
+
+    def _target_model_id(self) -> str:
+        targets = self.pool.live(TARGET)
+        if not targets:
+            raise Unavailable("no target worker is reachable to learn the tokenizer from; "
+                              "start a target worker or set --tokenizer")
+        return targets[0].model_id
