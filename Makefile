@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Summarize in one sentence: The city council met on Monday to discuss the new park. The council approved the park's budget and chose a site near the river.
 RUN_ARGS ?= --drafter ngram --k 4 --max-new-tokens 96
 
-.PHONY: setup run run-local test test-slow protos bench clean
+.PHONY: setup run run-local test test-slow validate-deploy protos bench clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,13 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# Offline checks of deploy/: render the kustomize overlays, validate them against the
+# Kubernetes schemas, the compose file against the compose specification, lint the
+# Dockerfile, cross-check the settings with the services' config (tests/test_deploy.py
+# runs the same in `make test`). Tools come from the dev dependencies, into $(VENV)/bin.
+validate-deploy: setup
+	$(PY) deploy/validate.py
 
 protos: setup
 	$(PY) scripts/gen_protos.py

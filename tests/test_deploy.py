@@ -1,0 +1,391 @@
+"""The deployment files, checked offline (deploy/validate.py does the work):
+
+- every kustomize overlay renders with a real kustomize and each object validates against
+  the Kubernetes schemas; the compose file against the compose specification; the
+  Dockerfile passes hadolint; and each check fails on a deliberately broken fixture;
+- the variables and flags the manifests and the compose file set are fields of the
+  services' config dataclasses (imported, so the files cannot drift from the code);
+- the local launcher and the compose file start the same roles with the same settings;
+- the manifests have what the deployment guide promises (probes, headless worker
+  Services, HPAs on the sessions gauge, PDBs, drain time, AOF Redis, GPU requests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import stat
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deploy"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+validate = _load("deploy_validate", REPO_ROOT / "deploy" / "validate.py")
+healthcheck = _load("deploy_healthcheck", REPO_ROOT / "deploy" / "healthcheck.py")
+
+OVERLAYS = {path.name: path for path in validate.overlays()}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: validate.render(path) for name, path in OVERLAYS.items()}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(validate.COMPOSE_FILE.read_text())
+
+
+def objects_of(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def role_container(objects: list[dict], role: str) -> tuple[dict, dict]:
+    """(pod spec, container) of the role's Deployment."""
+    deployment = objects_of(objects, "Deployment")[f"specdec-{role}"]
+    pod = deployment["spec"]["template"]["spec"]
+    return pod, next(c for c in pod["containers"] if c.get("args", [None])[0] == role)
+
+
+def role_settings(objects: list[dict], role: str):
+    return next(s for s in validate.k8s_settings(objects) if s.role.name == role)
+
+
+# ---------------------------------------------------------------- the validators, and that they can fail
+
+
+def test_both_overlays_exist():
+    assert set(OVERLAYS) == {"cpu", "gpu"}
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_overlay_renders_and_validates(overlay):
+    assert validate.check_overlay(OVERLAYS[overlay]) == []
+
+
+def test_compose_file_validates():
+    assert validate.check_compose() == []
+
+
+def test_dockerfile_passes_hadolint():
+    assert validate.hadolint_errors(validate.DOCKERFILE) == []
+
+
+def test_validation_command_passes(capsys):
+    assert validate.main([]) == 0
+    assert "FAIL" not in capsys.readouterr().out
+
+
+def test_broken_manifest_fails_every_check():
+    errors = "\n".join(validate.check_overlay(FIXTURES / "broken-overlay"))
+    assert "'grpcc' was unexpected" in errors  # strict schema: unknown field
+    assert "'sixteen' is not of type 'integer'" in errors  # schema: wrong type
+    assert "TARGET_MODLE is not read by target" in errors  # settings: not a field
+    assert "DRAFT_DEFAULT_K belongs to another role" in errors
+    assert "TARGET_MAX_SESSIONS='lots' is not a int" in errors  # settings: value type
+    assert "terminationGracePeriodSeconds 20 <= preStop 5 s + grace_s 25 s" in errors
+    assert len(errors.splitlines()) == 6
+
+
+def test_broken_kustomization_fails_to_render():
+    with pytest.raises(validate.RenderError, match="no-such-file.yaml"):
+        validate.render(FIXTURES / "missing-resource")
+    assert validate.check_overlay(FIXTURES / "missing-resource") != []
+
+
+def test_broken_compose_file_fails():
+    errors = validate.check_compose(FIXTURES / "broken-compose.yml")
+    text = "\n".join(errors)
+    assert "'enviroment' were unexpected" in text or "'enviroment' was unexpected" in text
+    assert "service_ready" in text
+    assert "DRAFT_MODLE is not read by draft" in text
+
+
+def test_broken_dockerfile_fails_hadolint():
+    errors = "\n".join(validate.hadolint_errors(FIXTURES / "Dockerfile.broken"))
+    for rule in ("DL3007", "DL3013", "DL3003", "DL3025"):
+        assert rule in errors
+
+
+def test_compose_schema_is_the_compose_specification():
+    schema = validate.compose_schema()
+    assert "services" in schema["properties"]
+    assert "service_healthy" in str(schema)
+
+
+# ---------------------------------------------------------------- settings vs the code
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_manifests_set_only_what_the_services_read(rendered, overlay):
+    found = validate.k8s_settings(rendered[overlay])
+    assert sorted(s.role.name for s in found) == ["draft", "orchestrator", "target"]
+    for settings in found:
+        prefix = settings.role.prefix()
+        assert any(name.startswith(prefix + "_") for name in settings.env), settings.where
+        assert validate.settings_errors(settings) == []
+
+
+def test_compose_sets_only_what_the_services_read(compose):
+    found = validate.compose_settings(compose)
+    assert sorted(s.role.name for s in found) == ["draft", "orchestrator", "target"]
+    for settings in found:
+        assert validate.settings_errors(settings) == []
+
+
+def test_role_prefixes_are_the_services_own():
+    from service_common.config import env_name
+
+    for role in validate.ROLES.values():
+        server = importlib.import_module(f"{role.module}.server")
+        assert server.ENV_PREFIX == role.prefix()
+        assert env_name(role.prefix(), "redis_url") == f"{role.prefix()}_REDIS_URL"
+        assert "redis_url" in role.fields() and "metrics_port" in role.fields()
+
+
+def test_otel_allow_list_names_real_sdk_variables():
+    from opentelemetry.sdk import environment_variables
+
+    for name in validate.OTEL_VARIABLES:
+        assert getattr(environment_variables, name, None) == name
+
+
+def test_entrypoint_runs_each_role_as_its_module(tmp_path):
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/bin/sh\necho "$@"\n')
+    fake_python.chmod(fake_python.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    entrypoint = str(REPO_ROOT / "deploy" / "entrypoint.sh")
+    for role in validate.ROLES.values():
+        run = subprocess.run(["sh", entrypoint, role.name, "--k", "4"], capture_output=True, text=True, env=env)
+        assert (run.returncode, run.stdout.strip()) == (0, f"-m {role.module} --k 4")
+    assert subprocess.run(["sh", entrypoint, "compiler"], capture_output=True, env=env).returncode == 2
+    assert subprocess.run(["sh", entrypoint], capture_output=True, env=env).returncode == 2
+
+
+def test_healthcheck_reports_the_health_service():
+    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert healthcheck.ports({"DRAFT_ADDRESS": f"0.0.0.0:{port}"}) == [port]
+        assert healthcheck.ports({}) == [50050, 50051, 50052]
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert healthcheck.serving(port)
+        servicer.enter_graceful_shutdown()  # what SIGTERM does: NOT_SERVING while draining
+        assert not healthcheck.serving(port)
+    finally:
+        server.stop(None)
+    assert not healthcheck.serving(port, timeout_s=0.5)
+
+
+# ---------------------------------------------------------------- launcher == compose
+
+
+# Settings that differ between one host's processes and containers by nature: where
+# things listen and are found, threads, telemetry sinks, logging, drain time.
+HOST_SPECIFIC = {
+    "address", "advertise_address", "worker_id", "target_addresses", "draft_addresses", "redis_url",
+    "threads", "trace_exporter", "trace_file", "otlp_endpoint", "metrics_port", "log_level", "grace_s",
+}
+
+
+class RecordingCluster:
+    def __init__(self):
+        self.started: list[tuple[str, str, list[str]]] = []
+
+    def start(self, name: str, module: str, args: list[str]) -> None:
+        self.started.append((name, module, list(args)))
+
+    def wait_healthy(self, name: str, address: str, timeout_s: float) -> None:
+        return None
+
+
+def launcher_runs() -> list[list[tuple[str, str, list[str]]]]:
+    """What the launcher starts with its defaults (and with Redis, once it has the option)."""
+    launcher = importlib.import_module("launcher.__main__")
+    argvs = [[]]
+    if "redis_url" in vars(launcher.parse_args([])):
+        argvs.append(["--redis-url", "redis://127.0.0.1:6379/0"])
+    runs = []
+    for argv in argvs:
+        cluster = RecordingCluster()
+        launcher.start_system(launcher.parse_args(argv), cluster)
+        runs.append(cluster.started)
+    return runs
+
+
+def typed(role, field_name: str, value):
+    kind = typing.get_type_hints(role.config_class())[field_name]
+    base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+    return value if value is None or value == "" else base[0](value)
+
+
+def launcher_compose_differences(compose: dict) -> list[str]:
+    """How the processes the launcher starts differ from the compose file's services."""
+    by_module = {s.role.module: s for s in validate.compose_settings(compose)}
+    differences = []
+    for started in launcher_runs():
+        modules = {module for _, module, _ in started}
+        if modules != set(by_module):
+            differences.append(f"launcher starts {sorted(modules)}, compose {sorted(by_module)}")
+        for name, module, args in started:
+            settings = by_module.get(module)
+            if settings is None:
+                continue
+            role, prefix, fields = settings.role, settings.role.prefix(), settings.role.fields()
+            for field_name, value in validate._flags(args).items():
+                if field_name not in fields:
+                    differences.append(f"launcher passes --{field_name} to {name}: not a field of {role.config}")
+                    continue
+                if field_name in HOST_SPECIFIC:
+                    continue
+                in_compose = settings.env.get(f"{prefix}_{field_name.upper()}", settings.flags.get(field_name))
+                if in_compose is None:
+                    in_compose = fields[field_name].default
+                if typed(role, field_name, value) != typed(role, field_name, in_compose):
+                    differences.append(f"{name}: launcher --{field_name.replace('_', '-')} {value!r}, "
+                                       f"compose {in_compose!r}")
+    return differences
+
+
+def test_launcher_and_compose_start_the_same_roles_with_the_same_settings(compose):
+    assert launcher_compose_differences(compose) == []
+
+
+def test_launcher_comparison_can_fail(compose):
+    changed = yaml.safe_load(yaml.safe_dump(compose))
+    changed["services"]["target"]["environment"]["TARGET_MODEL"] = "tiny-random:7"
+    del changed["services"]["draft"]
+    differences = "\n".join(launcher_compose_differences(changed))
+    assert "launcher --model 'smollm2-135m', compose 'tiny-random:7'" in differences
+    assert "compose ['orchestrator', 'target_service']" in differences
+
+
+# ---------------------------------------------------------------- what the manifests promise
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_services_probes_and_resources(rendered, overlay):
+    objects = rendered[overlay]
+    services = objects_of(objects, "Service")
+    for role in validate.ROLES.values():
+        service = services[f"specdec-{role.name}"]
+        headless = service["spec"].get("clusterIP") == "None"
+        assert headless == (role.name != "orchestrator"), service["metadata"]["name"]
+        assert service["spec"]["ports"][0]["port"] == role.port
+        pod, container = role_container(objects, role.name)
+        assert {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"] == role.port
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == role.port, (role.name, probe)
+        assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        # Metrics on: the HPA's gauges come from this endpoint.
+        settings = role_settings(objects, role.name)
+        assert int(settings.env[f"{role.prefix()}_METRICS_PORT"]) == 9464
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_workers_register_their_pod_in_redis(rendered, overlay):
+    for role in ("target", "draft"):
+        settings = role_settings(rendered[overlay], role)
+        prefix = settings.role.prefix()
+        assert settings.env[f"{prefix}_ADVERTISE_ADDRESS"] == f"$(POD_IP):{validate.ROLES[role].port}"
+        assert settings.env[f"{prefix}_REDIS_URL"].startswith("redis://:$(REDIS_PASSWORD)@specdec-redis:6379")
+    orchestrator = role_settings(rendered[overlay], "orchestrator")
+    assert orchestrator.env["ORCHESTRATOR_REDIS_URL"].startswith("redis://:$(REDIS_PASSWORD)@")
+    assert "ORCHESTRATOR_TARGET_ADDRESSES" not in orchestrator.env
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_each_pool_scales_on_its_own_sessions_gauge(rendered, overlay):
+    hpas = objects_of(rendered[overlay], "HorizontalPodAutoscaler")
+    for role in ("target", "draft"):
+        hpa = hpas[f"specdec-{role}"]
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"specdec-{role}"}
+        kinds = {m["type"]: m for m in hpa["spec"]["metrics"]}
+        assert kinds["Pods"]["pods"]["metric"]["name"] == "specdec_worker_sessions_active"
+        assert kinds["Resource"]["resource"]["name"] == "cpu"  # the fallback
+        # The Deployment leaves the count to the HPA.
+        assert "replicas" not in objects_of(rendered[overlay], "Deployment")[f"specdec-{role}"]["spec"]
+
+
+def test_hpa_metric_is_the_gauge_the_workers_export():
+    telemetry = pytest.importorskip("service_common.telemetry")
+    assert telemetry.SESSIONS_ACTIVE_GAUGE.replace(".", "_") == "specdec_worker_sessions_active"
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_disruption_budgets_cover_every_role(rendered, overlay):
+    budgets = objects_of(rendered[overlay], "PodDisruptionBudget")
+    for role in validate.ROLES:
+        selector = budgets[f"specdec-{role}"]["spec"]["selector"]["matchLabels"]
+        assert selector["app.kubernetes.io/component"] == role
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_redis_persists_with_aof_behind_a_secret(rendered, overlay):
+    objects = rendered[overlay]
+    redis = objects_of(objects, "StatefulSet")["specdec-redis"]
+    args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert "$(REDIS_PASSWORD)" in args
+    assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    secrets = objects_of(objects, "Secret")
+    if overlay == "cpu":  # a generated development Secret that every reference finds
+        for settings in validate.k8s_settings(objects):
+            pod, container = role_container(objects, settings.role.name)
+            for var in container["env"]:
+                ref = var.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in secrets[ref["name"]]["data"]
+    else:  # production: created out of band, never committed
+        assert secrets == {}
+
+
+def test_gpu_overlay_places_pools_on_gpus(rendered):
+    objects = rendered["gpu"]
+    pod, target = role_container(objects, "target")
+    assert int(target["resources"]["limits"]["nvidia.com/gpu"]) > 1
+    assert pod["nodeSelector"] and pod["tolerations"]
+    settings = role_settings(objects, "target")
+    assert settings.env["TARGET_DEVICE_MAP"] == "auto" and settings.env["TARGET_DTYPE"] == "bfloat16"
+    pod, draft = role_container(objects, "draft")
+    assert int(draft["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert role_settings(objects, "draft").env["DRAFT_DEVICE"] == "cuda"
+    assert objects_of(objects, "PersistentVolumeClaim")["specdec-models"]
+
+
+def test_compose_wiring(compose):
+    services = compose["services"]
+    redis_command = services["redis"]["command"]
+    assert redis_command[redis_command.index("--appendonly") + 1] == "yes"
+    assert any(volume.endswith(":/data") for volume in services["redis"]["volumes"])
+    for settings in validate.compose_settings(compose):
+        service = services[settings.where.removeprefix("compose: ")]
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert settings.env[f"{settings.role.prefix()}_REDIS_URL"] == "redis://redis:6379/0"
+        endpoint = settings.env[f"{settings.role.prefix()}_OTLP_ENDPOINT"]
+        assert endpoint == "http://jaeger:4317" and "jaeger" in services
+    assert {dep: c["condition"] for dep, c in services["orchestrator"]["depends_on"].items() if dep != "jaeger"} == {
+        "redis": "service_healthy", "target": "service_healthy", "draft": "service_healthy"}
+    assert "127.0.0.1:50050:50050" in services["orchestrator"]["ports"]
