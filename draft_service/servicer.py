@@ -10,12 +10,14 @@ import time
 import uuid
 
 import grpc
+from opentelemetry import trace
 
 from draft_service.config import DraftConfig
 from draft_service.drafting import MODEL, Drafters, apply_settings, prefill
 from draft_service.remote_verifier import RemoteVerifier, TargetConnections
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import check_start, plan_call, run_rounds
+from service_common import telemetry
 from service_common.convert import model_info
 from service_common.status import Unavailable, rpc_errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -23,6 +25,7 @@ from speculative.errors import InvalidArgument, StaleProposal
 from speculative.fingerprint import ANY_VOCABULARY
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -33,6 +36,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.targets = targets
         self.worker_id = config.resolved_worker_id()
         self.advertise_address = config.advertise_address  # set by create_server once bound
+        telemetry.current().register_load_gauges(self._load, {"specdec.worker.id": self.worker_id})
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -44,9 +48,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.drafters.check_tokens(drafter, 0, prompt)
         self.sessions.check_new(session_id)
         self.sessions.make_room(len(prompt))
-        start = time.perf_counter_ns()
-        draft = self.drafters.open(drafter, prompt)
-        prefill_ns = time.perf_counter_ns() - start
+        with _prefill_span(session_id, 0, len(prompt)) as span:
+            start = time.perf_counter_ns()
+            draft = self.drafters.open(drafter, prompt)
+            prefill_ns = time.perf_counter_ns() - start
+            span.set_attribute("specdec.prefill_ns", prefill_ns)
         self.sessions.add(SessionEntry(session_id, drafter, draft))
         return draft_pb2.DraftOpenSessionResponse(handle=self._handle(session_id, len(prompt)), prefill_ns=prefill_ns)
 
@@ -61,10 +67,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             token_ids = list(request.token_ids)
             self.drafters.check_tokens(entry.drafter, entry.length, token_ids)
             self.sessions.make_room(len(token_ids), keep=entry)
-            start = time.perf_counter_ns()
-            entry.draft.append(token_ids)
-            prefill(entry.draft)
-            return common_pb2.ExtendResponse(committed_len=entry.length, prefill_ns=time.perf_counter_ns() - start)
+            with _prefill_span(request.session_id, request.base_len, len(token_ids)) as span:
+                start = time.perf_counter_ns()
+                entry.draft.append(token_ids)
+                prefill(entry.draft)
+                prefill_ns = time.perf_counter_ns() - start
+                span.set_attribute("specdec.prefill_ns", prefill_ns)
+            return common_pb2.ExtendResponse(committed_len=entry.length, prefill_ns=prefill_ns)
 
     @rpc_errors
     def Truncate(self, request, context):
@@ -91,11 +100,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             model = model_info(self.drafters.loaded, self.config.device)
         else:
             model = common_pb2.ModelInfo(model_id="ngram", tokenizer_fingerprint=ANY_VOCABULARY)
-        load = common_pb2.WorkerLoad(
-            active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions,
-            cached_tokens=self.sessions.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
-        )
-        return common_pb2.InfoResponse(worker_id=self.worker_id, model=model, load=load)
+        load = self._load()
+        return common_pb2.InfoResponse(worker_id=self.worker_id, model=model, load=common_pb2.WorkerLoad(
+            active_sessions=load.active_sessions, max_sessions=load.max_sessions,
+            cached_tokens=load.cached_tokens, max_cached_tokens=load.max_cached_tokens,
+        ))
 
     # --- the speculation loop ---------------------------------------------------------
 
@@ -131,6 +140,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     # --- helpers ----------------------------------------------------------------------
 
+    def _load(self) -> telemetry.WorkerLoad:
+        return telemetry.WorkerLoad(
+            active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions,
+            cached_tokens=self.sessions.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
+        )
+
     def _handle(self, session_id: str, committed_len: int) -> common_pb2.KvHandle:
         return common_pb2.KvHandle(
             worker_id=self.worker_id, worker_address=self.advertise_address,
@@ -146,6 +161,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _locked(self, session_id: str, context):
         """The session, held for the block; ABORTED if another call holds it too long."""
         return _AbortWhenBusy(self.sessions.locked(session_id, self._wait_s(context)), context)
+
+
+def _prefill_span(session_id: str, base_len: int, num_tokens: int):
+    """A specdec.prefill span around new input entering a draft session."""
+    return tracer.start_as_current_span(telemetry.PREFILL_SPAN, attributes={
+        "specdec.session_id": session_id, "specdec.base_len": base_len, "specdec.tokens": num_tokens,
+    })
 
 
 class _AbortWhenBusy:

@@ -5,18 +5,26 @@ one SpeculateUpdate per round.
 The loop is the core's, unchanged: this module only adapts its inputs (a policy, a
 drafter set up for the call, a RemoteVerifier) and its outputs (updates with the wire
 sizes of each round), and keeps the draft session consistent when a round fails.
+
+Each round is also a `specdec.round` span (child of the Speculate server span; the
+attributes are listed in `_ROUND_ATTRIBUTES`) and counted in the metric instruments
+(service_common.telemetry); with telemetry off both are the API's no-ops.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from opentelemetry import trace
 
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters, DraftSettings, check_ngram_sizes
 from draft_service.remote_verifier import RemoteVerifier, TargetInfo
 from draft_service.sessions import SessionEntry
+from service_common import telemetry
 from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
 from specdec.v1 import draft_pb2
 from speculative.errors import InvalidArgument, ResourceExhausted, StaleProposal
@@ -24,6 +32,8 @@ from speculative.fingerprint import check_compatible
 from speculative.generator import RoundResult, speculation_rounds
 from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.sampling import validate_num_speculative_tokens
+
+tracer = trace.get_tracer(__name__)
 
 
 @dataclass
@@ -100,17 +110,27 @@ def run_rounds(
     length, so it is never left holding unverified drafts."""
     committed_len = base_len
     first_round = verifier.round
+    timing = _CallTiming()
     try:
+        # Round times are taken around the loop's own work, not the sending of updates.
+        round_start_ns = time.time_ns()
         for result in speculation_rounds(
             verifier, entry.draft, base_len, plan.settings.params, plan.policy, context_length
         ):
+            round_end_ns = time.time_ns()
             committed_len += len(result.token_ids)
-            yield _update(result, committed_len, first_round, verifier)
+            update = _update(result, committed_len, first_round, verifier)
+            _observe_round(update, result, entry.session_id, round_start_ns, round_end_ns)
+            timing.add(round_end_ns - round_start_ns, len(result.token_ids))
+            yield update
             if cancelled():
                 return
+            round_start_ns = time.time_ns()
     except BaseException:
         entry.draft.truncate_to(committed_len)
         raise
+    finally:
+        timing.record()
 
 
 def _update(result: RoundResult, committed_len: int, first_round: int, verifier: RemoteVerifier) -> draft_pb2.SpeculateUpdate:
@@ -122,3 +142,69 @@ def _update(result: RoundResult, committed_len: int, first_round: int, verifier:
         finished=result.finish_reason is not None,
         finish_reason=FINISH_REASON_TO_PROTO[result.finish_reason],
     )
+
+
+# --- telemetry --------------------------------------------------------------------------
+
+# specdec.round attribute -> what it holds (times in nanoseconds, sizes in bytes).
+_ROUND_ATTRIBUTES = {
+    "specdec.session_id": "the draft session",
+    "specdec.round": "round index within the session (Proposal.round)",
+    "specdec.base_len": "committed length the proposal extended, in tokens",
+    "specdec.k": "draft tokens proposed this round",
+    "specdec.accepted": "draft tokens accepted",
+    "specdec.committed": "tokens the round added to the output (accepted + 1, less a stop cut)",
+    "specdec.next_token_kind": "recovered or bonus",
+    "specdec.draft_ns": "drafting the k tokens",
+    "specdec.verify_ns": "round trip draft -> target -> draft",
+    "specdec.target_compute_ns": "the target's forward pass and decision, as it reports",
+    "specdec.network_ns": "verify_ns - target_compute_ns: transport, serialization, queueing",
+    "specdec.proposal_bytes": "serialized Proposal",
+    "specdec.verdict_bytes": "serialized Verdict",
+    "specdec.finish_reason": "on the last round of a call: length or stop_token",
+}
+
+
+def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, session_id: str,
+                   start_ns: int, end_ns: int) -> None:
+    """One finished round as a span (start and end in Unix nanoseconds) and in metrics."""
+    stats = result.stats
+    telemetry.instruments().record_round(stats)
+    span = tracer.start_span(telemetry.ROUND_SPAN, start_time=start_ns)
+    if span.is_recording():
+        wire = update.round
+        attributes = {
+            "specdec.session_id": session_id,
+            "specdec.round": wire.round,
+            "specdec.base_len": stats.base_len,
+            "specdec.k": stats.num_drafted,
+            "specdec.accepted": stats.num_accepted,
+            "specdec.committed": stats.num_committed,
+            "specdec.next_token_kind": stats.next_token_kind.value,
+            "specdec.draft_ns": stats.draft_ns,
+            "specdec.verify_ns": stats.verify_ns,
+            "specdec.target_compute_ns": stats.target_compute_ns,
+            "specdec.network_ns": max(0, stats.verify_ns - stats.target_compute_ns),
+            "specdec.proposal_bytes": wire.proposal_bytes,
+            "specdec.verdict_bytes": wire.verdict_bytes,
+        }
+        if result.finish_reason is not None:
+            attributes["specdec.finish_reason"] = result.finish_reason.value
+        span.set_attributes(attributes)
+    span.end(end_time=end_ns)
+
+
+@dataclass
+class _CallTiming:
+    """Round time and tokens of one Speculate call, for time per output token."""
+
+    round_ns: int = 0  # in nanoseconds
+    num_tokens: int = 0
+
+    def add(self, round_ns: int, num_tokens: int) -> None:
+        self.round_ns += round_ns
+        self.num_tokens += num_tokens
+
+    def record(self) -> None:
+        if self.num_tokens:
+            telemetry.instruments().time_per_output_token.record(self.round_ns * 1e-9 / self.num_tokens)

@@ -3,6 +3,10 @@
 The logic lives in `speculative.target.TargetSession` (verification, rollback) and
 `target_service.sessions.SessionCache` (budget, eviction, locks); every handler maps the
 core's errors to gRPC statuses through `rpc_errors`.
+
+Spans (service_common.telemetry; no-ops when telemetry is off): `specdec.prefill` in
+OpenSession and Extend, `specdec.verify` per proposal (a child of the Verify server
+span), `specdec.decode` per token of a target-only Decode stream.
 """
 
 from __future__ import annotations
@@ -13,15 +17,19 @@ import time
 import uuid
 from collections.abc import Iterator
 
+from opentelemetry import trace
+
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.sampling import SamplingParams
 from speculative.target import TargetSession, VerifyResult
 from service_common.convert import NEXT_TOKEN_KIND_TO_PROTO, sampling_from_proto, sparse_from_proto
+from service_common import telemetry
 from service_common.status import rpc_errors
 from target_service.sessions import SessionCache
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -38,13 +46,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.worker_address = worker_address
         self.model_info = model_info
         self.default_max_new_tokens = default_max_new_tokens
+        telemetry.current().register_load_gauges(self._load, {"specdec.worker.id": worker_id})
 
     @rpc_errors
     def OpenSession(self, request, context):
         params = self._sampling(request.sampling)
         session_id = request.session_id or uuid.uuid4().hex
         prompt_token_ids = list(request.prompt_token_ids)
-        prefill_ns = self.sessions.open(session_id, prompt_token_ids, params)
+        with _prefill_span(session_id, 0, len(prompt_token_ids)) as span:
+            prefill_ns = self.sessions.open(session_id, prompt_token_ids, params)
+            span.set_attribute("specdec.prefill_ns", prefill_ns)
         log.debug("opened session", extra={"fields": {"session_id": session_id, "prompt_len": len(prompt_token_ids)}})
         handle = common_pb2.KvHandle(
             worker_id=self.worker_id, worker_address=self.worker_address,
@@ -54,32 +65,51 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Extend(self, request, context):
-        with self.sessions.use(request.session_id, growth=len(request.token_ids)) as target:
+        with (self.sessions.use(request.session_id, growth=len(request.token_ids)) as target,
+              _prefill_span(request.session_id, request.base_len, len(request.token_ids)) as span):
             start = time.perf_counter_ns()
             self.sessions.compute.run(target.extend, request.base_len, list(request.token_ids))
-            return common_pb2.ExtendResponse(committed_len=target.length, prefill_ns=time.perf_counter_ns() - start)
+            prefill_ns = time.perf_counter_ns() - start
+            span.set_attribute("specdec.prefill_ns", prefill_ns)
+            return common_pb2.ExtendResponse(committed_len=target.length, prefill_ns=prefill_ns)
 
     @rpc_errors
     def Verify(self, request_iterator, context):
         for proposal in request_iterator:
-            yield self._verify(proposal)
+            with tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
+                verdict = self._verify(proposal)
+                if span.is_recording():
+                    span.set_attributes(_verify_attributes(proposal, verdict))
+            yield verdict
 
     @rpc_errors
     def Decode(self, request, context):
         length, max_new_tokens = self._start_decode(request)
-        for _ in range(max_new_tokens):
-            if not context.is_active():  # the client cancelled: stop computing for it
-                return
-            with self.sessions.use(request.session_id, growth=1) as target:
-                if length >= target.context_length:
+        timing = _DecodeTiming()
+        try:
+            for _ in range(max_new_tokens):
+                if not context.is_active():  # the client cancelled: stop computing for it
                     return
-                result = self.sessions.compute.run(target.verify, length, [])
-            length = result.committed_len
-            yield target_pb2.DecodeToken(
-                token_id=result.token_ids[0], committed_len=length, compute_ns=result.target_compute_ns
-            )
-            if result.stopped:
-                return
+                with tracer.start_as_current_span(telemetry.DECODE_SPAN) as span:
+                    start_ns = time.perf_counter_ns()
+                    with self.sessions.use(request.session_id, growth=1) as target:
+                        if length >= target.context_length:
+                            return
+                        result = self.sessions.compute.run(target.verify, length, [])
+                    timing.add(time.perf_counter_ns() - start_ns)
+                    if span.is_recording():
+                        span.set_attributes({
+                            "specdec.session_id": request.session_id, "specdec.base_len": length,
+                            "specdec.target_compute_ns": result.target_compute_ns,
+                        })
+                length = result.committed_len
+                yield target_pb2.DecodeToken(
+                    token_id=result.token_ids[0], committed_len=length, compute_ns=result.target_compute_ns
+                )
+                if result.stopped:
+                    return
+        finally:
+            timing.record()
 
     @rpc_errors
     def Truncate(self, request, context):
@@ -101,14 +131,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Info(self, request, context):
-        load = self.sessions.load()
+        load = self._load()
         return common_pb2.InfoResponse(
             worker_id=self.worker_id,
             model=self.model_info,
             load=common_pb2.WorkerLoad(
-                active_sessions=load.active_sessions, max_sessions=self.sessions.max_sessions,
-                cached_tokens=load.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
+                active_sessions=load.active_sessions, max_sessions=load.max_sessions,
+                cached_tokens=load.cached_tokens, max_cached_tokens=load.max_cached_tokens,
             ),
+        )
+
+    def _load(self) -> telemetry.WorkerLoad:
+        load = self.sessions.load()
+        return telemetry.WorkerLoad(
+            active_sessions=load.active_sessions, max_sessions=self.sessions.max_sessions,
+            cached_tokens=load.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
         )
 
     # Verify: one proposal -> one verdict.
@@ -145,6 +182,43 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _sampling(self, message: common_pb2.SamplingParams) -> SamplingParams:
         return sampling_from_proto(message, self.default_max_new_tokens)
+
+
+def _prefill_span(session_id: str, base_len: int, num_tokens: int):
+    """A specdec.prefill span around new input entering a target session."""
+    return tracer.start_as_current_span(telemetry.PREFILL_SPAN, attributes={
+        "specdec.session_id": session_id, "specdec.base_len": base_len, "specdec.tokens": num_tokens,
+    })
+
+
+def _verify_attributes(proposal: target_pb2.Proposal, verdict: target_pb2.Verdict) -> dict:
+    """Attributes of a specdec.verify span: the proposal and what the target decided."""
+    return {
+        "specdec.session_id": proposal.session_id,
+        "specdec.round": proposal.round,
+        "specdec.base_len": proposal.base_len,
+        "specdec.k": len(proposal.draft_token_ids),
+        "specdec.discarded": verdict.discarded,
+        "specdec.accepted": verdict.num_accepted,
+        "specdec.committed": max(0, verdict.committed_len - proposal.base_len) if not verdict.discarded else 0,
+        "specdec.target_compute_ns": verdict.target_compute_ns,
+    }
+
+
+class _DecodeTiming:
+    """Time per output token of one Decode stream (target-only decoding)."""
+
+    def __init__(self):
+        self.total_ns = 0  # session lock and forward passes, in nanoseconds
+        self.num_tokens = 0
+
+    def add(self, elapsed_ns: int) -> None:
+        self.total_ns += elapsed_ns
+        self.num_tokens += 1
+
+    def record(self) -> None:
+        if self.num_tokens:
+            telemetry.instruments().time_per_output_token.record(self.total_ns * 1e-9 / self.num_tokens)
 
 
 def _is_stale(target: TargetSession, proposal: target_pb2.Proposal) -> bool:

@@ -30,9 +30,12 @@ import logging
 import threading
 from collections import OrderedDict
 
-from speculative.compute_thread import ComputeThread
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from speculative.compute_thread import ComputeThread
 
 from speculative.errors import InvalidArgument, NotFound, ResourceExhausted
 from speculative.loading import LoadedModel
@@ -173,12 +176,13 @@ class SessionCache:
             while len(self._evicted) > REMEMBERED_EVICTIONS:
                 self._evicted.popitem(last=False)
             victims.append(entry)
-            log.info(
-                "evicted session", extra={"fields": {
-                    "session_id": entry.session_id, "committed_len": entry.length,
-                    "reason": "max_sessions" if too_many else "max_cached_tokens",
-                }},
-            )
+            fields = {
+                "session_id": entry.session_id, "committed_len": entry.length,
+                "reason": "max_sessions" if too_many else "max_cached_tokens",
+            }
+            log.info("evicted session", extra={"fields": fields})
+            # On the span of the call that needed the room (a no-op when not tracing).
+            trace.get_current_span().add_event("specdec.evicted", {f"specdec.{k}": v for k, v in fields.items()})
         return victims
 
     def _forget_locked(self, entry: _Entry) -> None:

@@ -1,0 +1,84 @@
+"""The cost model of speculative decoding with a per-round delay.
+
+Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Decoding"
+(ICML 2023): with per-token acceptance alpha (their E[beta]) and i.i.d. acceptances, a
+round that drafts k tokens yields E[tokens](k) = (1 - alpha^(k+1)) / (1 - alpha) tokens
+(their eq. 1). A round costs k draft steps, one verification of width k and, across a
+network, a delay R (round trip, serialization, queueing), so against target-only
+decoding at t_target per token:
+
+    speedup(k, R) = E[tokens](k) * t_target / (k * t_draft + t_verify(k) + R)
+
+Speculation pays while speedup > 1: the break-even delay is
+R* = E[tokens](k) * t_target - k * t_draft - t_verify(k). Times are in nanoseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+K_MAX = 16  # the protocol's largest k (speculative.sampling.validate_num_speculative_tokens)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens per round] for k draft tokens: accepted ones plus the target's own."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    alpha: float  # per-token acceptance probability, in [0, 1]
+    target_step_ns: float  # target-only decoding, per token
+    draft_step_ns: float  # drafting, per draft token
+    verify_base_ns: float  # t_verify(k) = verify_base_ns + verify_per_token_ns * k
+    verify_per_token_ns: float
+
+    def verify_ns(self, k: int) -> float:
+        return self.verify_base_ns + self.verify_per_token_ns * k
+
+    def round_ns(self, k: int, delay_ns: float) -> float:
+        return k * self.draft_step_ns + self.verify_ns(k) + delay_ns
+
+    def speedup(self, k: int, delay_ns: float) -> float:
+        return expected_tokens(self.alpha, k) * self.target_step_ns / self.round_ns(k, delay_ns)
+
+    def break_even_delay_ns(self, k: int) -> float:
+        """The per-round delay R at which speedup(k, R) = 1 (negative: never pays)."""
+        return expected_tokens(self.alpha, k) * self.target_step_ns - k * self.draft_step_ns - self.verify_ns(k)
+
+    def best_k(self, delay_ns: float, k_max: int = K_MAX) -> int:
+        """The k in 1..k_max with the highest speedup at this delay (ties: the smaller)."""
+        return max(range(1, k_max + 1), key=lambda k: (self.speedup(k, delay_ns), -k))
+
+
+def alpha_from_rounds(rounds: Sequence[tuple[int, int]]) -> float:
+    """Maximum-likelihood per-token acceptance from (k, accepted) of drafting rounds.
+
+    Under the model each draft position is accepted with probability alpha until the
+    first rejection: a round contributes `accepted` successes and one failure unless all
+    k were accepted, so alpha = successes / (successes + failures).
+    """
+    successes = sum(accepted for k, accepted in rounds if k > 0)
+    failures = sum(1 for k, accepted in rounds if k > 0 and accepted < k)
+    if successes + failures == 0:
+        return 0.0
+    return successes / (successes + failures)
+
+
+def fit_verify(points: Sequence[tuple[int, float, int]]) -> tuple[float, float]:
+    """Least-squares line t_verify(k) = base + per_token * k through (k, mean ns, count)
+    points, weighted by count. One width: flat at its mean (no slope can be seen)."""
+    points = [(k, ns, n) for k, ns, n in points if n > 0]
+    if not points:
+        raise ValueError("no verification times to fit")
+    total = sum(n for _, _, n in points)
+    mean_k = sum(k * n for k, _, n in points) / total
+    mean_ns = sum(ns * n for _, ns, n in points) / total
+    spread = sum(n * (k - mean_k) ** 2 for k, _, n in points)
+    if spread == 0:
+        return mean_ns, 0.0
+    slope = sum(n * (k - mean_k) * (ns - mean_ns) for k, ns, n in points) / spread
+    return mean_ns - slope * mean_k, slope

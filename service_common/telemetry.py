@@ -1,0 +1,458 @@
+"""OpenTelemetry for the three services: traces, metrics, the Prometheus endpoint.
+
+    telemetry.setup("target", config)          # once, in main(), before building the server
+    telemetry.current().server_interceptors()  # -> service_common.server.create_server
+    telemetry.current().intercept_channel(ch)  # every client channel (service_common.server.channel)
+    telemetry.instruments().rounds.add(1)      # the metric instruments, defined once, below
+
+`config` has the fields of `service_common.options.TelemetryConfig`. With
+`trace_exporter="none"` and `metrics_port=0` (the default) nothing is installed: no
+provider, no interceptor, and the spans and instruments the code creates are the
+OpenTelemetry API's no-op ones (a few hundred nanoseconds per round of tens of ms).
+
+Tracing: a TracerProvider whose Resource names the role (`service.name`), with the
+exporter the configuration picks: OTLP over gRPC, JSON lines to a file (one span per
+line, `JsonLinesSpanExporter`; `python -m report` reads it) or the console. gRPC calls
+are traced by the explicit interceptors of opentelemetry-instrumentation-grpc
+(`server_interceptor()`, `client_interceptor()`), health checks, reflection and the
+`Info` polls filtered out; the trace context travels in the gRPC metadata (W3C
+traceparent), so a request is one trace across orchestrator -> draft -> target.
+
+One exception: the library's client interceptor turns a server-streaming call into a
+plain generator, which cannot be cancelled (opentelemetry-python-contrib issue #2014),
+and the orchestrator cancels its Speculate and Decode streams. Those calls go through
+`_ServerStreamTracer` instead, a standard grpc interceptor that starts the same CLIENT
+span, injects it into the metadata and ends it when the call is done, returning the
+call object unchanged.
+
+Metrics: the OpenTelemetry metrics API; a MeterProvider with a PrometheusMetricReader,
+served by prometheus_client on `metrics_port` (0 = no endpoint), and pushed over OTLP
+when the OTLP exporter is chosen. The names of the two load gauges are read by the
+Kubernetes HPA: `specdec_worker_sessions_active` and `specdec_worker_load`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import prometheus_client
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.instrumentation.grpc import client_interceptor, server_interceptor
+from opentelemetry.instrumentation.grpc.grpcext import intercept_channel as intercept_with_library
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from speculative.errors import InvalidArgument
+from speculative.stats import RoundStats
+
+log = logging.getLogger(__name__)
+
+EXPORTERS = ("none", "otlp", "jsonl", "console")
+METER_NAME = "specdec"
+
+# Span names and attributes written by the workers (and read by `python -m report`).
+ROUND_SPAN = "specdec.round"  # draft worker: one per speculation round
+VERIFY_SPAN = "specdec.verify"  # target worker: one per proposal on a Verify stream
+DECODE_SPAN = "specdec.decode"  # target worker: one per token of a target-only Decode stream
+PREFILL_SPAN = "specdec.prefill"  # both workers: OpenSession / Extend
+
+# Prometheus names the Kubernetes HPA reads: do not change them.
+SESSIONS_ACTIVE_GAUGE = "specdec.worker.sessions.active"  # -> specdec_worker_sessions_active
+LOAD_GAUGE = "specdec.worker.load"  # -> specdec_worker_load
+CACHED_TOKENS_GAUGE = "specdec.worker.cached_tokens"  # -> specdec_worker_cached_tokens
+
+# Round phases are milliseconds to a second; tokens 10 ms to seconds on CPU.
+_ROUND_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+# The bucket boundaries gen_ai.server.time_per_output_token is specified with.
+_TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+# --- instruments ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Instruments:
+    """Every metric instrument of the system. Attributes are noted per instrument; the
+    totals of the per-position counters are their sums over `position`."""
+
+    drafts: metrics.Counter  # rounds that drafted k > 0 tokens
+    drafted_tokens: metrics.Counter  # draft tokens proposed; attribute position (0-based)
+    accepted_tokens: metrics.Counter  # draft tokens accepted; attribute position (0-based)
+    rounds: metrics.Counter  # target passes of a speculation loop (k >= 0)
+    fallbacks: metrics.Counter  # generations decoded target-only because no draft was usable
+    failovers: metrics.Counter  # sessions moved to another worker; attribute pool (target | draft)
+    round_duration: metrics.Histogram  # seconds; attribute phase (draft | verify_compute | network)
+    time_per_output_token: metrics.Histogram  # seconds per generated token, per call
+
+    def record_round(self, stats: RoundStats) -> None:
+        """Counts one finished round (the draft worker calls this for each)."""
+        self.rounds.add(1)
+        if stats.num_drafted > 0:
+            self.drafts.add(1)
+        for position in range(stats.num_drafted):
+            self.drafted_tokens.add(1, {"position": position})
+        for position in range(stats.num_accepted):
+            self.accepted_tokens.add(1, {"position": position})
+        network_ns = max(0, stats.verify_ns - stats.target_compute_ns)
+        for phase, ns in (("draft", stats.draft_ns), ("verify_compute", stats.target_compute_ns),
+                          ("network", network_ns)):
+            self.round_duration.record(ns * 1e-9, {"phase": phase})
+
+
+_instruments_lock = threading.Lock()
+_instruments: tuple[object, Instruments] | None = None  # (meter provider, its instruments)
+
+
+def instruments() -> Instruments:
+    """The instruments of the process's meter provider: no-ops until `setup` installs one
+    (the API's proxies, which cost next to nothing)."""
+    global _instruments
+    provider = metrics.get_meter_provider()
+    with _instruments_lock:
+        if _instruments is None or _instruments[0] is not provider:
+            _instruments = (provider, _create_instruments(provider.get_meter(METER_NAME)))
+        return _instruments[1]
+
+
+def _create_instruments(meter: metrics.Meter) -> Instruments:
+    return Instruments(
+        drafts=meter.create_counter("specdec.drafts", "{draft}", "Speculation rounds that drafted at least one token"),
+        drafted_tokens=meter.create_counter(
+            "specdec.draft.tokens", "{token}", "Draft tokens proposed, by draft position (attribute position)"),
+        accepted_tokens=meter.create_counter(
+            "specdec.accepted.tokens", "{token}", "Draft tokens accepted, by draft position (attribute position)"),
+        rounds=meter.create_counter("specdec.rounds", "{round}", "Target forward passes of speculation loops"),
+        fallbacks=meter.create_counter(
+            "specdec.fallbacks", "{generation}", "Generations decoded by the target alone because no draft was usable"),
+        failovers=meter.create_counter(
+            "specdec.failovers", "{failover}", "Sessions moved to another worker (attribute pool)"),
+        round_duration=meter.create_histogram(
+            "specdec.round.duration", "s", "Time of a speculation round by phase: draft, verify_compute, network",
+            explicit_bucket_boundaries_advisory=_ROUND_BUCKETS_S),
+        time_per_output_token=meter.create_histogram(
+            "gen_ai.server.time_per_output_token", "s", "Decoding time per generated token, per call",
+            explicit_bucket_boundaries_advisory=_TPOT_BUCKETS_S),
+    )
+
+
+# --- load gauges ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a worker holds against its capacity."""
+
+    active_sessions: int
+    max_sessions: int
+    cached_tokens: int  # tokens held in KV caches (or n-gram histories)
+    max_cached_tokens: int  # tokens
+
+    @property
+    def fraction(self) -> float:
+        """Fraction of capacity in use, 0..1: the fuller of the two budgets."""
+        sessions = self.active_sessions / self.max_sessions if self.max_sessions else 0.0
+        tokens = self.cached_tokens / self.max_cached_tokens if self.max_cached_tokens else 0.0
+        return min(1.0, max(sessions, tokens))
+
+
+LoadCallback = Callable[[], WorkerLoad]
+
+
+# --- the process's telemetry ------------------------------------------------------------
+
+
+class Telemetry:
+    """What `setup` installed for one process. The default instance installs nothing."""
+
+    def __init__(self, role: str = "", tracer_provider=None, meter_provider=None, metrics_server=None):
+        self.role = role
+        self.tracer_provider = tracer_provider  # None = tracing off
+        self.meter_provider = meter_provider  # None = metrics off
+        self.metrics_server = metrics_server  # prometheus_client's HTTP server, if any
+        self._load_callbacks: list[tuple[LoadCallback, dict]] = []
+        self._lock = threading.Lock()
+        if meter_provider is not None:
+            self._create_gauges(meter_provider.get_meter(METER_NAME))
+
+    @property
+    def tracing(self) -> bool:
+        return self.tracer_provider is not None
+
+    @property
+    def metrics_port(self) -> int:
+        """The bound port of the /metrics endpoint; 0 when there is none."""
+        return self.metrics_server.server_port if self.metrics_server is not None else 0
+
+    def server_interceptors(self) -> list[grpc.ServerInterceptor]:
+        """For service_common.server.create_server(..., interceptors=...)."""
+        if not self.tracing:
+            return []
+        return [server_interceptor(tracer_provider=self.tracer_provider, filter_=_traced)]
+
+    def intercept_channel(self, channel: grpc.Channel) -> grpc.Channel:
+        """A client channel whose calls carry the trace context (unchanged when off)."""
+        if not self.tracing:
+            return channel
+        tracer = self.tracer_provider.get_tracer(__name__)
+        streaming = grpc.intercept_channel(channel, _ServerStreamTracer(tracer))
+        library = client_interceptor(tracer_provider=self.tracer_provider, filter_=_traced_by_library)
+        return intercept_with_library(streaming, library)
+
+    def register_load_gauges(self, callback: LoadCallback, attributes: dict | None = None) -> None:
+        """Observes `callback()` at each collection into the three load gauges
+        (several workers in one process: give each its own attributes)."""
+        with self._lock:
+            self._load_callbacks.append((callback, dict(attributes or {})))
+
+    def shutdown(self) -> None:
+        """Flushes and stops exporters and the /metrics endpoint. Idempotent."""
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()
+        if self.meter_provider is not None:
+            self.meter_provider.shutdown()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+            self.metrics_server = None
+
+    def _create_gauges(self, meter: metrics.Meter) -> None:
+        meter.create_observable_gauge(
+            SESSIONS_ACTIVE_GAUGE, [self._observe(lambda load: load.active_sessions)], "{session}",
+            "Sessions whose KV cache the worker holds")
+        meter.create_observable_gauge(
+            LOAD_GAUGE, [self._observe(lambda load: load.fraction)], "{fraction}",
+            "Fraction of the worker's capacity in use (sessions or cached tokens, the fuller), 0..1")
+        meter.create_observable_gauge(
+            CACHED_TOKENS_GAUGE, [self._observe(lambda load: load.cached_tokens)], "{token}",
+            "Tokens held in the worker's KV caches")
+
+    def _observe(self, value: Callable[[WorkerLoad], float]):
+        def callback(_options):
+            with self._lock:
+                callbacks = list(self._load_callbacks)
+            observations = []
+            for load_of, attributes in callbacks:
+                try:
+                    observations.append(metrics.Observation(value(load_of()), attributes))
+                except Exception:  # a gauge must never break a scrape
+                    log.exception("load callback failed")
+            return observations
+
+        return callback
+
+
+_current = Telemetry()
+
+
+def current() -> Telemetry:
+    """The process's telemetry (a disabled one until `setup`)."""
+    return _current
+
+
+def setup(role: str, config, instance_id: str = "") -> Telemetry:
+    """Installs tracing and metrics for a process as `config` says; call once per
+    process, before building servers and channels. InvalidArgument on a bad setting."""
+    global _current
+    exporter = (config.trace_exporter or "none").lower()
+    if exporter not in EXPORTERS:
+        raise InvalidArgument(f"trace_exporter must be one of {list(EXPORTERS)}, got {config.trace_exporter!r}")
+    if exporter == "jsonl" and not config.trace_file:
+        raise InvalidArgument("trace_exporter jsonl needs trace_file: the path of the span file")
+    if config.metrics_port < 0:
+        raise InvalidArgument(f"metrics_port must be >= 0 (0 = off), got {config.metrics_port}")
+    if exporter == "none" and config.metrics_port == 0:
+        _current = Telemetry(role)
+        return _current
+    resource = Resource.create({
+        "service.name": role,
+        "service.instance.id": instance_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
+    })
+    tracer_provider = _tracer_provider(resource, exporter, config) if exporter != "none" else None
+    meter_provider, metrics_server = _meter_provider(resource, exporter, config)
+    _current = Telemetry(role, tracer_provider, meter_provider, metrics_server)
+    log.info("telemetry", extra={"fields": {
+        "trace_exporter": exporter, "trace_file": config.trace_file or None,
+        "metrics_port": _current.metrics_port or None,
+    }})
+    return _current
+
+
+def _tracer_provider(resource, exporter: str, config) -> TracerProvider:
+    provider = TracerProvider(resource=resource)  # flushes at exit (shutdown_on_exit)
+    if exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_endpoint or None)))
+    elif exporter == "jsonl":
+        provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(config.trace_file)))
+    else:  # console: for a person watching, so at once
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def _meter_provider(resource, exporter: str, config):
+    readers, metrics_server = [], None
+    if config.metrics_port > 0:
+        readers.append(PrometheusMetricReader())
+        metrics_server, _thread = prometheus_client.start_http_server(config.metrics_port)
+    if exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=config.otlp_endpoint or None)))
+    if not readers:
+        return None, None
+    provider = MeterProvider(metric_readers=readers, resource=resource)
+    metrics.set_meter_provider(provider)
+    return provider, metrics_server
+
+
+# --- which calls are traced -------------------------------------------------------------
+
+_UNTRACED_SERVICE_PREFIXES = ("grpc.health.v1.", "grpc.reflection.")
+# Info is polled every second by each orchestrator replica (worker load): a trace per
+# poll would bury the requests.
+_UNTRACED_METHODS = ("Info",)
+
+
+def _method_of(details) -> str:
+    method = getattr(details, "method", None) or getattr(details, "full_method", "") or ""
+    return method.decode() if isinstance(method, bytes) else method
+
+
+def _traced(details) -> bool:
+    service, _, method = _method_of(details).lstrip("/").rpartition("/")
+    return not service.startswith(_UNTRACED_SERVICE_PREFIXES) and method not in _UNTRACED_METHODS
+
+
+def _traced_by_library(client_info) -> bool:
+    """Client calls the library's interceptor handles: all traced ones but the
+    server-streaming calls (see _ServerStreamTracer)."""
+    server_streaming = getattr(client_info, "is_server_stream", False) and not client_info.is_client_stream
+    return not server_streaming and _traced(client_info)
+
+
+class _ServerStreamTracer(grpc.UnaryStreamClientInterceptor):
+    """A CLIENT span around a server-streaming call, its context in the metadata; the
+    call object (cancel(), iteration) is returned as grpc made it."""
+
+    def __init__(self, tracer: trace.Tracer):
+        self._tracer = tracer
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        if not _traced(client_call_details):
+            return continuation(client_call_details, request)
+        full_method = _method_of(client_call_details)
+        service, _, method = full_method.lstrip("/").rpartition("/")
+        span = self._tracer.start_span(full_method, kind=SpanKind.CLIENT, attributes={
+            "rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
+        })
+        metadata = list(client_call_details.metadata or [])
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        metadata.extend(carrier.items())
+        details = _CallDetails(client_call_details.method, client_call_details.timeout, metadata,
+                               client_call_details.credentials, client_call_details.wait_for_ready,
+                               client_call_details.compression)
+        try:
+            call = continuation(details, request)
+        except BaseException:
+            span.set_status(Status(StatusCode.ERROR))
+            span.end()
+            raise
+        call.add_done_callback(lambda done: _end_call_span(span, done))
+        return call
+
+
+def _end_call_span(span: trace.Span, call) -> None:
+    code = call.code()
+    if code is not None:
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {call.details()}"))
+    span.end()
+
+
+@dataclass(frozen=True)
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: Sequence[tuple[str, str]] | None
+    credentials: object
+    wait_for_ready: bool | None
+    compression: object
+
+
+# --- the JSON-lines span file -----------------------------------------------------------
+
+
+def span_to_dict(span) -> dict:
+    """One finished SDK span as one JSON object: enough to rebuild the tree of a trace
+    (trace_id, span_id, parent_span_id, all hex) across files and processes."""
+    context = span.get_span_context()
+    parent = span.parent
+    resource = span.resource.attributes
+    return {
+        "name": span.name,
+        "kind": span.kind.name,
+        "trace_id": f"{context.trace_id:032x}",
+        "span_id": f"{context.span_id:016x}",
+        "parent_span_id": f"{parent.span_id:016x}" if parent is not None else None,
+        "start_ns": span.start_time,  # Unix time, nanoseconds
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": {key: _json_value(value) for key, value in (span.attributes or {}).items()},
+        "resource": {key: resource[key] for key in ("service.name", "service.instance.id") if key in resource},
+    }
+
+
+def _json_value(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends one JSON object per span to a file. Each line is one write() to a file
+    opened O_APPEND, so several processes may share the file without mixing lines."""
+
+    def __init__(self, path: str):
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+
+    def export(self, spans):
+        with self._lock:
+            if self._fd is None:
+                return SpanExportResult.FAILURE
+            for span in spans:
+                line = json.dumps(span_to_dict(span), separators=(",", ":"), default=str) + "\n"
+                os.write(self._fd, line.encode())
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
