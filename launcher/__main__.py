@@ -39,7 +39,8 @@ class Cluster:
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, module: str, args: list[str]) -> None:
-        log = open(self.log_dir / f"{name}.log", "w")
+        restarted = any(n == name for n, _ in self.processes)
+        log = open(self.log_dir / f"{name}.log", "a" if restarted else "w")
         process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT)
         self.processes.append((name, process))
 

@@ -29,6 +29,6 @@ class TargetTokenizer:
     def _target_model_id(self) -> str:
         targets = self.pool.live(TARGET)
         if not targets:
-            raise Unavailable("no target worker is reachable to learn the tokenizer from; "
-                              "start a target worker or set --tokenizer")
+            raise Unavailable(self.pool.why_empty(
+                "no target worker is reachable to learn the tokenizer from; start a target worker or set --tokenizer"))
         return targets[0].model_id

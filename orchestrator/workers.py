@@ -102,7 +102,7 @@ class WorkerPool:
         self._stubs: dict[tuple[str, str], object] = {}
         self._placed: collections.Counter[str] = collections.Counter()  # calls in flight per address
         self._suspects: dict[str, int] = {}  # address -> its heartbeat time when suspected
-        self._healthy = True
+        self.discovery_error: str | None = None  # why the pools cannot be read, e.g. Redis down
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -112,11 +112,11 @@ class WorkerPool:
         try:
             records = self.discover()
         except SpeculativeError as error:  # Redis away: keep the last view of the pools
-            if self._healthy:
+            if self.discovery_error is None:
                 log.warning("cannot read the worker pools, keeping the last view: %s", error)
-            self._healthy = False
+            self.discovery_error = str(error)
             return
-        self._healthy = True
+        self.discovery_error = None
         workers = [Worker(POOL_OF_PROTO[r.pool], r, self._stub(POOL_OF_PROTO[r.pool], r.address))
                    for r in records if r.pool in POOL_OF_PROTO]
         with self._lock:
@@ -173,8 +173,11 @@ class WorkerPool:
     def pick_target(self) -> Worker:
         targets = self.live(TARGET)
         if not targets:
-            raise Unavailable("no target worker is reachable; check the target pool")
+            raise Unavailable(self.why_empty("no target worker is reachable; check the target pool"))
         return self.least_loaded(targets)
+
+    def why_empty(self, message: str) -> str:
+        return f"{message} ({self.discovery_error})" if self.discovery_error else message
 
     def pick_draft(self, target: Worker, drafter: str) -> Worker | None:
         """The least-loaded draft that can serve target; None if the pool is empty.

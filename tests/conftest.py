@@ -72,3 +72,13 @@ def tiny_perturbed(tiny_target) -> LoadedModel:
 @pytest.fixture(scope="session")
 def prompt_ids(tiny_target) -> list[list[int]]:
     return [tiny_target.tokenizer(p).input_ids for p in PROMPTS]
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server of its own for one test (started, stopped, removed)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    yield server
+    server.cleanup()

@@ -55,7 +55,14 @@ class LocalSystem:
         return next(r for r in self.roles if r.address == address)
 
     def process(self, name: str):
-        return dict(self.cluster.processes)[name]
+        """The latest process started under name."""
+        return [p for n, p in self.cluster.processes if n == name][-1]
+
+    def restart(self, name: str) -> None:
+        """Starts a stopped or killed role again, same flags and address, and waits for it."""
+        role = next(r for r in self.roles if r.name == name)
+        self.cluster.start(role.name, role.module, role.args)
+        self.cluster.wait_healthy(role.name, role.address, self.args.startup_timeout)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(Path(self.args.log_dir).glob("*.log")))
