@@ -84,6 +84,9 @@ def parse_args(argv):
                              "empty = sessions in memory, worker addresses passed to one orchestrator")
     parser.add_argument("--heartbeat-s", type=float, default=1.0, help="worker heartbeat period, with --redis-url")
     parser.add_argument("--heartbeat-ttl-s", type=float, default=5.0, help="registration lifetime without heartbeat")
+    parser.add_argument("--draft-target-delay-ms", type=float, default=0.0,
+                        help="one-way delay added between draft and target workers (a delaying TCP proxy in "
+                             "front of each target; the orchestrator reaches targets through it too)")
     parser.add_argument("--port", type=int, default=50050, help="the first orchestrator's port (0 = any free port)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = default)")
     parser.add_argument("--log-dir", default=".run/logs")
@@ -117,8 +120,13 @@ def layout(args) -> list[Role]:
     ):
         for index in range(count):
             address = f"127.0.0.1:{free_port()}"
-            roles.append(Role(f"{pool}-{index}", pool, module,
-                              [*flags, "--address", address, "--threads", str(args.threads), *registry], address))
+            worker_flags = [*flags, "--address", address, "--threads", str(args.threads), *registry]
+            if pool == "target" and args.draft_target_delay_ms > 0:
+                proxy = _delay_proxy(f"{pool}-{index}", address, args.draft_target_delay_ms)
+                roles.append(proxy)
+                address = proxy.address  # everyone reaches this target through the delay
+                worker_flags += ["--advertise-address", address]
+            roles.append(Role(f"{pool}-{index}", pool, module, worker_flags, address))
     if args.redis_url:
         discovery = ["--redis-url", args.redis_url, "--worker-refresh-s", str(min(1.0, args.heartbeat_s))]
     else:
@@ -132,6 +140,12 @@ def layout(args) -> list[Role]:
     return roles
 
 
+def _delay_proxy(name: str, upstream: str, delay_ms: float) -> Role:
+    address = f"127.0.0.1:{free_port()}"
+    return Role(f"{name}-delay", "proxy", "launcher.delay_proxy",
+                ["--listen", address, "--upstream", upstream, "--delay-ms", str(delay_ms)], address)
+
+
 def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str:
     """Starts every role (of layout(args) unless given); returns the first orchestrator's
     address once all are healthy."""
@@ -140,7 +154,8 @@ def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str
     for role in workers:
         cluster.start(role.name, role.module, role.args)
     for role in workers:
-        cluster.wait_healthy(role.name, role.address, args.startup_timeout)
+        if role.pool != "proxy":  # a worker behind a proxy is checked through it
+            cluster.wait_healthy(role.name, role.address, args.startup_timeout)
     orchestrators = [r for r in roles if r.pool == "orchestrator"]
     for role in orchestrators:
         cluster.start(role.name, role.module, role.args)
