@@ -13,6 +13,7 @@ from draft_service.servicer import DraftServicer
 from draft_service.sessions import SessionCache
 from service_common import config as config_flags
 from service_common import server as common_server
+from service_common import telemetry
 from service_common.logs import configure_logging
 from service_common.registry import join_pool
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2
@@ -51,6 +52,7 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
         # Each Speculate stream holds a thread for its rounds (about one per session),
         # plus headroom for unary calls and health checks.
         max_workers=config.max_sessions + 16,
+        interceptors=telemetry.current().server_interceptors(),
     )
     servicer.advertise_address = config.resolved_advertise_address(port)
     service = common_server.Service(server, port, health)
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     configure_logging("draft", config.log_level)
     try:
+        telemetry.setup("draft", config, config.resolved_worker_id())
         service = create_server(config)
     except (SpeculativeError, OSError) as error:
         log.error("cannot start: %s", error)
@@ -77,5 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         "default_drafter": config.default_drafter,
     }})
     service.serve_until_signalled(config.grace_s)
+    telemetry.current().shutdown()  # flushes the spans still buffered
     log.info("stopped")
     return 0

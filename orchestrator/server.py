@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from service_common import config as config_flags
+from service_common import telemetry
 from service_common.logs import configure_logging
 from service_common.redis_client import describe
 from service_common.server import Service
@@ -33,7 +34,8 @@ def create_server(config: OrchestratorConfig, tokenizer=None) -> Service:
     store = _store(config)
     servicer = OrchestratorServicer(config, pool, store, TargetTokenizer(pool, config.tokenizer, tokenizer))
     server, port, health = create_grpc_server(
-        config.address, lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s), [SERVICE_NAME]
+        config.address, lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s), [SERVICE_NAME],
+        interceptors=telemetry.current().server_interceptors(),
     )
     service = Service(server, port, health)
     service.on_stopping += [pool.stop, store.close]
@@ -60,6 +62,7 @@ def main(argv=None) -> int:
     config = config_flags.parse(OrchestratorConfig, ENV_PREFIX, argv, description=__doc__)
     configure_logging("orchestrator", config.log_level)
     try:
+        telemetry.setup("orchestrator", config)
         service = create_server(config)
     except (InvalidArgument, OSError) as error:
         log.error("cannot start: %s", error)
@@ -69,4 +72,5 @@ def main(argv=None) -> int:
         "sessions": describe(config.redis_url) if config.redis_url else "in memory",
     }})
     service.serve_until_signalled(config.grace_s)
+    telemetry.current().shutdown()  # flushes the spans still buffered
     return 0

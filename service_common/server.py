@@ -16,6 +16,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from service_common import telemetry
+
 log = logging.getLogger(__name__)
 
 # Proposals and prompts are small; 16 MiB bounds a request whatever a client sends
@@ -98,7 +100,8 @@ class Service:
 
 
 def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A client channel; its calls carry the trace context when tracing is on."""
+    return telemetry.current().intercept_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
 
 
 def default_worker_id(role: str) -> str:

@@ -10,6 +10,7 @@ from speculative.errors import SpeculativeError
 from speculative.compute_thread import ComputeThread
 from speculative.loading import LoadedModel, configure_threads, load_model
 from service_common import server as common_server
+from service_common import telemetry
 from service_common.config import parse
 from service_common.convert import model_info
 from service_common.logs import configure_logging
@@ -45,6 +46,7 @@ def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None)
         # Each open Verify or Decode stream holds a thread (about one per session), plus
         # headroom for unary calls and health checks.
         max_workers=config.max_sessions + 16,
+        interceptors=telemetry.current().server_interceptors(),
     )
     servicer.worker_address = config.resolved_advertise_address(port)
     service = common_server.Service(server, port, health_servicer)
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": config.model, "device": config.device_map or config.device, "dtype": config.dtype,
     }})
     try:
+        telemetry.setup("target", config, config.resolved_worker_id())
         service = create_server(config)
     except (SpeculativeError, OSError) as error:
         log.error("cannot start: %s", error)
@@ -83,5 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         "advertise_address": config.resolved_advertise_address(service.port),
     }})
     service.serve_until_signalled(config.grace_s)
+    telemetry.current().shutdown()  # flushes the spans still buffered
     log.info("stopped")
     return 0
