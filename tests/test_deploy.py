@@ -17,7 +17,9 @@ import os
 import stat
 import subprocess
 import sys
+import time
 import typing
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -181,7 +183,7 @@ def test_entrypoint_runs_each_role_as_its_module(tmp_path):
 
 
 def test_healthcheck_reports_the_health_service():
-    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -389,3 +391,77 @@ def test_compose_wiring(compose):
     assert {dep: c["condition"] for dep, c in services["orchestrator"]["depends_on"].items() if dep != "jaeger"} == {
         "redis": "service_healthy", "target": "service_healthy", "draft": "service_healthy"}
     assert "127.0.0.1:50050:50050" in services["orchestrator"]["ports"]
+
+
+# ---------------------------------------------------------------- the compose settings, run
+
+
+def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp_path):
+    """What `docker compose up` + the client do, without containers: each role's
+    environment as docker-compose.yml writes it, run through the image's entrypoint,
+    started in the compose file's depends_on order once what it depends on passes the
+    image's health check. Only what a container gives for free is replaced: host names
+    (redis, jaeger), ports (one host), and the target model, set as a user would
+    (TARGET_MODEL=... is interpolated into the compose file)."""
+    from launcher.__main__ import free_port
+
+    user_env = {"TARGET_MODEL": "tiny-random:1"}
+    services = compose["services"]
+    processes: dict[str, subprocess.Popen] = {}
+    ports: dict[str, int] = {}
+
+    def start(settings) -> None:
+        role, prefix, service = settings.role, settings.role.prefix(), settings.where.removeprefix("compose: ")
+        env = {name: validate.INTERPOLATION.sub(lambda m: user_env.get(m.group(1) or m.group(3), m.group(2) or ""),
+                                               str(raw))
+               for name, raw in services[service]["environment"].items()}
+        assert env[f"{prefix}_REDIS_URL"] == "redis://redis:6379/0"
+        ports[service] = free_port()
+        env.update({
+            f"{prefix}_REDIS_URL": redis_server.url,
+            f"{prefix}_ADDRESS": f"127.0.0.1:{ports[service]}",
+            f"{prefix}_TRACE_EXPORTER": "none",  # no Jaeger here
+            f"{prefix}_METRICS_PORT": str(free_port()),
+            f"{prefix}_THREADS": "1",
+        })
+        if role.name != "orchestrator":
+            env[f"{prefix}_ADVERTISE_ADDRESS"] = f"127.0.0.1:{ports[service]}"
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+        processes[service] = subprocess.Popen(
+            ["sh", str(REPO_ROOT / "deploy" / "entrypoint.sh"), role.name],
+            env={**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1", **env},
+            stdout=open(tmp_path / f"{service}.log", "w"), stderr=subprocess.STDOUT)
+
+    def wait_healthy(service: str) -> None:
+        deadline = time.monotonic() + 120
+        while not healthcheck.serving(ports[service], timeout_s=1.0):
+            assert processes[service].poll() is None, (tmp_path / f"{service}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{service} not SERVING after 120 s"
+            time.sleep(0.5)
+
+    by_service = {s.where.removeprefix("compose: "): s for s in validate.compose_settings(compose)}
+    try:
+        started: list[str] = []
+        while len(started) < len(by_service):
+            ready = [name for name in by_service if name not in started
+                     and all(dep in started or dep not in by_service for dep in services[name].get("depends_on", {}))]
+            assert ready, "depends_on has a cycle"
+            for name in ready:
+                start(by_service[name])
+            for name in ready:
+                wait_healthy(name)
+            started += ready
+        assert started[-1] == "orchestrator"
+        run = subprocess.run(
+            [sys.executable, "-m", "client", "The quick brown fox", "--address", f"127.0.0.1:{ports['orchestrator']}",
+             "--max-new-tokens", "8", "--raw"],
+            capture_output=True, text=True, timeout=120)
+        logs = "\n".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log")))
+        assert run.returncode == 0, run.stderr + logs
+        assert run.stdout.strip()
+    finally:
+        for process in processes.values():
+            process.terminate()
+        for name, process in processes.items():
+            # SIGTERM drains (NOT_SERVING, calls finish) and exits cleanly within grace_s.
+            assert process.wait(timeout=30) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
