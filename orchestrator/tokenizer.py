@@ -11,7 +11,7 @@ import threading
 
 from service_common.status import Unavailable
 from speculative.loading import load_tokenizer
-from orchestrator.workers import TARGET, WorkerPool
+from orchestrator.workers import WorkerPool
 
 
 class TargetTokenizer:
@@ -27,7 +27,7 @@ class TargetTokenizer:
             return self._tokenizer
 
     def _target_model_id(self) -> str:
-        targets = self.pool.live(TARGET)
+        targets = self.pool.live_targets()
         if not targets:
             raise Unavailable(self.pool.why_empty(
                 "no target worker is reachable to learn the tokenizer from; start a target worker or set --tokenizer"))

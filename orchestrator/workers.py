@@ -170,8 +170,17 @@ class WorkerPool:
         # Ties at random: replicas with the same view must not all pick the same worker.
         return random.choice([w for w, load in zip(workers, loads) if load == lightest])
 
-    def pick_target(self) -> Worker:
+    def live_targets(self) -> list[Worker]:
+        """The live targets; with none known, the pools are read again first (a target
+        that registered since the last refresh serves at once)."""
         targets = self.live(TARGET)
+        if not targets:
+            self.refresh()
+            targets = self.live(TARGET)
+        return targets
+
+    def pick_target(self) -> Worker:
+        targets = self.live_targets()
         if not targets:
             raise Unavailable(self.why_empty("no target worker is reachable; check the target pool"))
         return self.least_loaded(targets)
