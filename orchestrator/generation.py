@@ -38,6 +38,7 @@ CANCELLED = common_pb2.FINISH_REASON_CANCELLED
 # from the committed tokens on another worker, or the same one re-prefilled.
 FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
 PROBE_TIMEOUT_S = 2.0  # a live worker answers Info at once
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so seeds moved on by different counts differ
 
 
 @dataclass
@@ -319,7 +320,7 @@ class Generation:
         timeout = self._deadline()
         record = plan.record
         base_len = len(plan.tokens) + len(self.generated)
-        params = plan.params.replace(max_new_tokens=plan.params.max_new_tokens - len(self.generated))
+        params = self._remaining_params(plan.params)
         if self.draft is None:
             self.call = self.target.stub.Decode(target_pb2.DecodeRequest(
                 session_id=record.target.session_id, base_len=base_len,
@@ -341,6 +342,18 @@ class Generation:
         for update in self.call:
             self.stats.record_round(round_stats_from_proto(update.round, len(update.token_ids)))
             yield list(update.token_ids), update.finish_reason
+
+    def _remaining_params(self, params: SamplingParams) -> SamplingParams:
+        """The call's params for what is left after a failover: the remaining token
+        budget, and a seed moved on by the tokens already drawn. Workers restart their
+        generator from the seed they are sent; restarting from the request's own seed
+        would reuse the random draws of the first tokens for the next ones."""
+        if not self.generated:
+            return params
+        remaining = params.replace(max_new_tokens=params.max_new_tokens - len(self.generated))
+        if params.seed is None:
+            return remaining
+        return remaining.replace(seed=(params.seed + SEED_STRIDE * len(self.generated)) % 2**63)
 
     def _finish_of_decode(self, params: SamplingParams, count: int, token: int) -> int:
         if token in params.stop_token_ids:
