@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import typing
+import urllib.request
 from concurrent import futures
 from pathlib import Path
 
@@ -409,6 +410,7 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
     services = compose["services"]
     processes: dict[str, subprocess.Popen] = {}
     ports: dict[str, int] = {}
+    metrics_ports: dict[str, int] = {}
 
     def start(settings) -> None:
         role, prefix, service = settings.role, settings.role.prefix(), settings.where.removeprefix("compose: ")
@@ -421,7 +423,7 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
             f"{prefix}_REDIS_URL": redis_server.url,
             f"{prefix}_ADDRESS": f"127.0.0.1:{ports[service]}",
             f"{prefix}_TRACE_EXPORTER": "none",  # no Jaeger here
-            f"{prefix}_METRICS_PORT": str(free_port()),
+            f"{prefix}_METRICS_PORT": str(metrics_ports.setdefault(service, free_port())),
             f"{prefix}_THREADS": "1",
         })
         if role.name != "orchestrator":
@@ -459,6 +461,11 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
         logs = "\n".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log")))
         assert run.returncode == 0, run.stderr + logs
         assert run.stdout.strip()
+        # The gauges the HPAs scale on, on each worker's /metrics.
+        for worker in ("target", "draft"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_ports[worker]}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+            assert "specdec_worker_sessions_active" in text and "specdec_worker_load" in text, worker
     finally:
         for process in processes.values():
             process.terminate()
