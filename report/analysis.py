@@ -119,9 +119,9 @@ class Report:
 
     @property
     def mean_delay_ns(self) -> float:
-        """Measured R: network + other per drafting round."""
-        drafting = self.drafting_rounds or self.rounds
-        return sum(r.delay_ns for r in drafting) / len(drafting) if drafting else 0.0
+        """Measured R: network + other per round of the calls that speculated."""
+        rounds = [r for r in self.rounds if r.max_k > 0] or self.rounds
+        return sum(r.delay_ns for r in rounds) / len(rounds) if rounds else 0.0
 
 
 def analyse(spans: Sequence[Span], target_step_ns: float | None = None) -> Report:
@@ -138,11 +138,13 @@ def analyse(spans: Sequence[Span], target_step_ns: float | None = None) -> Repor
             target_step_ns, source = base, ESTIMATED
         drafting = [r for r in rounds if r.k > 0]
         drafted = sum(r.k for r in drafting)
+        speculating = [r for r in rounds if r.max_k > 0]  # rounds of calls that asked for drafts
         model = CostModel(
             alpha=alpha_from_rounds([(r.k, r.accepted) for r in rounds]),
             target_step_ns=target_step_ns,
             draft_step_ns=sum(r.draft_ns for r in drafting) / drafted if drafted else 0.0,
             verify_base_ns=base, verify_per_token_ns=per_token,
+            draft_fraction=len(drafting) / len(speculating) if speculating else 1.0,
         )
     report = Report(
         num_spans=len(spans), services=sorted({s.service for s in spans if s.service}), rounds=rounds,
@@ -180,9 +182,8 @@ def _points(rounds: Sequence[Round], target_step_ns: float | None) -> list[RunPo
         if not tokens:
             continue
         ns_per_token = sum(r.duration_ns for r in trace_rounds) / tokens
-        drafting = [r for r in trace_rounds if r.k > 0] or trace_rounds
         points.append(RunPoint(
-            trace_id, max(r.max_k for r in trace_rounds), sum(r.delay_ns for r in drafting) / len(drafting),
+            trace_id, max(r.max_k for r in trace_rounds), sum(r.delay_ns for r in trace_rounds) / len(trace_rounds),
             ns_per_token, target_step_ns / ns_per_token if target_step_ns else 0.0,
         ))
     return points
@@ -244,6 +245,9 @@ def _model_lines(report: Report, k_max: int) -> list[str]:
         f"t_draft {_ms(model.draft_step_ns)} per token, t_verify(k) = {_ms(model.verify_base_ns)} + "
         f"{_ms(model.verify_per_token_ns)} * k, measured R {_ms(delay)} per round",
     ]
+    if model.draft_fraction < 1.0:
+        lines.append(f"  drafting rounds f = {model.draft_fraction:.1%}: the drafter proposed nothing in the other "
+                     "rounds (one-token target steps that still pay R)")
     if k > 0:
         break_even = model.break_even_delay_ns(k)
         lines.append(f"  at k={k}: predicted speedup {model.speedup(k, delay):.2f}x; "

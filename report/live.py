@@ -69,8 +69,8 @@ def render_live(samples, target_step_ns: float | None = None) -> str:
     if target_step_ns and num_drafted and drafts:
         full = accepted.get(k_max - 1, 0.0)
         alpha = num_accepted / (num_accepted + drafts - full)
-        model = CostModel(alpha, target_step_ns, phases["draft"] * drafts / num_drafted,
-                          phases["verify_compute"], 0.0)
+        model = CostModel(alpha, target_step_ns, phases["draft"] * rounds / num_drafted,
+                          phases["verify_compute"], 0.0, draft_fraction=drafts / rounds)
         k = round(num_drafted / drafts)
         lines.append(
             f"model at k={k} (alpha {alpha:.3f}, flat t_verify {phases['verify_compute'] * 1e-6:.2f} ms): "

@@ -11,6 +11,14 @@ decoding at t_target per token:
 
 Speculation pays while speedup > 1: the break-even delay is
 R* = E[tokens](k) * t_target - k * t_draft - t_verify(k). Times are in nanoseconds.
+
+A drafter that proposes only when it finds something (n-gram prompt lookup) drafts in a
+fraction f of the rounds; the others are one-token target steps that still pay R:
+
+    speedup(k, R) = (f * E[tokens](k) + 1 - f) * t_target
+                    / (f * (k * t_draft + t_verify(k)) + (1 - f) * t_verify(0) + R)
+
+which is the formula above when f = 1 (a draft model always proposes).
 """
 
 from __future__ import annotations
@@ -35,19 +43,26 @@ class CostModel:
     draft_step_ns: float  # drafting, per draft token
     verify_base_ns: float  # t_verify(k) = verify_base_ns + verify_per_token_ns * k
     verify_per_token_ns: float
+    draft_fraction: float = 1.0  # f: fraction of rounds that draft (n-gram: those with a match)
 
     def verify_ns(self, k: int) -> float:
         return self.verify_base_ns + self.verify_per_token_ns * k
 
+    def tokens_per_round(self, k: int) -> float:
+        f = self.draft_fraction
+        return f * expected_tokens(self.alpha, k) + (1.0 - f)
+
     def round_ns(self, k: int, delay_ns: float) -> float:
-        return k * self.draft_step_ns + self.verify_ns(k) + delay_ns
+        """Mean round time at k: drafting rounds and, for f < 1, plain target steps."""
+        f = self.draft_fraction
+        return f * (k * self.draft_step_ns + self.verify_ns(k)) + (1.0 - f) * self.verify_ns(0) + delay_ns
 
     def speedup(self, k: int, delay_ns: float) -> float:
-        return expected_tokens(self.alpha, k) * self.target_step_ns / self.round_ns(k, delay_ns)
+        return self.tokens_per_round(k) * self.target_step_ns / self.round_ns(k, delay_ns)
 
     def break_even_delay_ns(self, k: int) -> float:
         """The per-round delay R at which speedup(k, R) = 1 (negative: never pays)."""
-        return expected_tokens(self.alpha, k) * self.target_step_ns - k * self.draft_step_ns - self.verify_ns(k)
+        return self.tokens_per_round(k) * self.target_step_ns - self.round_ns(k, 0.0)
 
     def best_k(self, delay_ns: float, k_max: int = K_MAX) -> int:
         """The k in 1..k_max with the highest speedup at this delay (ties: the smaller)."""

@@ -76,6 +76,11 @@ def test_the_model_by_hand():
     assert model.speedup(4, 2 * MS) == pytest.approx(33.616 / 18)
     assert model.best_k(2 * MS) == 4
     assert model.best_k(0.0) == 3
+    # Drafting in half the rounds (an n-gram drafter without a match in the others):
+    # tokens per round 0.5 * 3.3616 + 0.5 = 2.1808; round 0.5 * (4 + 12) + 0.5 * 8 = 12 ms + R.
+    half = CostModel(0.8, 10 * MS, 1 * MS, 8 * MS, 1 * MS, draft_fraction=0.5)
+    assert half.speedup(4, 2 * MS) == pytest.approx(21.808 / 14)
+    assert half.break_even_delay_ns(4) == pytest.approx(9.808 * MS)
     # A draft that is never right only costs: the best k still loses.
     assert CostModel(0.0, 10 * MS, 1 * MS, 9 * MS, 1 * MS).speedup(1, 0.0) == pytest.approx(10 / 11)
 
