@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from service_common.convert import (
     FINISH_REASON_TO_PROTO,
@@ -19,6 +20,7 @@ from service_common.convert import (
     sampling_from_proto,
     sampling_to_proto,
 )
+from service_common.telemetry import instruments
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
 from speculative.errors import InvalidArgument
 from speculative.generator import FinishReason
@@ -31,6 +33,11 @@ from orchestrator.text import TextAssembler, common_prefix_length, render_chat
 from orchestrator.workers import DRAFT, TARGET, Worker, WorkerPool, close_worker_sessions
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+# The orchestrator's spans, children of the Generate server span (read by `python -m report`).
+FAILOVER_SPAN = "specdec.failover"  # a lost worker replaced, the session re-synced
+ROLLBACK_SPAN = "specdec.rollback"  # both workers truncated to the committed tokens
 
 STOP_STRING = common_pb2.FINISH_REASON_STOP_STRING
 CANCELLED = common_pb2.FINISH_REASON_CANCELLED
@@ -163,6 +170,8 @@ class Generation:
         self._check_room(plan, self.target)
         if plan.k > 0:
             self.draft = self._worker_for(record.draft, DRAFT) or self._adopt(self.pool.pick_draft(self.target, plan.drafter))
+            if self.draft is None:  # an empty draft pool: the target decodes alone
+                instruments().fallbacks.add(1)
         self._sync_all(plan, plan.keep)
 
     def _check_room(self, plan: Plan, target: Worker) -> None:
@@ -254,19 +263,28 @@ class Generation:
                 or not self.context.is_active()):
             raise error
         self.num_failovers += 1
-        lost = [w for w in (self.target, self.draft) if w is not None and not self._answers(w)]
-        log.warning("failover %d of session %s after %s (%s): lost %s", self.num_failovers, self.session_id,
-                    error.code().name, error.details(), [w.address for w in lost] or "none, re-syncing")
-        for worker in lost:
-            self.pool.suspect(worker)
-        if self.target in lost:
-            plan.record.target = None
-            self.target = self._adopt(self.pool.pick_target())
-        if self.draft in lost:
-            plan.record.draft = None
-            self.draft = self._adopt(self.pool.pick_draft(self.target, plan.drafter))
-            if self.draft is None:
-                log.warning("no draft worker left: session %s goes on with target-only decoding", self.session_id)
+        with tracer.start_as_current_span(FAILOVER_SPAN) as span:
+            lost = [w for w in (self.target, self.draft) if w is not None and not self._answers(w)]
+            log.warning("failover %d of session %s after %s (%s): lost %s", self.num_failovers, self.session_id,
+                        error.code().name, error.details(), [w.address for w in lost] or "none, re-syncing")
+            span.set_attributes({
+                "specdec.error": error.code().name, "specdec.committed_len": len(self._committed(plan)),
+                "specdec.lost": [f"{w.pool}:{w.address}" for w in lost],
+            })
+            for worker in lost:
+                self.pool.suspect(worker)
+                instruments().failovers.add(1, {"pool": worker.pool})
+            if self.target in lost:
+                plan.record.target = None
+                self.target = self._adopt(self.pool.pick_target())
+            if self.draft in lost:
+                plan.record.draft = None
+                self.draft = self._adopt(self.pool.pick_draft(self.target, plan.drafter))
+                if self.draft is None:
+                    log.warning("no draft worker left: session %s goes on with target-only decoding", self.session_id)
+                    instruments().fallbacks.add(1)
+            span.set_attribute("specdec.target", self.target.address)
+            span.set_attribute("specdec.draft", self.draft.address if self.draft else "")
 
     def _answers(self, worker: Worker) -> bool:
         try:
@@ -299,6 +317,8 @@ class Generation:
             self._commit(plan, assembler, lease)
         released, delta = assembler.finish()
         self.stats.total_ns = time.perf_counter_ns() - self.start_ns
+        if self.generated:
+            instruments().time_per_output_token.record(self.stats.total_ns * 1e-9 / len(self.generated))
         yield Chunk(released, delta, finish, self._stats_proto())
 
     def _rounds_with_failover(self, plan: Plan):
@@ -374,9 +394,12 @@ class Generation:
         record.token_ids = plan.tokens + assembler.kept_tokens
         if self.request.WhichOneof("prompt") == "chat":
             record.messages.append({"role": "assistant", "content": assembler.text})
-        for worker, handle in ((self.target, record.target), (self.draft, record.draft)):
-            if worker is not None and handle is not None:
-                self._truncate(worker, handle, len(record.token_ids))
+        with tracer.start_as_current_span(ROLLBACK_SPAN) as span:
+            span.set_attributes({"specdec.committed_len": len(record.token_ids),
+                                 "specdec.cut_tokens": len(self.generated) - len(assembler.kept_tokens)})
+            for worker, handle in ((self.target, record.target), (self.draft, record.draft)):
+                if worker is not None and handle is not None:
+                    self._truncate(worker, handle, len(record.token_ids))
         record.last_used_ms = int(time.time() * 1000)
         if not record.sampling and self.request.HasField("sampling"):
             record.sampling = self.request.sampling.SerializeToString()

@@ -5,6 +5,7 @@ registry in Redis. Workers are SIGKILLed mid-stream; Redis is stopped and restar
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import time
@@ -31,11 +32,21 @@ def redis_server():
 
 
 @pytest.fixture(scope="module")
-def pools(redis_server):
-    with LocalSystem(redis_url=redis_server.url, orchestrators=2, target_workers=2, draft_workers=2,
-                     heartbeat_s=HEARTBEAT_S, heartbeat_ttl_s=HEARTBEAT_TTL_S) as system:
-        _wait_for_workers(system, targets=2, drafts=2)
-        yield system
+def pools(redis_server, tmp_path_factory):
+    """The system; both orchestrators append their spans to one JSON-lines file."""
+    spans = tmp_path_factory.mktemp("spans") / "orchestrators.jsonl"
+    settings = {"ORCHESTRATOR_TRACE_EXPORTER": "jsonl", "ORCHESTRATOR_TRACE_FILE": str(spans)}
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)  # inherited by the orchestrator processes only (by prefix)
+    try:
+        with LocalSystem(redis_url=redis_server.url, orchestrators=2, target_workers=2, draft_workers=2,
+                         heartbeat_s=HEARTBEAT_S, heartbeat_ttl_s=HEARTBEAT_TTL_S) as system:
+            system.spans = spans
+            _wait_for_workers(system, targets=2, drafts=2)
+            yield system
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
 def _workers(stub) -> list[orchestrator_pb2.Worker]:
@@ -134,9 +145,26 @@ def test_sigkill_of_the_serving_worker_mid_stream_loses_no_token(pools, tiny_tar
         moved = after.draft if pool == "draft" else after.target
         assert moved.worker_address != handle.worker_address
         assert after.num_committed_tokens == len(history) + len(PROMPT[3:]) + len(tokens)
+        lost = f"{pool}:{handle.worker_address}"
+        assert _wait_for_span(pools.spans, "specdec.failover", lambda a: lost in a["specdec.lost"]), \
+            f"no failover span naming {lost}"
     finally:
         pools.restart(victim)
         _wait_for_workers(pools, targets=2, drafts=2)
+
+
+def _wait_for_span(path, name: str, matches, timeout_s: float = 15.0) -> bool:
+    """Whether a span of that name whose attributes match shows up (spans are exported
+    in batches, a few seconds late)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                span = json.loads(line)
+                if span["name"] == name and matches(span["attributes"]):
+                    return True
+        time.sleep(0.5)
+    return False
 
 
 def test_a_worker_that_stops_heartbeating_leaves_the_pool_within_its_ttl(pools):
