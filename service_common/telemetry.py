@@ -33,6 +33,7 @@ Kubernetes HPA: `specdec_worker_sessions_active` and `specdec_worker_load`.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -188,8 +189,11 @@ class Telemetry:
         self.metrics_server = metrics_server  # prometheus_client's HTTP server, if any
         self._load_callbacks: list[tuple[LoadCallback, dict]] = []
         self._lock = threading.Lock()
+        self._shut_down = False
         if meter_provider is not None:
             self._create_gauges(meter_provider.get_meter(METER_NAME))
+        if tracer_provider is not None or meter_provider is not None:
+            atexit.register(self.shutdown)  # spans still buffered are not lost at exit
 
     @property
     def tracing(self) -> bool:
@@ -223,6 +227,10 @@ class Telemetry:
 
     def shutdown(self) -> None:
         """Flushes and stops exporters and the /metrics endpoint. Idempotent."""
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()
         if self.meter_provider is not None:
@@ -295,7 +303,7 @@ def setup(role: str, config, instance_id: str = "") -> Telemetry:
 
 
 def _tracer_provider(resource, exporter: str, config) -> TracerProvider:
-    provider = TracerProvider(resource=resource)  # flushes at exit (shutdown_on_exit)
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # Telemetry.shutdown flushes
     if exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
@@ -320,7 +328,7 @@ def _meter_provider(resource, exporter: str, config):
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=config.otlp_endpoint or None)))
     if not readers:
         return None, None
-    provider = MeterProvider(metric_readers=readers, resource=resource)
+    provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
     metrics.set_meter_provider(provider)
     return provider, metrics_server
 
