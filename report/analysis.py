@@ -42,7 +42,7 @@ class Report:
     model: CostModel | None
     verify_by_k: dict[int, tuple[float, int]]  # k -> (mean target compute ns, rounds)
     points: list[RunPoint] = field(default_factory=list)
-    span_counts: dict[str, int] = field(default_factory=dict)  # orchestrator events by name
+    events: list[str] = field(default_factory=list)  # the orchestrator's failovers and rollbacks, in words
 
     # --- acceptance ---------------------------------------------------------------------
 
@@ -150,10 +150,27 @@ def analyse(spans: Sequence[Span], target_step_ns: float | None = None) -> Repor
         num_spans=len(spans), services=sorted({s.service for s in spans if s.service}), rounds=rounds,
         decode_steps=steps, target_step_ns=target_step_ns, target_step_source=source, model=model,
         verify_by_k=verify_by_k,
-        span_counts=dict(Counter(s.name for s in spans if s.name in ("specdec.failover", "specdec.rollback"))),
+        events=_orchestrator_events(spans),
     )
     report.points = _points(rounds, target_step_ns)
     return report
+
+
+def _orchestrator_events(spans: Sequence[Span]) -> list[str]:
+    """Failovers (`specdec.failover`, attribute specdec.lost) and rollbacks that cut
+    generated tokens at a stop string (`specdec.rollback`, attribute specdec.cut_tokens)."""
+    failovers = [s for s in spans if s.name == "specdec.failover"]
+    rollbacks = [s for s in spans if s.name == "specdec.rollback"]
+    events = []
+    if failovers:
+        lost = Counter(w for s in failovers for w in s.attributes.get("specdec.lost", ()))
+        events.append(f"failovers: {len(failovers)}" + (f" (lost: {', '.join(f'{w} x{n}' for w, n in lost.items())})"
+                                                         if lost else ""))
+    if rollbacks:
+        cuts = [int(s.attributes.get("specdec.cut_tokens", 0)) for s in rollbacks]
+        events.append(f"rollbacks: {len(rollbacks)}, {sum(c > 0 for c in cuts)} of them cut generated tokens "
+                      f"at a stop string ({sum(cuts)} tokens)")
+    return events
 
 
 def _verify_by_k(rounds: Sequence[Round]) -> dict[int, tuple[float, int]]:
@@ -202,8 +219,7 @@ def render(report: Report, k_max: int = K_MAX) -> str:
         f"{len(report.points)} traces with speculation rounds, "
         f"{len({s.trace_id for s in report.decode_steps})} with target-only decoding",
     ]
-    for name, count in sorted(report.span_counts.items()):
-        lines.append(f"{name}: {count}")
+    lines += report.events
     if not report.rounds:
         lines.append("no specdec.round spans: nothing to report (was the draft worker traced?)")
         return "\n".join(lines)

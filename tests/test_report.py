@@ -51,6 +51,8 @@ def synthetic_spans() -> list[dict]:
             "specdec.draft_ns": DRAFT_NS, "specdec.verify_ns": VERIFY_NS, "specdec.target_compute_ns": COMPUTE_NS,
             "specdec.network_ns": VERIFY_NS - COMPUTE_NS,
         }, "draft", parent=f"{1:016x}"))
+    spans.append(_span("specdec.rollback", "a", 3, 0, 1 * MS, {"specdec.cut_tokens": 2}, "orchestrator"))
+    spans.append(_span("specdec.failover", "a", 4, 0, 1 * MS, {"specdec.lost": ["target:t1"]}, "orchestrator"))
     spans.append(_span("/specdec.v1.TargetService/Decode", "b", 2, 0, 200 * MS, {}, "target"))
     for i in range(20):
         spans.append(_span("specdec.decode", "b", 200 + i, i * DECODE_NS, DECODE_NS,
@@ -114,6 +116,8 @@ def test_report_numbers_from_a_trace(trace_file):
 def test_cli_prints_the_numbers_and_writes_plots(trace_file, tmp_path, capsys):
     assert main([str(trace_file), "--plots", str(tmp_path / "plots")]) == 0
     out = capsys.readouterr().out
+    assert "failovers: 1 (lost: target:t1 x1)" in out
+    assert "rollbacks: 1, 1 of them cut generated tokens at a stop string (2 tokens)" in out
     assert "acceptance rate: 60.0% of drafted tokens" in out
     assert "mean accepted length: 2.40 tokens per drafting round" in out
     assert "acceptance by position: 1:80%(10) 2:70%(10) 3:50%(10) 4:40%(10)" in out
