@@ -205,11 +205,14 @@ class Generation:
         """Brings target and draft to exactly the committed tokens, replacing a worker
         that turns out to be unreachable (at most max_failovers times)."""
         tokens = self._committed(plan)
+        synced: set[tuple[str, str]] = set()  # (pool, address): done, not redone on a retry
         while True:
             try:
-                plan.record.target = self._sync(self.target, plan.record.target, tokens, keep, plan)
-                if self.draft is not None:
-                    plan.record.draft = self._sync(self.draft, plan.record.draft, tokens, keep, plan)
+                for worker, field in ((self.target, "target"), (self.draft, "draft")):
+                    if worker is None or (worker.pool, worker.address) in synced:
+                        continue
+                    setattr(plan.record, field, self._sync(worker, getattr(plan.record, field), tokens, keep, plan))
+                    synced.add((worker.pool, worker.address))
                 break
             except grpc.RpcError as error:
                 self._replace_lost_workers(plan, error)
@@ -217,10 +220,13 @@ class Generation:
 
     def _sync(self, worker: Worker, handle: WorkerHandle | None, tokens: list[int], keep: int, plan: Plan) -> WorkerHandle:
         """Rolls the worker's session back to what it shares with tokens, then extends
-        it; opens (prefills) a new one where it has none or lost it."""
+        it; opens (prefills) a new one where it has none, lost it, or shares nothing."""
         timeout = self.config.rpc_timeout_s
         if handle and handle.address == worker.address:
             keep = min(keep, handle.committed_len)
+            if keep < 1:  # nothing in common (a session keeps at least one token)
+                close_worker_sessions(self.pool, ((worker.pool, handle),), timeout)
+                return self._open(worker, tokens, plan)
             try:
                 # Always: the worker may have run past the committed tokens (a round in
                 # flight when the previous call stopped); rollback is absolute.
