@@ -70,7 +70,10 @@ def rpc_errors(handler):
             try:
                 yield from handler(self, request, context)
             except Exception as error:  # noqa: BLE001 - mapped to a status, logged if unexpected
-                if context.code() is None and context.is_active():
+                if not context.is_active():  # the caller cancelled or its deadline passed
+                    log.debug("%s ended after its caller left: %r", method, error)
+                    return
+                if context.code() is None:
                     _abort(context, method, error)
                 raise
         return streaming
