@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import grpc
-
 from draft_service.config import ENV_PREFIX, DraftConfig
 from draft_service.drafting import Drafters
 from draft_service.remote_verifier import TargetConnections
@@ -15,7 +13,7 @@ from service_common import config as config_flags
 from service_common import server as common_server
 from service_common import telemetry
 from service_common.logs import configure_logging
-from service_common.registry import join_pool
+from service_common.registry import create_worker_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2
 from speculative.errors import SpeculativeError
 from speculative.compute_thread import ComputeThread
@@ -44,20 +42,11 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
     servicer = DraftServicer(config, drafters, SessionCache(config.max_sessions, config.max_cached_tokens),
                              TargetConnections())
 
-    def register(server: grpc.Server) -> None:
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
-
-    server, port, health = common_server.create_server(
-        config.address, register, [SERVICE_NAME],
-        # Each Speculate stream holds a thread for its rounds (about one per session),
-        # plus headroom for unary calls and health checks.
-        max_workers=config.max_sessions + 16,
-        interceptors=telemetry.current().server_interceptors(),
+    service = create_worker_service(
+        config, lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s), SERVICE_NAME,
+        orchestrator_pb2.WORKER_POOL_DRAFT, lambda: servicer.Info(common_pb2.InfoRequest(), None),
     )
-    servicer.advertise_address = config.resolved_advertise_address(port)
-    service = common_server.Service(server, port, health)
-    join_pool(service, config, orchestrator_pb2.WORKER_POOL_DRAFT, servicer.advertise_address,
-              lambda: servicer.Info(common_pb2.InfoRequest(), None))
+    servicer.advertise_address = config.resolved_advertise_address(service.port)
     return service
 
 

@@ -14,9 +14,12 @@ import threading
 import time
 from collections.abc import Callable
 
+import grpc
 from google.protobuf import json_format
 
+from service_common import telemetry
 from service_common.redis_client import connect, describe, unavailable_on_error
+from service_common.server import Service, create_server
 from specdec.v1 import common_pb2, orchestrator_pb2
 
 log = logging.getLogger(__name__)
@@ -119,12 +122,23 @@ def worker_record(pool: int, address: str, info: common_pb2.InfoResponse) -> orc
     )
 
 
-def join_pool(service, config, pool: int, address: str, info: Callable[[], common_pb2.InfoResponse]) -> None:
-    """Registers a worker's Service in its pool while it serves, when config.redis_url
-    (a RegistryConfig) is set; without it the orchestrator is given addresses instead."""
-    if not config.redis_url:
-        return
-    heartbeat = Heartbeat(WorkerRegistry(config.redis_url), lambda: worker_record(pool, address, info()),
-                          config.heartbeat_s, config.heartbeat_ttl_s)
-    service.on_started.append(heartbeat.start)
-    service.on_stopping.append(heartbeat.stop)
+def create_worker_service(config, register: Callable[[grpc.Server], None], service_name: str, pool: int,
+                          info: Callable[[], common_pb2.InfoResponse]) -> Service:
+    """Builds (does not start) a worker's Service: its gRPC server, and, when
+    config.redis_url (a RegistryConfig) is set, its membership of `pool` while it serves
+    (without Redis the orchestrator is given worker addresses instead)."""
+    server, port, health = create_server(
+        config.address, register, [service_name],
+        # Each Verify, Decode or Speculate stream holds a thread for its rounds (about one
+        # per session), plus headroom for unary calls and health checks.
+        max_workers=config.max_sessions + 16,
+        interceptors=telemetry.current().server_interceptors(),
+    )
+    service = Service(server, port, health)
+    if config.redis_url:
+        address = config.resolved_advertise_address(port)
+        heartbeat = Heartbeat(WorkerRegistry(config.redis_url), lambda: worker_record(pool, address, info()),
+                              config.heartbeat_s, config.heartbeat_ttl_s)
+        service.on_started.append(heartbeat.start)
+        service.on_stopping.append(heartbeat.stop)
+    return service

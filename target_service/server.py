@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-
 from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import SpeculativeError
 from speculative.compute_thread import ComputeThread
@@ -14,7 +13,7 @@ from service_common import telemetry
 from service_common.config import parse
 from service_common.convert import model_info
 from service_common.logs import configure_logging
-from service_common.registry import join_pool
+from service_common.registry import create_worker_service
 from target_service.config import ENV_PREFIX, TargetConfig
 from target_service.servicer import TargetServicer
 from target_service.sessions import SessionCache
@@ -39,19 +38,11 @@ def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None)
         model_info=model_info(loaded, describe_device(loaded)),
         default_max_new_tokens=config.default_max_new_tokens,
     )
-    server, port, health_servicer = common_server.create_server(
-        config.address,
-        lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
-        [SERVICE_NAME],
-        # Each open Verify or Decode stream holds a thread (about one per session), plus
-        # headroom for unary calls and health checks.
-        max_workers=config.max_sessions + 16,
-        interceptors=telemetry.current().server_interceptors(),
+    service = create_worker_service(
+        config, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s), SERVICE_NAME,
+        orchestrator_pb2.WORKER_POOL_TARGET, lambda: servicer.Info(common_pb2.InfoRequest(), None),
     )
-    servicer.worker_address = config.resolved_advertise_address(port)
-    service = common_server.Service(server, port, health_servicer)
-    join_pool(service, config, orchestrator_pb2.WORKER_POOL_TARGET, servicer.worker_address,
-              lambda: servicer.Info(common_pb2.InfoRequest(), None))
+    servicer.worker_address = config.resolved_advertise_address(service.port)
     return service
 
 
