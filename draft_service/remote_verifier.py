@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -21,7 +22,8 @@ from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import StaleProposal
-from speculative.rejection import Verdict
+from speculative.policy import MeasuredCosts
+from speculative.rejection import NextTokenKind, Verdict
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.target import VerifyResult
 
@@ -62,8 +64,9 @@ class TargetInfo:
 
 
 class TargetConnections:
-    """One channel per target address (gRPC multiplexes all streams over it), and each
-    target's model info, asked once per address."""
+    """One channel per target address (gRPC multiplexes all streams over it), each
+    target's model info, asked once per address, and the costs adaptive calls measured
+    with it, per drafter (they seed the next call's policy)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -71,6 +74,15 @@ class TargetConnections:
         self._stubs: dict[str, target_pb2_grpc.TargetServiceStub] = {}
         self._infos: dict[str, TargetInfo] = {}
         self._reached: set[str] = set()  # addresses that answered Info at least once
+        self._costs: dict[tuple[str, str], MeasuredCosts] = {}  # (address, drafter) ->
+
+    def costs(self, address: str, drafter: str) -> MeasuredCosts | None:
+        with self._lock:
+            return self._costs.get((address, drafter))
+
+    def remember_costs(self, address: str, drafter: str, costs: MeasuredCosts) -> None:
+        with self._lock:
+            self._costs[(address, drafter)] = costs
 
     def stub(self, address: str) -> target_pb2_grpc.TargetServiceStub:
         with self._lock:
@@ -101,6 +113,8 @@ class TargetConnections:
         """Drops what was learnt about a target (it may have restarted with another model)."""
         with self._lock:
             self._infos.pop(address, None)
+            for key in [key for key in self._costs if key[0] == address]:
+                del self._costs[key]
 
     def _drop_channel_if_never_reached(self, address: str) -> None:
         """Keeps no channel to an address that never answered (a typo must not cost a
@@ -150,6 +164,9 @@ class RemoteVerifier:
         self.proposal_bytes = 0  # serialized size of the last Proposal, in bytes
         self.verdict_bytes = 0  # serialized size of the last Verdict, in bytes
         self._sampling = sampling_to_proto(params)  # sent with the first proposal only
+        self._stop_token_ids = frozenset(params.stop_token_ids)
+        self._stub = stub
+        self._deadline = time.monotonic() + timeout_s  # of the Verify stream, for Decode calls too
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight = False  # a proposal was sent and its verdict not read
         self._closed = False
@@ -169,6 +186,30 @@ class RemoteVerifier:
         self.verdict_bytes = verdict.ByteSize()
         self.round += 1
         return self._result(proposal, verdict)
+
+    def decode(self, base_len: int, max_tokens: int) -> Iterator[VerifyResult]:
+        """Target-only decoding over a Decode stream on the same target session: the
+        target computes each next token while the last one travels, so the round trip is
+        paid once per stream, not per token. Closing the iterator early cancels the
+        stream (the target may have committed a token more: the next round's proposal is
+        then discarded as stale, and the caller rolls both back to the committed length)."""
+        request = target_pb2.DecodeRequest(session_id=self.session_id, base_len=base_len, max_tokens=max_tokens)
+        if self._sampling is not None:
+            request.sampling.CopyFrom(self._sampling)
+            self._sampling = None
+        call = self._stub.Decode(request, timeout=max(0.0, self._deadline - time.monotonic()))
+        try:
+            for token in call:
+                self.round += 1  # a streamed token counts as a round of the session
+                yield VerifyResult(
+                    verdict=Verdict(0, token.token_id, NextTokenKind.BONUS), token_ids=[token.token_id],
+                    committed_len=token.committed_len, stopped=token.token_id in self._stop_token_ids,
+                    target_compute_ns=token.compute_ns,
+                )
+        except grpc.RpcError as error:
+            raise as_target_error(self.address, error) from None
+        finally:
+            call.cancel()  # a no-op once the stream has ended
 
     def _proposal(self, base_len, draft_token_ids, draft_probs) -> target_pb2.Proposal:
         proposal = target_pb2.Proposal(

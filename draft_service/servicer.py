@@ -23,6 +23,7 @@ from service_common.status import Unavailable, rpc_errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.fingerprint import ANY_VOCABULARY
+from speculative.policy import AdaptiveK
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -118,6 +119,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             target = self.targets.info(plan.target_address, timeout_s)
             context_length = check_start(entry, request, plan, self.drafters, target)
             apply_settings(entry.draft, plan.settings)
+            adaptive = plan.policy if isinstance(plan.policy, AdaptiveK) else None
+            if adaptive is not None and (costs := self.targets.costs(plan.target_address, entry.drafter)):
+                adaptive.seed(costs)
             verifier = RemoteVerifier(
                 self.targets.stub(plan.target_address), plan.target_address, plan.target_session_id,
                 plan.settings.params, entry.next_round, timeout_s,
@@ -137,6 +141,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 }})
                 entry.next_round = verifier.round
                 verifier.close()
+                if adaptive is not None and adaptive.measured:
+                    self.targets.remember_costs(plan.target_address, entry.drafter, adaptive.costs())
 
     # --- helpers ----------------------------------------------------------------------
 

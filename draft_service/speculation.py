@@ -13,6 +13,7 @@ attributes are listed above `_observe_round`) and counted in the metric instrume
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -114,18 +115,18 @@ def run_rounds(
     try:
         # Round times are taken around the loop's own work, not the sending of updates.
         round_start_ns = time.time_ns()
-        for result in speculation_rounds(
-            verifier, entry.draft, base_len, plan.settings.params, plan.policy, context_length
-        ):
-            round_end_ns = time.time_ns()
-            committed_len += len(result.token_ids)
-            update = _update(result, committed_len, first_round, verifier)
-            _observe_round(update, result, entry.session_id, plan, round_start_ns, round_end_ns)
-            timing.add(round_end_ns - round_start_ns, len(result.token_ids))
-            yield update
-            if cancelled():
-                return
-            round_start_ns = time.time_ns()
+        rounds = speculation_rounds(verifier, entry.draft, base_len, plan.settings.params, plan.policy, context_length)
+        with contextlib.closing(rounds):  # on cancel, a target Decode stream in progress ends too
+            for result in rounds:
+                round_end_ns = time.time_ns()
+                committed_len += len(result.token_ids)
+                update = _update(result, committed_len, first_round, verifier)
+                _observe_round(update, result, entry.session_id, plan, round_start_ns, round_end_ns)
+                timing.add(round_end_ns - round_start_ns, len(result.token_ids))
+                yield update
+                if cancelled():
+                    return
+                round_start_ns = time.time_ns()
     except BaseException:
         entry.draft.truncate_to(committed_len)
         raise
@@ -138,7 +139,8 @@ def _update(result: RoundResult, committed_len: int, first_round: int, verifier:
     return draft_pb2.SpeculateUpdate(
         token_ids=result.token_ids,
         committed_len=committed_len,
-        round=round_stats_to_proto(stats, verifier.proposal_bytes, verifier.verdict_bytes),
+        round=(round_stats_to_proto(stats) if stats.streamed  # no Proposal, no Verdict
+               else round_stats_to_proto(stats, verifier.proposal_bytes, verifier.verdict_bytes)),
         finished=result.finish_reason is not None,
         finish_reason=FINISH_REASON_TO_PROTO[result.finish_reason],
     )
@@ -162,6 +164,8 @@ def _update(result: RoundResult, committed_len: int, first_round: int, verifier:
 #   specdec.network_ns: verify_ns - target_compute_ns: transport, serialization, queueing
 #   specdec.proposal_bytes: serialized Proposal
 #   specdec.verdict_bytes: serialized Verdict
+#   specdec.streamed: a token the target decoded alone on a Decode stream (adaptive: drafting
+#     did not pay); k = 0 and verify_ns is the time since the previous token
 #   specdec.finish_reason: on the last round of a call: length or stop_token
 
 
@@ -189,6 +193,7 @@ def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, sessi
             "specdec.network_ns": max(0, stats.verify_ns - stats.target_compute_ns),
             "specdec.proposal_bytes": wire.proposal_bytes,
             "specdec.verdict_bytes": wire.verdict_bytes,
+            "specdec.streamed": stats.streamed,
         }
         if result.finish_reason is not None:
             attributes["specdec.finish_reason"] = result.finish_reason.value

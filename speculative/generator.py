@@ -7,6 +7,7 @@ the loop is the same code in process and across the network.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Iterator, Sequence
@@ -34,6 +35,11 @@ class Verifier(Protocol):
         self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None
     ) -> VerifyResult: ...
 
+    def decode(self, base_len: int, max_tokens: int) -> Iterator[VerifyResult]:
+        """Target-only decoding of up to max_tokens tokens, one result per token, with no
+        round trip per token (remotely: one server stream)."""
+        ...
+
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -52,39 +58,67 @@ def speculation_rounds(
 ) -> Iterator[RoundResult]:
     """Runs rounds until a stop token, max_new_tokens or the context length.
 
-    On entry verifier and draft both hold `base_len` committed tokens; after each
-    yielded round both hold the new committed length.
+    Each step is either a round (draft k tokens, verify them in one target pass) or, when
+    the policy finds that faster, a stretch of tokens the target decodes alone, each
+    yielded as it comes. On entry verifier and draft both hold `base_len` committed
+    tokens; after each yielded result both hold the new committed length.
     """
-    num_generated = 0
-    for index in range(params.max_new_tokens):
-        # 1. Choose k: never draft past max_new_tokens or the context.
-        room = min(params.max_new_tokens - num_generated, context_length - base_len) - 1
-        k = min(policy.next_k(), room) if draft is not None else 0
-        # 2. Propose.
-        start = time.perf_counter_ns()
-        proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
-        drafted = time.perf_counter_ns()
-        # 3. Verify: one round trip to the target, which commits and cuts at stop tokens.
-        result = verifier.verify(base_len, proposal.token_ids, proposal.draft_probs)
-        verified = time.perf_counter_ns()
-        # 4. Bring the draft to the same committed tokens.
-        _apply_to_draft(draft, base_len, result)
-        stats = RoundStats(
-            index, base_len, len(proposal), result.verdict.num_accepted, len(result.token_ids),
-            result.verdict.next_token_kind, drafted - start, verified - drafted, result.target_compute_ns,
-        )
-        policy.observe(stats)
-        base_len, num_generated = base_len + len(result.token_ids), num_generated + len(result.token_ids)
-        finish_reason = _finish_reason(result, room)
-        yield RoundResult(result.token_ids, stats, finish_reason)
-        if finish_reason is not None:
-            return
+    num_generated = index = 0
+    while True:
+        # Never draft or decode past max_new_tokens or the context.
+        room = min(params.max_new_tokens - num_generated, context_length - base_len)
+        solo = min(policy.solo_tokens(), room) if draft is not None else 0
+        if solo:
+            steps = _solo_stretch(verifier, draft, base_len, solo)
+        else:
+            steps = (_round(verifier, draft, base_len, min(policy.next_k(), room - 1) if draft is not None else 0),)
+        for stats, result in steps:
+            stats = dataclasses.replace(stats, index=index)
+            policy.observe(stats)
+            index += 1
+            base_len, num_generated = base_len + len(result.token_ids), num_generated + len(result.token_ids)
+            finish_reason = _finish_reason(result, num_generated >= params.max_new_tokens or base_len >= context_length)
+            yield RoundResult(result.token_ids, stats, finish_reason)
+            if finish_reason is not None:
+                return
 
 
-def _finish_reason(result: VerifyResult, room: int) -> FinishReason | None:
+def _round(verifier: Verifier, draft: DraftSession | None, base_len: int, k: int) -> tuple[RoundStats, VerifyResult]:
+    """Draft k tokens, verify them in one round trip, bring the draft to the verdict."""
+    start = time.perf_counter_ns()
+    proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
+    drafted = time.perf_counter_ns()
+    # One round trip to the target, which commits and cuts at stop tokens.
+    result = verifier.verify(base_len, proposal.token_ids, proposal.draft_probs)
+    verified = time.perf_counter_ns()
+    _apply_to_draft(draft, base_len, result)
+    stats = RoundStats(
+        0, base_len, len(proposal), result.verdict.num_accepted, len(result.token_ids),
+        result.verdict.next_token_kind, drafted - start, verified - drafted, result.target_compute_ns,
+    )
+    return stats, result
+
+
+def _solo_stretch(verifier: Verifier, draft: DraftSession, base_len: int, num_tokens: int):
+    """(stats, result) per token the target decodes alone; the draft follows each."""
+    tokens = verifier.decode(base_len, num_tokens)
+    try:
+        last = time.perf_counter_ns()
+        for result in tokens:
+            now = time.perf_counter_ns()
+            draft.append(result.token_ids)
+            stats = RoundStats(0, base_len, 0, 0, len(result.token_ids), result.verdict.next_token_kind,
+                               0, now - last, result.target_compute_ns, streamed=True)
+            base_len, last = base_len + len(result.token_ids), now
+            yield stats, result
+    finally:
+        tokens.close()  # stops the target's stream when the caller stops early
+
+
+def _finish_reason(result: VerifyResult, out_of_room: bool) -> FinishReason | None:
     if result.stopped:
         return FinishReason.STOP_TOKEN
-    return FinishReason.LENGTH if len(result.token_ids) == room + 1 else None
+    return FinishReason.LENGTH if out_of_room else None
 
 
 def _apply_to_draft(draft: DraftSession | None, base_len: int, result: VerifyResult) -> None:

@@ -21,6 +21,9 @@ class RoundStats:
     draft_ns: int  # time to propose, in nanoseconds
     verify_ns: int  # time from sending the proposal to having the verdict, in nanoseconds
     target_compute_ns: int  # the target's forward pass and decision, in nanoseconds
+    # The target decoded this token alone, streamed (the adaptive policy found that
+    # faster than drafting): no proposal, and verify_ns is the time since the last token.
+    streamed: bool = False
 
 
 @dataclass
@@ -29,6 +32,7 @@ class GenerationStats:
     num_rounds: int = 0  # target forward passes after prefill
     num_drafted: int = 0
     num_accepted: int = 0
+    num_streamed: int = 0  # tokens the target decoded alone within speculating calls
     # [max k] rounds that drafted / accepted a token at draft position i
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -43,6 +47,7 @@ class GenerationStats:
         self.num_generated_tokens += round_stats.num_committed
         self.num_drafted += round_stats.num_drafted
         self.num_accepted += round_stats.num_accepted
+        self.num_streamed += round_stats.streamed
         _grow(self.drafted_per_position, round_stats.num_drafted)
         _grow(self.accepted_per_position, round_stats.num_drafted)
         for position in range(round_stats.num_drafted):
@@ -93,7 +98,8 @@ class GenerationStats:
             f"({self.tokens_per_round:.2f} tokens per pass)",
             f"drafted {self.num_drafted}, accepted {self.num_accepted} "
             f"(acceptance {self.acceptance_rate:.1%}, {self.mean_accepted_per_round:.2f} per "
-            f"drafting round); by position: {by_position or '-'}",
+            f"drafting round); by position: {by_position or '-'}"
+            + (f"; {self.num_streamed} tokens decoded by the target alone" if self.num_streamed else ""),
             f"time: prefill {self.prefill_ns * ms:.0f} ms, draft {self.draft_ns * ms:.0f} ms, "
             f"verify {self.verify_ns * ms:.0f} ms (target compute "
             f"{self.target_compute_ns * ms:.0f} ms, network {self.network_ns * ms:.0f} ms)",

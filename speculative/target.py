@@ -7,7 +7,7 @@ generator calls directly. Target-only decoding is the same call with no draft to
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from speculative.errors import InvalidArgument, StaleProposal
@@ -94,6 +94,16 @@ class TargetSession:
         self.session.truncate_to(base_len + min(verdict.num_accepted, len(token_ids)))
         self.session.append(token_ids[verdict.num_accepted :])
         return VerifyResult(verdict, token_ids, self.length, stopped, time.perf_counter_ns() - start)
+
+    def decode(self, base_len: int, max_tokens: int) -> Iterator[VerifyResult]:
+        """Target-only decoding: up to max_tokens one-token passes from base_len,
+        stopping after a stop token. Each is `verify` with no draft tokens."""
+        for _ in range(max_tokens):
+            result = self.verify(base_len, [])
+            yield result
+            if result.stopped or result.committed_len >= self.context_length:
+                return
+            base_len = result.committed_len
 
     def _decide(self, draft_token_ids, draft_probs) -> Verdict:
         logits = self.session.logits(len(draft_token_ids) + 1)  # [k + 1, vocab_size]

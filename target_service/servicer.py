@@ -169,7 +169,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return _verdict(proposal, result, target.context_length)
 
     def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int]:
-        """Checks base_len, applies the call's sampling; returns (base_len, max_new_tokens)."""
+        """Checks base_len, applies the call's sampling; returns (base_len, tokens to decode)."""
         sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
         with self.sessions.use(request.session_id) as target:
             if request.base_len != target.length:
@@ -178,7 +178,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 )
             if sampling is not None:
                 target.set_sampling(sampling)
-            return target.length, target.params.max_new_tokens
+            max_new_tokens = target.params.max_new_tokens
+            if request.max_tokens < 0:
+                raise InvalidArgument(f"max_tokens must be >= 0 (0 = up to max_new_tokens), got {request.max_tokens}")
+            return target.length, min(max_new_tokens, request.max_tokens or max_new_tokens)
 
     def _sampling(self, message: common_pb2.SamplingParams) -> SamplingParams:
         return sampling_from_proto(message, self.default_max_new_tokens)

@@ -24,6 +24,7 @@ from draft_service.remote_verifier import TargetInfo
 from draft_service.server import create_server as create_draft_server
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import check_start, plan_call
+from launcher.delay_proxy import DelayProxy
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from speculative.drafters import ModelDrafter, NgramDrafter
 from speculative.errors import IncompatibleModels, NotFound
@@ -160,8 +161,12 @@ def check_accounting(updates, base_len: int, num_tokens: int, finish_reason) -> 
         assert 0 <= stats.num_accepted <= stats.num_drafted
         length += len(update.token_ids)
         assert update.committed_len == length
-        assert stats.proposal_bytes > 0 and stats.verdict_bytes > 0
-        assert stats.verify_rtt_ns >= stats.target_compute_ns > 0
+        if stats.streamed:  # decoded by the target alone: no proposal, no verdict
+            assert stats.num_drafted == 0 and len(update.token_ids) == 1
+            assert stats.proposal_bytes == stats.verdict_bytes == 0 and stats.target_compute_ns > 0
+        else:
+            assert stats.proposal_bytes > 0 and stats.verdict_bytes > 0
+            assert stats.verify_rtt_ns >= stats.target_compute_ns > 0
         assert update.finished == (index == len(updates) - 1)
     assert updates[0].round.round + len(updates) - 1 == updates[-1].round.round
     assert length == base_len + num_tokens
@@ -483,3 +488,56 @@ def test_main_logs_the_bound_port():
     finally:
         process.terminate()
         process.wait(10)
+
+
+# --- adaptive speculation across a slow link ----------------------------------------------
+
+LINK_DELAY_MS = 15  # one way: a 30 ms round trip against ~1 ms tiny-model steps
+
+
+@pytest.fixture(scope="module")
+def slow_target_address(target_address):
+    """The target behind a delaying proxy: speculation cannot pay for its round trips."""
+    with DelayProxy(target_address, LINK_DELAY_MS) as proxy:
+        yield proxy.address
+
+
+@pytest.mark.parametrize(("worker", "drafter"), [("same", "model"), ("unrelated", "model"), ("same", "ngram")])
+def test_adaptive_call_over_a_slow_link_lets_the_target_decode_alone(
+        worker, drafter, draft_stubs, target, slow_target_address, prompt_ids, references):
+    """The round trip costs more than anything a round can win, so after the first
+    rounds the policy hands over to the target's Decode stream: streamed tokens, the
+    same greedy output, and consistent accounting."""
+    pair = Pair(draft_stubs[worker], target, slow_target_address, prompt_ids[3], drafter)
+    updates = pair.speculate(num_speculative_tokens=4, adaptive=True)
+    pair.close()
+    assert tokens_of(updates) == references[3]
+    check_accounting(updates, len(prompt_ids[3]), MAX_NEW_TOKENS, common_pb2.FINISH_REASON_LENGTH)
+    streamed = [u for u in updates if u.round.streamed]
+    assert len(streamed) >= MAX_NEW_TOKENS // 2, [(u.round.num_drafted, u.round.streamed) for u in updates]
+    # The next call with this target starts from the costs measured: no round trip first.
+    pair = Pair(draft_stubs[worker], target, slow_target_address, prompt_ids[2], drafter)
+    updates = pair.speculate(num_speculative_tokens=4, adaptive=True)
+    pair.close()
+    assert updates[0].round.streamed and tokens_of(updates) == references[2]
+
+
+def test_cancelling_during_a_streamed_stretch_leaves_the_sessions_usable(
+        draft_stubs, target, slow_target_address, prompt_ids, tiny_target):
+    ids = prompt_ids[3]
+    reference = SpeculativeGenerator(tiny_target).generate(ids, SamplingParams(max_new_tokens=48), k=0).token_ids
+    pair = Pair(draft_stubs["unrelated"], target, slow_target_address, ids)
+    call = pair.draft.Speculate(pair.request(common_pb2.SamplingParams(max_new_tokens=48),
+                                             num_speculative_tokens=4, adaptive=True), timeout=TIMEOUT_S)
+    received = []
+    for update in call:
+        received.append(update)
+        if update.round.streamed and len(received) > 4:
+            call.cancel()
+            break
+    assert received[-1].round.streamed
+    pair.truncate(received[-1].committed_len)  # the target may have decoded a token more
+    rest = pair.speculate(common_pb2.SamplingParams(max_new_tokens=48 - len(tokens_of(received))),
+                          num_speculative_tokens=2)
+    pair.close()
+    assert tokens_of(received) + tokens_of(rest) == reference

@@ -1,10 +1,13 @@
-"""AdaptiveK picks k from measured acceptance and costs; exactness never depends on it."""
+"""AdaptiveK chooses between k = 1..max_k and target-only decoding from measured
+acceptance and costs (round trip included); exactness never depends on its choices."""
 
 from __future__ import annotations
 
+import pytest
+
 from speculative.drafters import NgramDrafter
 from speculative.generator import SpeculativeGenerator
-from speculative.policy import AdaptiveK
+from speculative.policy import AdaptiveK, SpeculationPolicy, expected_tokens
 from speculative.rejection import NextTokenKind
 from speculative.sampling import SamplingParams
 from speculative.stats import RoundStats
@@ -12,42 +15,86 @@ from speculative.stats import RoundStats
 MS = 1_000_000  # nanoseconds
 
 
-def _round(num_drafted, num_accepted, verify_ms, draft_ms=0.0):
+def _round(num_drafted, num_accepted, compute_ms, overhead_ms=0.0, draft_ms=0.0):
     return RoundStats(
         0, 0, num_drafted, num_accepted, num_accepted + 1, NextTokenKind.BONUS,
-        int(draft_ms * MS), int(verify_ms * MS), int(verify_ms * MS),
+        int(draft_ms * MS), int((compute_ms + overhead_ms) * MS), int(compute_ms * MS),
     )
 
 
-def test_starts_at_max_k():
-    assert AdaptiveK(6).next_k() == 6
+def _streamed(ms_per_token):
+    return RoundStats(0, 0, 0, 0, 1, NextTokenKind.BONUS, 0, int(ms_per_token * MS), int(ms_per_token * MS),
+                      streamed=True)
+
+
+def _settled(policy, rounds, times=100):
+    """Observes the rounds `times` over: the decayed averages forget the priors."""
+    for _ in range(times):
+        for round_stats in rounds:
+            policy.observe(round_stats)
+    return policy
+
+
+def test_before_any_measurement_it_drafts_what_the_priors_favour():
+    # Prior acceptance 0.5, each draft token +10% verification, no delay: k = 2.
+    policy = AdaptiveK(6)
+    assert policy.solo_tokens() == 0 and policy.next_k() == 2
+    assert AdaptiveK(1).next_k() == 1
 
 
 def test_high_acceptance_and_cheap_verification_keep_k_high():
-    policy = AdaptiveK(8)
-    for _ in range(20):
-        policy.observe(_round(8, 8, verify_ms=13.0))
-        policy.observe(_round(0, 0, verify_ms=10.0))
-    assert policy.next_k() == 8
+    policy = _settled(AdaptiveK(8), [_round(8, 8, 13.0), _streamed(10.0)])
+    assert policy.solo_tokens() == 0 and policy.next_k() == 8
 
 
-def test_rejected_drafts_drive_k_to_zero_with_periodic_probes():
-    policy = AdaptiveK(8, probe_every=4)
-    for _ in range(20):
-        policy.observe(_round(4, 0, verify_ms=17.0))
-        policy.observe(_round(0, 0, verify_ms=10.0))
-    choices = [policy.next_k() for _ in range(8)]
-    assert choices.count(0) == 6 and choices.count(1) == 2  # a probe every 4th round
+def test_rejected_drafts_hand_over_to_target_only_decoding_with_growing_stretches():
+    policy = _settled(AdaptiveK(8, first_solo=8, max_solo=64), [_round(4, 0, 14.0), _round(1, 0, 11.0)])
+    stretches = []
+    for _ in range(5):
+        stretches.append(policy.solo_tokens())
+        assert policy.solo_tokens() == 0  # a probe round follows each stretch
+        policy.observe(_round(1, 0, 11.0))
+    assert stretches == [8, 16, 32, 64, 64]
+    assert policy.next_k() == 1  # the probe drafts what is cheapest to re-measure with
+
+
+def test_break_even_round_trip_matches_the_cost_model():
+    """a = 2/3 (2 of 4 accepted each round), c(1) = 10 ms, c(5) = 14 ms (interpolated
+    between), solo 10 ms per token: speculation at k = 4 yields E = 2.605 tokens per
+    c(5) + R, so it stops paying at R* = 26.05 - 14 = 12.05 ms (k = 1..3 break even
+    earlier: 5.67, 9.11, 11.07 ms)."""
+    measured = [_round(4, 2, 14.0), _streamed(10.0)]
+    break_even_ms = expected_tokens(2 / 3, 4) * 10.0 - 14.0
+    assert break_even_ms == pytest.approx(12.05, abs=0.01)
+    below = _settled(AdaptiveK(4), [_round(4, 2, 14.0, overhead_ms=break_even_ms - 0.3), measured[1]])
+    above = _settled(AdaptiveK(4), [_round(4, 2, 14.0, overhead_ms=break_even_ms + 0.3), measured[1]])
+    assert below.solo_tokens() == 0 and below.next_k() == 4
+    assert above.solo_tokens() > 0
+
+
+def test_a_drafter_that_rarely_proposes_pays_the_round_trip_on_plain_steps():
+    """The n-gram drafter proposes in a fraction f of rounds; the others are one-token
+    steps that still pay R, so the same acceptance pays at f = 1 and not at f = 0.1."""
+    always = [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)]
+    rarely = [_round(4, 3, 14.0, overhead_ms=5.0)] + [_round(0, 0, 10.0, overhead_ms=5.0)] * 9 + [_streamed(10.0)]
+    assert _settled(AdaptiveK(4), always).solo_tokens() == 0
+    assert _settled(AdaptiveK(4), rarely).solo_tokens() > 0
+
+
+def test_costs_measured_by_an_earlier_call_decide_the_first_round():
+    earlier = _settled(AdaptiveK(4), [_round(4, 2, 14.0, overhead_ms=40.0), _streamed(10.0)])
+    seeded = AdaptiveK(4, costs=earlier.costs())  # acceptance starts from the prior again
+    assert seeded.acceptance() == 0.5
+    # a = 0.5 cannot pay a 40 ms round trip: decode alone, long enough that a probe
+    # (~40 + 14 - 10 ms) is at most 5% of the stretch (10 ms per token): 88 tokens.
+    assert seeded.solo_tokens() in (88, 89)  # ceil of 44 / 0.5, give or take rounding
+    assert AdaptiveK(4).solo_tokens() == 0  # unseeded: measure first
 
 
 def test_a_costly_draft_lowers_k():
     """The same acceptance pays for a long proposal from a cheap drafter, not a costly one."""
-    fast, slow = AdaptiveK(8), AdaptiveK(8)
-    for _ in range(30):
-        fast.observe(_round(4, 2, verify_ms=12.0))
-        fast.observe(_round(1, 1, verify_ms=10.5))
-        slow.observe(_round(4, 2, verify_ms=12.0, draft_ms=40.0))
-        slow.observe(_round(1, 1, verify_ms=10.5, draft_ms=10.0))
+    fast = _settled(AdaptiveK(8), [_round(4, 2, 12.0), _round(1, 1, 10.5)], times=30)
+    slow = _settled(AdaptiveK(8), [_round(4, 2, 12.0, draft_ms=40.0), _round(1, 1, 10.5, draft_ms=10.0)], times=30)
     assert slow.next_k() < fast.next_k()
 
 
@@ -57,3 +104,40 @@ def test_adaptive_generation_is_still_exact(tiny_target, prompt_ids):
     adaptive = SpeculativeGenerator(tiny_target, NgramDrafter())
     for ids in prompt_ids[:6]:
         assert adaptive.generate(ids, params, k=AdaptiveK(8)).token_ids == plain.generate(ids, params, k=0).token_ids
+
+
+class _Alternating(SpeculationPolicy):
+    """Target-only stretches of `solo` tokens between rounds of k: every boundary."""
+
+    def __init__(self, k, solo):
+        self.max_k, self.solo, self.drafting = k, solo, True
+
+    def next_k(self):
+        return self.max_k
+
+    def solo_tokens(self):
+        self.drafting = not self.drafting
+        return 0 if self.drafting else self.solo
+
+
+@pytest.mark.parametrize(("k", "solo"), [(1, 1), (3, 2), (4, 5)])
+def test_stretches_of_target_only_decoding_keep_greedy_and_seeded_output_exact(tiny_target, tiny_perturbed, prompt_ids, k, solo):
+    from speculative.drafters import ModelDrafter
+
+    plain = SpeculativeGenerator(tiny_target)
+    mixed = SpeculativeGenerator(tiny_target, ModelDrafter(tiny_perturbed))
+    greedy = SamplingParams(max_new_tokens=21)
+    for ids in prompt_ids[:4]:
+        result = mixed.generate(ids, greedy, k=_Alternating(k, solo))
+        assert result.token_ids == plain.generate(ids, greedy, k=0).token_ids
+        assert result.stats.num_streamed > 0 and result.stats.num_drafted > 0
+        assert result.stats.num_generated_tokens == 21
+    # A stop token inside a stretch ends the generation there.
+    ids = prompt_ids[0]
+    reference = plain.generate(ids, greedy, k=0).token_ids
+    stop = SamplingParams(max_new_tokens=21, stop_token_ids=(reference[solo],))
+    assert mixed.generate(ids, stop, k=_Alternating(k, solo)).token_ids == plain.generate(ids, stop, k=0).token_ids
+    # Seeded sampling: the same run twice draws the same tokens.
+    seeded = SamplingParams(temperature=0.8, seed=7, max_new_tokens=21)
+    first = mixed.generate(ids, seeded, k=_Alternating(k, solo)).token_ids
+    assert mixed.generate(ids, seeded, k=_Alternating(k, solo)).token_ids == first

@@ -82,7 +82,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("round", "base_len", "num_drafted", "num_accepted", "next_token_kind", "draft_ns", "verify_rtt_ns", "target_compute_ns", "proposal_bytes", "verdict_bytes")
+    __slots__ = ("round", "base_len", "num_drafted", "num_accepted", "next_token_kind", "draft_ns", "verify_rtt_ns", "target_compute_ns", "proposal_bytes", "verdict_bytes", "streamed")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class RoundStats(_message.Message):
     TARGET_COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERDICT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     round: int
     base_len: int
     num_drafted: int
@@ -103,10 +104,11 @@ class RoundStats(_message.Message):
     target_compute_ns: int
     proposal_bytes: int
     verdict_bytes: int
-    def __init__(self, round: _Optional[int] = ..., base_len: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., draft_ns: _Optional[int] = ..., verify_rtt_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., verdict_bytes: _Optional[int] = ...) -> None: ...
+    streamed: bool
+    def __init__(self, round: _Optional[int] = ..., base_len: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., draft_ns: _Optional[int] = ..., verify_rtt_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., verdict_bytes: _Optional[int] = ..., streamed: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("num_generated_tokens", "num_rounds", "num_drafted", "num_accepted", "acceptance_rate", "mean_accepted_per_round", "accepted_per_position", "drafted_per_position", "prefill_ns", "draft_ns", "verify_ns", "target_compute_ns", "network_ns", "orchestrator_ns", "total_ns", "num_prefill_tokens", "num_failovers")
+    __slots__ = ("num_generated_tokens", "num_rounds", "num_drafted", "num_accepted", "acceptance_rate", "mean_accepted_per_round", "accepted_per_position", "drafted_per_position", "prefill_ns", "draft_ns", "verify_ns", "target_compute_ns", "network_ns", "orchestrator_ns", "total_ns", "num_prefill_tokens", "num_failovers", "num_streamed_tokens")
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,7 @@ class GenerationStats(_message.Message):
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STREAMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_generated_tokens: int
     num_rounds: int
     num_drafted: int
@@ -141,7 +144,8 @@ class GenerationStats(_message.Message):
     total_ns: int
     num_prefill_tokens: int
     num_failovers: int
-    def __init__(self, num_generated_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., prefill_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., network_ns: _Optional[int] = ..., orchestrator_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_failovers: _Optional[int] = ...) -> None: ...
+    num_streamed_tokens: int
+    def __init__(self, num_generated_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., prefill_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., network_ns: _Optional[int] = ..., orchestrator_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_failovers: _Optional[int] = ..., num_streamed_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "tokenizer_fingerprint", "vocab_size", "context_length", "device", "dtype")
