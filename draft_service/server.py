@@ -18,6 +18,7 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2
 from speculative.errors import SpeculativeError
 from speculative.compute_thread import ComputeThread
 from speculative.loading import LoadedModel, configure_threads, load_model
+from speculative.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
     compute.run(configure_threads, config.threads or None)
     if loaded_model is None and config.model:
         loaded_model = compute.run(load_model, config.model, device=config.device, dtype=config.dtype)
+    if loaded_model is not None:
+        log.info("warmed up in %.2f s", compute.run(warm_up, loaded_model) * 1e-9)
     drafters = Drafters(loaded_model, config.default_drafter, config.draft_top_k,
                         config.prompt_lookup_min, config.prompt_lookup_max, compute)
     servicer = DraftServicer(config, drafters, SessionCache(config.max_sessions, config.max_cached_tokens),

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from speculative.drafters import EMPTY_PROPOSAL, Drafter, DraftSession
+from speculative.drafters import EMPTY_PROPOSAL, Drafter, DraftSession, Proposal
 from speculative.fingerprint import check_compatible
 from speculative.loading import LoadedModel
 from speculative.policy import FixedK, SpeculationPolicy
@@ -65,36 +65,44 @@ def speculation_rounds(
     """
     num_generated = index = 0
     while True:
+        start = time.perf_counter_ns()
         # Never draft or decode past max_new_tokens or the context.
         room = min(params.max_new_tokens - num_generated, context_length - base_len)
         solo = min(policy.solo_tokens(), room) if draft is not None else 0
         if solo:
             steps = _solo_stretch(verifier, draft, base_len, solo)
         else:
-            steps = (_round(verifier, draft, base_len, min(policy.next_k(), room - 1) if draft is not None else 0),)
+            k = min(policy.next_k(), room - 1) if draft is not None else 0
+            proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
+            draft_ns = time.perf_counter_ns() - start
+            if k > 0 and not proposal.token_ids and policy.skip_empty_round():
+                continue  # nothing to verify: not worth a round trip, back to decoding alone
+            steps = (_round(verifier, draft, base_len, proposal, draft_ns),)
         for stats, result in steps:
             stats = dataclasses.replace(stats, index=index)
-            policy.observe(stats)
             index += 1
             base_len, num_generated = base_len + len(result.token_ids), num_generated + len(result.token_ids)
             finish_reason = _finish_reason(result, num_generated >= params.max_new_tokens or base_len >= context_length)
             yield RoundResult(result.token_ids, stats, finish_reason)
+            # Measured after the caller is done with the result: what a round (or a
+            # streamed token) costs includes passing it on.
+            policy.observe(stats, time.perf_counter_ns() - start)
+            start = time.perf_counter_ns()
             if finish_reason is not None:
                 return
 
 
-def _round(verifier: Verifier, draft: DraftSession | None, base_len: int, k: int) -> tuple[RoundStats, VerifyResult]:
-    """Draft k tokens, verify them in one round trip, bring the draft to the verdict."""
+def _round(verifier: Verifier, draft: DraftSession | None, base_len: int, proposal: Proposal,
+           draft_ns: int) -> tuple[RoundStats, VerifyResult]:
+    """Verifies a proposal in one round trip and brings the draft to the verdict."""
     start = time.perf_counter_ns()
-    proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
-    drafted = time.perf_counter_ns()
     # One round trip to the target, which commits and cuts at stop tokens.
     result = verifier.verify(base_len, proposal.token_ids, proposal.draft_probs)
-    verified = time.perf_counter_ns()
+    verify_ns = time.perf_counter_ns() - start
     _apply_to_draft(draft, base_len, result)
     stats = RoundStats(
         0, base_len, len(proposal), result.verdict.num_accepted, len(result.token_ids),
-        result.verdict.next_token_kind, drafted - start, verified - drafted, result.target_compute_ns,
+        result.verdict.next_token_kind, draft_ns, verify_ns, result.target_compute_ns,
     )
     return stats, result
 

@@ -20,9 +20,10 @@ from speculative.stats import RoundStats
 class MeasuredCosts:
     """Costs an AdaptiveK measured between one drafter and one target, in nanoseconds."""
 
-    compute_ns: dict[int, float]  # the target's pass over w tokens, by w
-    overhead_ns: float  # the rest of a round trip (R)
-    solo_ns: float  # per token decoded alone (0 = not measured)
+    one_token_ns: float  # the target's pass over one token, c(1)
+    per_token_ns: float | None  # what each further token of a pass adds (None = not measured)
+    overhead_ns: float  # the rest of a round (R)
+    stream_overhead_ns: float | None  # per token decoded alone, besides its compute
     draft_token_ns: float  # per draft token
 
 
@@ -37,8 +38,14 @@ class SpeculationPolicy(abc.ABC):
         """Tokens the target should decode alone before the next round (0 = draft now)."""
         return 0
 
-    def observe(self, round_stats: RoundStats) -> None:
-        """Learns from a finished round (or a token the target decoded alone)."""
+    def skip_empty_round(self) -> bool:
+        """The drafter proposed nothing: True to skip the round (no round trip for one
+        plain target step) and ask solo_tokens again."""
+        return False
+
+    def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
+        """Learns from a finished round (or a token the target decoded alone) that took
+        elapsed_ns from the policy's decision to its result having been passed on."""
 
 
 class FixedK(SpeculationPolicy):
@@ -66,11 +73,15 @@ class AdaptiveK(SpeculationPolicy):
     - f: the fraction of rounds in which the drafter proposed anything (the n-gram
       drafter often finds nothing to copy; a model drafter always proposes);
     - d: drafting time per draft token;
-    - c(w): the target's compute for a pass over w tokens, as the target reports it
-      (widths not measured yet are interpolated, or extrapolated at +10% per token);
-    - R: the rest of a round trip (network, serialization, queueing: verify - compute);
-    - s: time per token when the target decodes alone (prior: c(1); streamed, R is paid
-      once per stretch, not per token).
+    - c(w) = c(1) + g * (w - 1): the target's compute for a pass over w tokens, as the
+      target reports it; g is measured by every drafting round whatever its width
+      (prior: 10% of c(1)), each sample clamped to [0, c(1)] (a token more never costs
+      more than a pass of its own), so one slow pass (a cold start, a neighbour's burst)
+      cannot make a width look too costly to ever be tried again;
+    - R: the rest of a round: its elapsed time less drafting and the target's compute
+      (network, serialization, queueing, applying the verdict, passing tokens on);
+    - s = c(1) + o: time per token when the target decodes alone, o its elapsed time
+      besides compute, at most R (streamed, the round trip is paid once per stretch).
 
     Tokens per second at k (Leviathan et al. 2023, with f and R as in `python -m report`):
 
@@ -97,24 +108,28 @@ class AdaptiveK(SpeculationPolicy):
         self.proposed = 1.0  # decayed counts behind f (prior 1: the drafter proposes)
         self.asked = 1.0
         self.draft_token_ns = 0.0
-        self.compute_ns: dict[int, float] = {}  # tokens per target pass -> mean ns
+        self.one_token_ns = 0.0  # c(1); 0 = not measured
+        self.per_token_ns: float | None = None  # g
         self.overhead_ns = 0.0  # R
-        self.solo_ns = 0.0  # s, once measured
-        self.measured = False  # a round trip has been measured
+        self.stream_overhead_ns: float | None = None  # o
+        self.measured = False  # a round has been measured
         self.next_solo = first_solo
         self.probe_due = False  # the round after a solo stretch re-measures
+        self.probing = False  # the round being drafted is that probe
         if costs is not None:
             self.seed(costs)
 
     def seed(self, costs: MeasuredCosts) -> None:
         """Starts from costs measured before (before this policy's first round)."""
-        if costs.compute_ns:
-            self.draft_token_ns, self.compute_ns = costs.draft_token_ns, dict(costs.compute_ns)
-            self.overhead_ns, self.solo_ns, self.measured = costs.overhead_ns, costs.solo_ns, True
+        if costs.one_token_ns:
+            self.one_token_ns, self.per_token_ns = costs.one_token_ns, costs.per_token_ns
+            self.overhead_ns, self.stream_overhead_ns = costs.overhead_ns, costs.stream_overhead_ns
+            self.draft_token_ns, self.measured = costs.draft_token_ns, True
 
     def costs(self) -> MeasuredCosts:
         """What this policy measured of the costs, to seed the next call's."""
-        return MeasuredCosts(dict(self.compute_ns), self.overhead_ns, self.solo_ns, self.draft_token_ns)
+        return MeasuredCosts(self.one_token_ns, self.per_token_ns, self.overhead_ns, self.stream_overhead_ns,
+                             self.draft_token_ns)
 
     def acceptance(self) -> float:
         return self.accepted / self.trials
@@ -127,41 +142,60 @@ class AdaptiveK(SpeculationPolicy):
 
     def solo_tokens(self) -> int:
         if not self.measured or self.probe_due:
-            self.probe_due = False
+            self.probing, self.probe_due = self.probe_due, False
             return 0
+        self.probing = False
         k = self.next_k()
         solo_ns = self.solo_cost_ns()
         if self.tokens_per_ns(k) >= 1.0 / solo_ns:
             self.next_solo = self.first_solo
             return 0
-        # What a probe round costs beyond the token it yields, and the stretch over which
+        # What a probe round costs beyond the token it yields (its round trip, and the
+        # first token of the next stretch waits for another), and the stretch over which
         # that is probe_share of the time.
-        probe_ns = k * self.draft_token_ns + self._compute(k + 1) + self.overhead_ns - solo_ns
+        probe_ns = k * self.draft_token_ns + self.compute_ns(k + 1) + 2 * self.overhead_ns - solo_ns
         stretch = min(max(self.next_solo, math.ceil(probe_ns / (self.probe_share * solo_ns))), self.max_solo)
         self.next_solo = min(2 * self.next_solo, self.max_solo)
         self.probe_due = True
         return stretch
 
+    def skip_empty_round(self) -> bool:
+        """A probe with nothing to verify is skipped: it would measure nothing but pay a
+        round trip (the n-gram drafter, between stretches, often finds nothing). The
+        miss counts in f."""
+        if not self.probing:
+            return False
+        self.probing = False
+        self.proposed, self.asked = self.decay * self.proposed, self.decay * self.asked + 1.0
+        return True
+
     def tokens_per_ns(self, k: int) -> float:
         """Expected output tokens per nanosecond of rounds drafting (up to) k tokens."""
-        if not self.compute_ns:  # nothing measured: relative costs, R = 0, d = 0
+        if not self.one_token_ns:  # nothing measured: relative costs, R = 0, d = 0
             return expected_tokens(self.acceptance(), k) / (1.0 + 0.1 * k)
         f = self.proposal_rate()
         tokens = f * expected_tokens(self.acceptance(), k) + 1.0 - f
-        cost = f * (k * self.draft_token_ns + self._compute(k + 1)) + (1.0 - f) * self._compute(1) + self.overhead_ns
+        cost = f * (k * self.draft_token_ns + self.compute_ns(k + 1)) + (1.0 - f) * self.one_token_ns + self.overhead_ns
         return tokens / cost
 
-    def solo_cost_ns(self) -> float:
-        return self.solo_ns or self._compute(1)
+    def compute_ns(self, width: int) -> float:
+        """c(width): the target's pass over `width` tokens."""
+        per_token = self.per_token_ns if self.per_token_ns is not None else 0.1 * self.one_token_ns
+        return self.one_token_ns + per_token * (width - 1)
 
-    def observe(self, round_stats: RoundStats) -> None:
-        width = round_stats.num_drafted + 1
-        previous = self.compute_ns.get(width, round_stats.target_compute_ns)
-        self.compute_ns[width] = _blend(previous, round_stats.target_compute_ns, self.decay)
+    def solo_cost_ns(self) -> float:
+        overhead = self.stream_overhead_ns if self.stream_overhead_ns is not None else 0.0
+        return self.one_token_ns + min(overhead, self.overhead_ns)
+
+    def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
+        self._observe_compute(round_stats.num_drafted + 1, round_stats.target_compute_ns)
         if round_stats.streamed:
-            self.solo_ns = _blend(self.solo_ns or round_stats.verify_ns, round_stats.verify_ns, self.decay)
+            overhead = max(0.0, elapsed_ns - round_stats.target_compute_ns)
+            previous = self.stream_overhead_ns if self.stream_overhead_ns is not None else overhead
+            self.stream_overhead_ns = _blend(previous, overhead, self.decay)
             return
-        overhead = max(0, round_stats.verify_ns - round_stats.target_compute_ns)
+        drafting_ns = round_stats.draft_ns if round_stats.num_drafted else 0  # a search that found nothing is overhead
+        overhead = max(0, elapsed_ns - drafting_ns - round_stats.target_compute_ns)
         self.overhead_ns = _blend(self.overhead_ns if self.measured else overhead, overhead, self.decay)
         self.measured = True
         drafted = round_stats.num_drafted > 0
@@ -174,19 +208,15 @@ class AdaptiveK(SpeculationPolicy):
             per_token = round_stats.draft_ns / round_stats.num_drafted
             self.draft_token_ns = _blend(self.draft_token_ns or per_token, per_token, self.decay)
 
-    def _compute(self, width: int) -> float:
-        if width in self.compute_ns:
-            return self.compute_ns[width]
-        measured = sorted(self.compute_ns)
-        below = [w for w in measured if w < width]
-        above = [w for w in measured if w > width]
-        if below and above:
-            lo, hi = below[-1], above[0]
-            return self.compute_ns[lo] + (self.compute_ns[hi] - self.compute_ns[lo]) * (width - lo) / (hi - lo)
-        # Outside what was measured: assume each token beyond the first adds 10% of a
-        # one-token pass, a guess that the next round at that width corrects.
-        nearest = below[-1] if below else above[0]
-        return self.compute_ns[nearest] * (1.0 + 0.1 * (width - 1)) / (1.0 + 0.1 * (nearest - 1))
+    def _observe_compute(self, width: int, compute_ns: int) -> None:
+        if not self.one_token_ns:  # the first pass: c(1) from it under the prior slope
+            self.one_token_ns = compute_ns / (1.0 + 0.1 * (width - 1))
+            return
+        if width == 1:
+            self.one_token_ns = _blend(self.one_token_ns, compute_ns, self.decay)
+            return
+        sample = min(max(0.0, (compute_ns - self.one_token_ns) / (width - 1)), self.one_token_ns)
+        self.per_token_ns = _blend(self.per_token_ns if self.per_token_ns is not None else sample, sample, self.decay)
 
 
 def _blend(old: float, new: float, decay: float) -> float:

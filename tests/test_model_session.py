@@ -83,3 +83,16 @@ def test_release_frees_the_cache_and_keeps_the_tokens(tiny_target, prompt_ids):
     session.release()
     assert session.cached_length == 0 and session.token_ids == ids
     torch.testing.assert_close(session.logits(1), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_warm_up_runs_every_width_and_leaves_the_model_as_it_was(tiny_target):
+    from speculative.warmup import warm_up
+
+    ids = [5, 6, 7, 8]
+    session = ModelSession(tiny_target.model, tiny_target.context_length)
+    session.append(ids)
+    before = session.logits(2).clone()
+    assert warm_up(tiny_target, max_width=5) > 0
+    again = ModelSession(tiny_target.model, tiny_target.context_length)
+    again.append(ids)
+    assert torch.equal(again.logits(2), before)

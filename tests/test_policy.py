@@ -16,22 +16,25 @@ MS = 1_000_000  # nanoseconds
 
 
 def _round(num_drafted, num_accepted, compute_ms, overhead_ms=0.0, draft_ms=0.0):
-    return RoundStats(
+    """A round's statistics and its elapsed time: drafting + target compute + overhead."""
+    stats = RoundStats(
         0, 0, num_drafted, num_accepted, num_accepted + 1, NextTokenKind.BONUS,
         int(draft_ms * MS), int((compute_ms + overhead_ms) * MS), int(compute_ms * MS),
     )
+    return stats, int((draft_ms + compute_ms + overhead_ms) * MS)
 
 
 def _streamed(ms_per_token):
-    return RoundStats(0, 0, 0, 0, 1, NextTokenKind.BONUS, 0, int(ms_per_token * MS), int(ms_per_token * MS),
-                      streamed=True)
+    stats = RoundStats(0, 0, 0, 0, 1, NextTokenKind.BONUS, 0, int(ms_per_token * MS), int(ms_per_token * MS),
+                       streamed=True)
+    return stats, int(ms_per_token * MS)
 
 
 def _settled(policy, rounds, times=100):
     """Observes the rounds `times` over: the decayed averages forget the priors."""
     for _ in range(times):
-        for round_stats in rounds:
-            policy.observe(round_stats)
+        for observed in rounds:
+            policy.observe(*observed)
     return policy
 
 
@@ -53,7 +56,7 @@ def test_rejected_drafts_hand_over_to_target_only_decoding_with_growing_stretche
     for _ in range(5):
         stretches.append(policy.solo_tokens())
         assert policy.solo_tokens() == 0  # a probe round follows each stretch
-        policy.observe(_round(1, 0, 11.0))
+        policy.observe(*_round(1, 0, 11.0))
     assert stretches == [8, 16, 32, 64, 64]
     assert policy.next_k() == 1  # the probe drafts what is cheapest to re-measure with
 
@@ -82,13 +85,26 @@ def test_a_drafter_that_rarely_proposes_pays_the_round_trip_on_plain_steps():
 
 
 def test_costs_measured_by_an_earlier_call_decide_the_first_round():
-    earlier = _settled(AdaptiveK(4), [_round(4, 2, 14.0, overhead_ms=40.0), _streamed(10.0)])
+    earlier = _settled(AdaptiveK(4), [_round(4, 2, 14.0, overhead_ms=20.0), _streamed(10.0)])
     seeded = AdaptiveK(4, costs=earlier.costs())  # acceptance starts from the prior again
     assert seeded.acceptance() == 0.5
-    # a = 0.5 cannot pay a 40 ms round trip: decode alone, long enough that a probe
-    # (~40 + 14 - 10 ms) is at most 5% of the stretch (10 ms per token): 88 tokens.
+    # a = 0.5 cannot pay a 20 ms round trip: decode alone, long enough that a probe
+    # (14 ms at k = 4, its 20 ms round trip and 20 ms more before the next stretch's
+    # first token, less the 10 ms token it yields) is at most 5% of the stretch (10 ms
+    # per token): 88 tokens.
     assert seeded.solo_tokens() in (88, 89)  # ceil of 44 / 0.5, give or take rounding
     assert AdaptiveK(4).solo_tokens() == 0  # unseeded: measure first
+
+
+def test_one_slow_pass_does_not_rule_anything_out():
+    """A cold first pass at some width, or a slow streamed token, must not make that
+    choice look too costly to ever be tried (and re-measured) again."""
+    policy = _settled(AdaptiveK(8), [_round(1, 1, 11.0, overhead_ms=2.0), _streamed(10.0)], times=30)
+    policy.observe(*_round(4, 4, 300.0, overhead_ms=2.0))  # 30x a one-token pass
+    assert policy.compute_ns(9) < (10.0 + 8 * 2.0) * MS  # the slope sample (290 / 4 ms) is clamped to c(1)
+    assert policy.next_k() == 8  # everything accepted, so the long proposals still pay
+    policy.observe(*_streamed(300.0))
+    assert policy.solo_cost_ns() <= policy.one_token_ns + policy.overhead_ns
 
 
 def test_a_costly_draft_lowers_k():
@@ -118,6 +134,17 @@ class _Alternating(SpeculationPolicy):
     def solo_tokens(self):
         self.drafting = not self.drafting
         return 0 if self.drafting else self.solo
+
+
+def test_a_probe_with_nothing_to_verify_is_skipped():
+    policy = _settled(AdaptiveK(4), [_round(4, 0, 14.0, overhead_ms=20.0), _streamed(10.0)])
+    assert policy.solo_tokens() > 0
+    assert policy.solo_tokens() == 0  # the probe...
+    rate = policy.proposal_rate()
+    assert policy.skip_empty_round()  # ...finds nothing to propose: skipped, a miss counted
+    assert policy.proposal_rate() < rate
+    assert not policy.skip_empty_round()  # only the probe is skipped
+    assert policy.solo_tokens() > 0
 
 
 @pytest.mark.parametrize(("k", "solo"), [(1, 1), (3, 2), (4, 5)])

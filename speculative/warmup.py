@@ -1,0 +1,33 @@
+"""One pass of every width a round can ask for, before the first request.
+
+The first forward pass at a new number of tokens is slow: oneDNN creates a primitive
+per input shape (speculative/cpu_linear.py), CUDA loads kernels and grows its caching
+allocator. A worker that skipped this would make its first requests pay for it, and an
+adaptive call (speculative/policy.py) would measure one-off costs as the price of a
+width. Warming up costs one short prefill and `max_width` small passes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from speculative.loading import LoadedModel
+from speculative.model_session import ModelSession
+from speculative.sampling import MAX_SPECULATIVE_TOKENS
+
+PROMPT_LEN = 16  # tokens of context the passes extend: attention over a short cache
+
+
+def warm_up(loaded: LoadedModel, max_width: int = MAX_SPECULATIVE_TOKENS + 1) -> int:
+    """Runs one pass of each width 1..max_width; returns the time taken, in ns."""
+    start = time.perf_counter_ns()
+    max_width = min(max_width, loaded.context_length - PROMPT_LEN - 1)
+    session = ModelSession(loaded.model, loaded.context_length)
+    session.append([0] * PROMPT_LEN)
+    session.prefill()
+    for width in range(1, max_width + 1):
+        session.append([0] * width)
+        session.logits(width)
+        session.truncate_to(PROMPT_LEN)
+    session.release()
+    return time.perf_counter_ns() - start
