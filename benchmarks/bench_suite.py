@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
              f"(draft and target share the cores). Greedy, {args.max_new_tokens} new tokens (fewer when the model "
              f"ends its answer), chat template, median of {args.repeats} interleaved repeats.", ""]
     sections = {}
-    for dtype in args.dtypes.split(","):
+    for dtype in [d for d in args.dtypes.split(",") if d]:  # "" = services only
         results = run_in_process(pair, dtype, args)
         rows, ratios = table(f"In process, {dtype} (ratios against target-only, ours)", results,
                              "target-only (ours)", "target-only (ours)")

@@ -75,9 +75,11 @@ def speculation_rounds(
             k = min(policy.next_k(), room - 1) if draft is not None else 0
             proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
             draft_ns = time.perf_counter_ns() - start
-            if k > 0 and not proposal.token_ids and policy.skip_empty_round():
-                continue  # nothing to verify: not worth a round trip, back to decoding alone
-            steps = (_round(verifier, draft, base_len, proposal, draft_ns),)
+            instead = policy.tokens_instead_of_empty_round() if k > 0 and not proposal.token_ids else 0
+            if instead:  # nothing to verify: not worth a round trip for one token
+                steps = _solo_stretch(verifier, draft, base_len, min(instead, room))
+            else:
+                steps = (_round(verifier, draft, base_len, proposal, draft_ns),)
         for stats, result in steps:
             stats = dataclasses.replace(stats, index=index)
             index += 1

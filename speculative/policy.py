@@ -24,6 +24,7 @@ class MeasuredCosts:
     per_token_ns: float | None  # what each further token of a pass adds (None = not measured)
     overhead_ns: float  # the rest of a round (R)
     stream_overhead_ns: float | None  # per token decoded alone, besides its compute
+    stream_start_ns: float | None  # the first token of a stretch, besides its compute
     draft_token_ns: float  # per draft token
 
 
@@ -38,10 +39,10 @@ class SpeculationPolicy(abc.ABC):
         """Tokens the target should decode alone before the next round (0 = draft now)."""
         return 0
 
-    def skip_empty_round(self) -> bool:
-        """The drafter proposed nothing: True to skip the round (no round trip for one
-        plain target step) and ask solo_tokens again."""
-        return False
+    def tokens_instead_of_empty_round(self) -> int:
+        """The drafter proposed nothing: tokens for the target to decode alone instead of
+        a round trip for one plain step (0 = take the round)."""
+        return 0
 
     def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
         """Learns from a finished round (or a token the target decoded alone) that took
@@ -70,8 +71,6 @@ class AdaptiveK(SpeculationPolicy):
     this request's own measurements (decayed running averages):
 
     - a: per-token acceptance (prior 0.5), from the rounds that drafted;
-    - f: the fraction of rounds in which the drafter proposed anything (the n-gram
-      drafter often finds nothing to copy; a model drafter always proposes);
     - d: drafting time per draft token;
     - c(w) = c(1) + g * (w - 1): the target's compute for a pass over w tokens, as the
       target reports it; g is measured by every drafting round whatever its width
@@ -81,17 +80,22 @@ class AdaptiveK(SpeculationPolicy):
     - R: the rest of a round: its elapsed time less drafting and the target's compute
       (network, serialization, queueing, applying the verdict, passing tokens on);
     - s = c(1) + o: time per token when the target decodes alone, o its elapsed time
-      besides compute, at most R (streamed, the round trip is paid once per stretch).
+      besides compute, at most R; a stretch's first token also waits o_0 (a round trip:
+      the stream's request, then its first token), paid once per stretch.
 
-    Tokens per second at k (Leviathan et al. 2023, with f and R as in `python -m report`):
+    Tokens per second of a round drafting k tokens (Leviathan et al. 2023, with a
+    per-round delay R as in `python -m report`):
 
-        (f * E[tokens](a, k) + 1 - f) / (f * (k * d + c(k + 1)) + (1 - f) * c(1) + R)
+        E[tokens](a, k) / (k * d + c(k + 1) + R)
 
     against 1 / s for decoding alone. When decoding alone wins, the target decodes a
     stretch of tokens, then one round re-measures (a probe). The first stretch is
-    `first_solo` tokens, or longer when the round trip is long, so that a probe costs at
-    most `probe_share` of the stretch; each probe that still loses doubles it, up to
-    `max_solo`.
+    `first_solo` tokens, or longer when the round trip is long, so that a probe (its
+    round trip, and another before the next stretch's first token) costs at most
+    `probe_share` of the stretch; each probe that still loses doubles it, up to
+    `max_solo`. When the drafter has nothing to propose, no round trip is paid for a
+    plain step: the target decodes a short stretch and the drafter is asked again
+    (`tokens_instead_of_empty_round`).
 
     `costs` seeds the cost averages (not the acceptance, which depends on the text) with
     what earlier calls between the same draft and target measured, so a call over a slow
@@ -105,17 +109,16 @@ class AdaptiveK(SpeculationPolicy):
         self.first_solo, self.max_solo, self.probe_share = first_solo, max_solo, probe_share
         self.accepted = 1.0  # decayed counts of the Bernoulli trials behind a:
         self.trials = 2.0  # a prior acceptance of 0.5
-        self.proposed = 1.0  # decayed counts behind f (prior 1: the drafter proposes)
-        self.asked = 1.0
         self.draft_token_ns = 0.0
         self.one_token_ns = 0.0  # c(1); 0 = not measured
         self.per_token_ns: float | None = None  # g
         self.overhead_ns = 0.0  # R
         self.stream_overhead_ns: float | None = None  # o
+        self.stream_start_ns: float | None = None  # o_0: waiting for a stretch's first token
+        self.stretch_starting = False  # the next streamed token is a stretch's first
         self.measured = False  # a round has been measured
         self.next_solo = first_solo
         self.probe_due = False  # the round after a solo stretch re-measures
-        self.probing = False  # the round being drafted is that probe
         if costs is not None:
             self.seed(costs)
 
@@ -124,27 +127,24 @@ class AdaptiveK(SpeculationPolicy):
         if costs.one_token_ns:
             self.one_token_ns, self.per_token_ns = costs.one_token_ns, costs.per_token_ns
             self.overhead_ns, self.stream_overhead_ns = costs.overhead_ns, costs.stream_overhead_ns
+            self.stream_start_ns = costs.stream_start_ns
             self.draft_token_ns, self.measured = costs.draft_token_ns, True
 
     def costs(self) -> MeasuredCosts:
         """What this policy measured of the costs, to seed the next call's."""
         return MeasuredCosts(self.one_token_ns, self.per_token_ns, self.overhead_ns, self.stream_overhead_ns,
-                             self.draft_token_ns)
+                             self.stream_start_ns, self.draft_token_ns)
 
     def acceptance(self) -> float:
         return self.accepted / self.trials
-
-    def proposal_rate(self) -> float:
-        return self.proposed / self.asked
 
     def next_k(self) -> int:
         return max(range(1, self.max_k + 1), key=lambda k: (self.tokens_per_ns(k), -k))
 
     def solo_tokens(self) -> int:
         if not self.measured or self.probe_due:
-            self.probing, self.probe_due = self.probe_due, False
+            self.probe_due = False
             return 0
-        self.probing = False
         k = self.next_k()
         solo_ns = self.solo_cost_ns()
         if self.tokens_per_ns(k) >= 1.0 / solo_ns:
@@ -153,35 +153,38 @@ class AdaptiveK(SpeculationPolicy):
         # What a probe round costs beyond the token it yields (its round trip, and the
         # first token of the next stretch waits for another), and the stretch over which
         # that is probe_share of the time.
-        probe_ns = k * self.draft_token_ns + self.compute_ns(k + 1) + 2 * self.overhead_ns - solo_ns
+        probe_ns = k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns + self._start_ns() - solo_ns
         stretch = min(max(self.next_solo, math.ceil(probe_ns / (self.probe_share * solo_ns))), self.max_solo)
         self.next_solo = min(2 * self.next_solo, self.max_solo)
-        self.probe_due = True
+        self.probe_due = self.stretch_starting = True
         return stretch
 
-    def skip_empty_round(self) -> bool:
-        """A probe with nothing to verify is skipped: it would measure nothing but pay a
-        round trip (the n-gram drafter, between stretches, often finds nothing). The
-        miss counts in f."""
-        if not self.probing:
-            return False
-        self.probing = False
-        self.proposed, self.asked = self.decay * self.proposed, self.decay * self.asked + 1.0
-        return True
+    def tokens_instead_of_empty_round(self) -> int:
+        """When the drafter has nothing to propose (the n-gram drafter, most of the time
+        outside text it can copy), a round would pay a round trip for one plain step;
+        a stretch pays it once: as many tokens as make that round trip at most
+        probe_share of the stretch, after which the drafter is asked again. 0 where
+        there is no round trip to save (in process)."""
+        if not self.measured or self.overhead_ns <= (self.stream_overhead_ns or 0.0):
+            return 0
+        self.stretch_starting = True
+        return min(math.ceil(self._start_ns() / (self.probe_share * self.solo_cost_ns())), self.max_solo)
 
     def tokens_per_ns(self, k: int) -> float:
-        """Expected output tokens per nanosecond of rounds drafting (up to) k tokens."""
+        """Expected output tokens per nanosecond of a round that drafts k tokens."""
         if not self.one_token_ns:  # nothing measured: relative costs, R = 0, d = 0
             return expected_tokens(self.acceptance(), k) / (1.0 + 0.1 * k)
-        f = self.proposal_rate()
-        tokens = f * expected_tokens(self.acceptance(), k) + 1.0 - f
-        cost = f * (k * self.draft_token_ns + self.compute_ns(k + 1)) + (1.0 - f) * self.one_token_ns + self.overhead_ns
-        return tokens / cost
+        cost = k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
+        return expected_tokens(self.acceptance(), k) / cost
 
     def compute_ns(self, width: int) -> float:
         """c(width): the target's pass over `width` tokens."""
         per_token = self.per_token_ns if self.per_token_ns is not None else 0.1 * self.one_token_ns
         return self.one_token_ns + per_token * (width - 1)
+
+    def _start_ns(self) -> float:
+        """What starting a stretch costs besides its first token's compute (prior: R)."""
+        return self.stream_start_ns if self.stream_start_ns is not None else self.overhead_ns
 
     def solo_cost_ns(self) -> float:
         overhead = self.stream_overhead_ns if self.stream_overhead_ns is not None else 0.0
@@ -191,17 +194,19 @@ class AdaptiveK(SpeculationPolicy):
         self._observe_compute(round_stats.num_drafted + 1, round_stats.target_compute_ns)
         if round_stats.streamed:
             overhead = max(0.0, elapsed_ns - round_stats.target_compute_ns)
-            previous = self.stream_overhead_ns if self.stream_overhead_ns is not None else overhead
-            self.stream_overhead_ns = _blend(previous, overhead, self.decay)
+            if self.stretch_starting:
+                self.stretch_starting = False
+                previous = self.stream_start_ns if self.stream_start_ns is not None else overhead
+                self.stream_start_ns = _blend(previous, overhead, self.decay)
+            else:
+                previous = self.stream_overhead_ns if self.stream_overhead_ns is not None else overhead
+                self.stream_overhead_ns = _blend(previous, overhead, self.decay)
             return
         drafting_ns = round_stats.draft_ns if round_stats.num_drafted else 0  # a search that found nothing is overhead
         overhead = max(0, elapsed_ns - drafting_ns - round_stats.target_compute_ns)
         self.overhead_ns = _blend(self.overhead_ns if self.measured else overhead, overhead, self.decay)
         self.measured = True
-        drafted = round_stats.num_drafted > 0
-        self.proposed = self.decay * self.proposed + drafted
-        self.asked = self.decay * self.asked + 1.0
-        if drafted:
+        if round_stats.num_drafted > 0:
             rejected = round_stats.num_accepted < round_stats.num_drafted
             self.accepted = self.decay * self.accepted + round_stats.num_accepted
             self.trials = self.decay * self.trials + round_stats.num_accepted + rejected

@@ -24,10 +24,10 @@ def _round(num_drafted, num_accepted, compute_ms, overhead_ms=0.0, draft_ms=0.0)
     return stats, int((draft_ms + compute_ms + overhead_ms) * MS)
 
 
-def _streamed(ms_per_token):
-    stats = RoundStats(0, 0, 0, 0, 1, NextTokenKind.BONUS, 0, int(ms_per_token * MS), int(ms_per_token * MS),
-                       streamed=True)
-    return stats, int(ms_per_token * MS)
+def _streamed(compute_ms, overhead_ms=0.0):
+    elapsed = int((compute_ms + overhead_ms) * MS)
+    stats = RoundStats(0, 0, 0, 0, 1, NextTokenKind.BONUS, 0, elapsed, int(compute_ms * MS), streamed=True)
+    return stats, elapsed
 
 
 def _settled(policy, rounds, times=100):
@@ -75,13 +75,17 @@ def test_break_even_round_trip_matches_the_cost_model():
     assert above.solo_tokens() > 0
 
 
-def test_a_drafter_that_rarely_proposes_pays_the_round_trip_on_plain_steps():
-    """The n-gram drafter proposes in a fraction f of rounds; the others are one-token
-    steps that still pay R, so the same acceptance pays at f = 1 and not at f = 0.1."""
-    always = [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)]
-    rarely = [_round(4, 3, 14.0, overhead_ms=5.0)] + [_round(0, 0, 10.0, overhead_ms=5.0)] * 9 + [_streamed(10.0)]
-    assert _settled(AdaptiveK(4), always).solo_tokens() == 0
-    assert _settled(AdaptiveK(4), rarely).solo_tokens() > 0
+def test_an_empty_proposal_is_not_worth_a_round_trip_over_a_slow_link():
+    """The n-gram drafter often has nothing to propose: over a link with a round trip,
+    the target decodes a stretch instead (the round trip then paid once for it, at most
+    5% of the stretch: 5 ms / (0.05 * 10 ms) = 10 tokens); in process, where nothing is
+    saved, the plain step is taken."""
+    slow = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)])
+    assert slow.solo_tokens() == 0 and slow.tokens_instead_of_empty_round() == 10
+    local = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=0.1), _round(0, 0, 10.0, overhead_ms=0.1)])
+    local.observe(*_streamed(10.0, overhead_ms=0.2))  # streaming saves nothing here
+    assert local.tokens_instead_of_empty_round() == 0
+    assert AdaptiveK(4).tokens_instead_of_empty_round() == 0  # nothing measured yet
 
 
 def test_costs_measured_by_an_earlier_call_decide_the_first_round():
@@ -134,17 +138,6 @@ class _Alternating(SpeculationPolicy):
     def solo_tokens(self):
         self.drafting = not self.drafting
         return 0 if self.drafting else self.solo
-
-
-def test_a_probe_with_nothing_to_verify_is_skipped():
-    policy = _settled(AdaptiveK(4), [_round(4, 0, 14.0, overhead_ms=20.0), _streamed(10.0)])
-    assert policy.solo_tokens() > 0
-    assert policy.solo_tokens() == 0  # the probe...
-    rate = policy.proposal_rate()
-    assert policy.skip_empty_round()  # ...finds nothing to propose: skipped, a miss counted
-    assert policy.proposal_rate() < rate
-    assert not policy.skip_empty_round()  # only the probe is skipped
-    assert policy.solo_tokens() > 0
 
 
 @pytest.mark.parametrize(("k", "solo"), [(1, 1), (3, 2), (4, 5)])
