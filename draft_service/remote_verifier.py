@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -23,7 +22,7 @@ from service_common.status import Unavailable
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import StaleProposal
 from speculative.policy import MeasuredCosts
-from speculative.rejection import NextTokenKind, Verdict
+from speculative.rejection import Verdict
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.target import VerifyResult
 
@@ -164,9 +163,6 @@ class RemoteVerifier:
         self.proposal_bytes = 0  # serialized size of the last Proposal, in bytes
         self.verdict_bytes = 0  # serialized size of the last Verdict, in bytes
         self._sampling = sampling_to_proto(params)  # sent with the first proposal only
-        self._stop_token_ids = frozenset(params.stop_token_ids)
-        self._stub = stub
-        self._deadline = time.monotonic() + timeout_s  # of the Verify stream, for Decode calls too
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight = False  # a proposal was sent and its verdict not read
         self._closed = False
@@ -186,30 +182,6 @@ class RemoteVerifier:
         self.verdict_bytes = verdict.ByteSize()
         self.round += 1
         return self._result(proposal, verdict)
-
-    def decode(self, base_len: int, max_tokens: int) -> Iterator[VerifyResult]:
-        """Target-only decoding over a Decode stream on the same target session: the
-        target computes each next token while the last one travels, so the round trip is
-        paid once per stream, not per token. Closing the iterator early cancels the
-        stream (the target may have committed a token more: the next round's proposal is
-        then discarded as stale, and the caller rolls both back to the committed length)."""
-        request = target_pb2.DecodeRequest(session_id=self.session_id, base_len=base_len, max_tokens=max_tokens)
-        if self._sampling is not None:
-            request.sampling.CopyFrom(self._sampling)
-            self._sampling = None
-        call = self._stub.Decode(request, timeout=max(0.0, self._deadline - time.monotonic()))
-        try:
-            for token in call:
-                self.round += 1  # a streamed token counts as a round of the session
-                yield VerifyResult(
-                    verdict=Verdict(0, token.token_id, NextTokenKind.BONUS), token_ids=[token.token_id],
-                    committed_len=token.committed_len, stopped=token.token_id in self._stop_token_ids,
-                    target_compute_ns=token.compute_ns,
-                )
-        except grpc.RpcError as error:
-            raise as_target_error(self.address, error) from None
-        finally:
-            call.cancel()  # a no-op once the stream has ended
 
     def _proposal(self, base_len, draft_token_ids, draft_probs) -> target_pb2.Proposal:
         proposal = target_pb2.Proposal(

@@ -16,7 +16,7 @@ from draft_service.config import DraftConfig
 from draft_service.drafting import MODEL, Drafters, apply_settings, prefill
 from draft_service.remote_verifier import RemoteVerifier, TargetConnections
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
-from draft_service.speculation import check_start, plan_call, run_rounds
+from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
 from service_common import telemetry
 from service_common.convert import model_info
 from service_common.status import Unavailable, rpc_errors
@@ -119,9 +119,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             target = self.targets.info(plan.target_address, timeout_s)
             context_length = check_start(entry, request, plan, self.drafters, target)
             apply_settings(entry.draft, plan.settings)
-            adaptive = plan.policy if isinstance(plan.policy, AdaptiveK) else None
-            if adaptive is not None and (costs := self.targets.costs(plan.target_address, entry.drafter)):
-                adaptive.seed(costs)
+            adaptive = self._adaptive_policy(entry, plan)
             verifier = RemoteVerifier(
                 self.targets.stub(plan.target_address), plan.target_address, plan.target_session_id,
                 plan.settings.params, entry.next_round, timeout_s,
@@ -145,6 +143,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     self.targets.remember_costs(plan.target_address, entry.drafter, adaptive.costs())
 
     # --- helpers ----------------------------------------------------------------------
+
+    def _adaptive_policy(self, entry: SessionEntry, plan: SpeculatePlan) -> AdaptiveK | None:
+        """The call's adaptive policy: the session's own when it has one for the same
+        k (it goes on after a hand-off, or into the next turn), else a new one seeded
+        with what earlier calls measured between this drafter and this target."""
+        if not isinstance(plan.policy, AdaptiveK):
+            return None
+        if entry.policy is not None and entry.policy.max_k == plan.policy.max_k:
+            plan.policy = entry.policy
+        elif costs := self.targets.costs(plan.target_address, entry.drafter):
+            plan.policy.seed(costs)
+        entry.policy = plan.policy
+        return plan.policy
 
     def _load(self) -> telemetry.WorkerLoad:
         return telemetry.WorkerLoad(

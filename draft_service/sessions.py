@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from service_common.status import AlreadyExists
 from speculative.drafters import DraftSession
 from speculative.errors import NotFound, ResourceExhausted, SpeculativeError
+from speculative.policy import AdaptiveK
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ class SessionEntry:
     drafter: str  # name of the session's drafter: "model" or "ngram"
     draft: DraftSession
     next_round: int = 0  # Proposal.round of the session's next round (0-based per session)
+    # The last adaptive call's policy: the next call goes on with what it measured (after
+    # a hand-off, the caller calls again at once).
+    policy: AdaptiveK | None = None
     closed: bool = False  # evicted or closed: whoever still holds the entry must not use it
     lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -115,9 +115,13 @@ def run_rounds(
     try:
         # Round times are taken around the loop's own work, not the sending of updates.
         round_start_ns = time.time_ns()
-        rounds = speculation_rounds(verifier, entry.draft, base_len, plan.settings.params, plan.policy, context_length)
-        with contextlib.closing(rounds):  # on cancel, a target Decode stream in progress ends too
+        rounds = speculation_rounds(verifier, entry.draft, base_len, plan.settings.params, plan.policy,
+                                    context_length, handoff=True)
+        with contextlib.closing(rounds):
             for result in rounds:
+                if result.handoff_tokens:  # the caller has the target decode a stretch
+                    yield draft_pb2.SpeculateUpdate(committed_len=committed_len, handoff_tokens=result.handoff_tokens)
+                    return
                 round_end_ns = time.time_ns()
                 committed_len += len(result.token_ids)
                 update = _update(result, committed_len, first_round, verifier)
@@ -139,8 +143,7 @@ def _update(result: RoundResult, committed_len: int, first_round: int, verifier:
     return draft_pb2.SpeculateUpdate(
         token_ids=result.token_ids,
         committed_len=committed_len,
-        round=(round_stats_to_proto(stats) if stats.streamed  # no Proposal, no Verdict
-               else round_stats_to_proto(stats, verifier.proposal_bytes, verifier.verdict_bytes)),
+        round=round_stats_to_proto(stats, verifier.proposal_bytes, verifier.verdict_bytes),
         finished=result.finish_reason is not None,
         finish_reason=FINISH_REASON_TO_PROTO[result.finish_reason],
     )
@@ -164,8 +167,6 @@ def _update(result: RoundResult, committed_len: int, first_round: int, verifier:
 #   specdec.network_ns: verify_ns - target_compute_ns: transport, serialization, queueing
 #   specdec.proposal_bytes: serialized Proposal
 #   specdec.verdict_bytes: serialized Verdict
-#   specdec.streamed: a token the target decoded alone on a Decode stream (adaptive: drafting
-#     did not pay); k = 0 and verify_ns is the time since the previous token
 #   specdec.finish_reason: on the last round of a call: length or stop_token
 
 
@@ -193,7 +194,6 @@ def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, sessi
             "specdec.network_ns": max(0, stats.verify_ns - stats.target_compute_ns),
             "specdec.proposal_bytes": wire.proposal_bytes,
             "specdec.verdict_bytes": wire.verdict_bytes,
-            "specdec.streamed": stats.streamed,
         }
         if result.finish_reason is not None:
             attributes["specdec.finish_reason"] = result.finish_reason.value

@@ -342,32 +342,78 @@ class Generation:
                 self._sync_all(plan, self.synced_len)
 
     def _rounds(self, plan: Plan):
-        """(token_ids, finish_reason) per round, from Speculate or, without a draft, Decode."""
-        timeout = self._deadline()
+        """(token_ids, finish_reason) per round, from Speculate or, without a draft, Decode.
+        A Speculate stream that hands off (an adaptive call found the target faster
+        alone for a while) goes on with the target's Decode stream for that many
+        tokens, the draft caught up by Extend, then Speculate again."""
+        if self.draft is None:
+            base_len = len(plan.tokens) + len(self.generated)
+            yield from self._decode(plan, base_len, 0, self._remaining_params(plan.params))
+            return
+        while True:
+            # Each stream restarts the target's generator from the seed it is sent: moved
+            # on by the tokens drawn so far (as after a failover), never the same draws.
+            handoff = yield from self._speculate(plan, self._remaining_params(plan.params))
+            if not handoff:
+                return
+            base_len = len(plan.tokens) + len(self.generated)
+            if (yield from self._decode(plan, base_len, handoff)):
+                return
+            self._catch_up_draft(plan, base_len)
+
+    def _speculate(self, plan: Plan, params: SamplingParams):
+        """Yields the rounds of one Speculate stream; returns its hand-off (tokens for
+        the target to decode alone), 0 when the stream finished."""
         record = plan.record
         base_len = len(plan.tokens) + len(self.generated)
-        params = self._remaining_params(plan.params)
-        if self.draft is None:
-            self.call = self.target.stub.Decode(target_pb2.DecodeRequest(
-                session_id=record.target.session_id, base_len=base_len,
-                sampling=sampling_to_proto(params)), timeout=timeout)
-            self.context.add_callback(self.call.cancel)
-            for index, token in enumerate(self.call):
-                self.stats.record_round(RoundStats(index, token.committed_len - 1, 0, 0, 1, NextTokenKind.BONUS,
-                                                   0, token.compute_ns, token.compute_ns))
-                yield [token.token_id], self._finish_of_decode(params, index + 1, token.token_id)
-            return
         speculation = common_pb2.SpeculationParams(
             num_speculative_tokens=plan.k, drafter=plan.drafter, adaptive=plan.adaptive)
         self.call = self.draft.stub.Speculate(draft_pb2.SpeculateRequest(
             session_id=record.draft.session_id, base_len=base_len,
             target=common_pb2.KvHandle(worker_id=record.target.worker_id, worker_address=self.target.address,
                                        session_id=record.target.session_id, committed_len=base_len),
-            sampling=sampling_to_proto(params), speculation=speculation), timeout=timeout)
+            sampling=sampling_to_proto(params), speculation=speculation),
+            timeout=self._deadline())
         self.context.add_callback(self.call.cancel)
         for update in self.call:
+            if update.handoff_tokens:
+                return update.handoff_tokens
             self.stats.record_round(round_stats_from_proto(update.round, len(update.token_ids)))
             yield list(update.token_ids), update.finish_reason
+        return 0
+
+    def _decode(self, plan: Plan, base_len: int, max_tokens: int, params: SamplingParams | None = None):
+        """Yields the tokens of one target Decode stream (max_tokens 0 = up to
+        max_new_tokens); returns whether the call finished. Without params the target
+        goes on with the sampling, and the random draws, it has."""
+        request = target_pb2.DecodeRequest(session_id=plan.record.target.session_id, base_len=base_len,
+                                           max_tokens=max_tokens)
+        if params is not None:
+            request.sampling.CopyFrom(sampling_to_proto(params))
+        self.call = self.target.stub.Decode(request, timeout=self._deadline())
+        self.context.add_callback(self.call.cancel)
+        handoff = params is None  # within a speculating call
+        for token in self.call:
+            self.stats.record_round(RoundStats(self.stats.num_rounds, token.committed_len - 1, 0, 0, 1,
+                                               NextTokenKind.BONUS, 0, token.compute_ns, token.compute_ns,
+                                               streamed=handoff))
+            if handoff:
+                instruments().handoff_tokens.add(1)
+            finish = self._finish_of_decode(plan.params, len(self.generated) + 1, token.token_id)
+            yield [token.token_id], finish
+            if finish:
+                return True
+        return False
+
+    def _catch_up_draft(self, plan: Plan, base_len: int) -> None:
+        """Appends what the target decoded alone to the draft session."""
+        tokens = self._committed(plan)
+        response = self.draft.stub.Extend(common_pb2.ExtendRequest(
+            session_id=plan.record.draft.session_id, base_len=base_len, token_ids=tokens[base_len:]),
+            timeout=self.config.rpc_timeout_s)
+        self._count_prefill(self.draft, response.prefill_ns, 0)
+        plan.record.draft.committed_len = len(tokens)
+        self.synced_len = len(tokens)
 
     def _remaining_params(self, params: SamplingParams) -> SamplingParams:
         """The call's params for what is left after a failover: the remaining token

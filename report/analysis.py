@@ -120,7 +120,7 @@ class Report:
     @property
     def mean_delay_ns(self) -> float:
         """Measured R: network + other per round of the calls that speculated."""
-        rounds = [r for r in self.rounds if r.max_k > 0 and not r.streamed] or self.rounds
+        rounds = [r for r in self.rounds if r.max_k > 0] or self.rounds
         return sum(r.delay_ns for r in rounds) / len(rounds) if rounds else 0.0
 
 
@@ -138,9 +138,7 @@ def analyse(spans: Sequence[Span], target_step_ns: float | None = None) -> Repor
             target_step_ns, source = base, ESTIMATED
         drafting = [r for r in rounds if r.k > 0]
         drafted = sum(r.k for r in drafting)
-        # Rounds of calls that asked for drafts (not the tokens an adaptive call let the
-        # target decode alone).
-        speculating = [r for r in rounds if r.max_k > 0 and not r.streamed]
+        speculating = [r for r in rounds if r.max_k > 0]  # rounds of calls that asked for drafts
         model = CostModel(
             alpha=alpha_from_rounds([(r.k, r.accepted) for r in rounds]),
             target_step_ns=target_step_ns,
@@ -201,9 +199,8 @@ def _points(rounds: Sequence[Round], target_step_ns: float | None) -> list[RunPo
         if not tokens:
             continue
         ns_per_token = sum(r.duration_ns for r in trace_rounds) / tokens
-        round_trips = [r for r in trace_rounds if not r.streamed] or trace_rounds
         points.append(RunPoint(
-            trace_id, max(r.max_k for r in trace_rounds), sum(r.delay_ns for r in round_trips) / len(round_trips),
+            trace_id, max(r.max_k for r in trace_rounds), sum(r.delay_ns for r in trace_rounds) / len(trace_rounds),
             ns_per_token, target_step_ns / ns_per_token if target_step_ns else 0.0,
         ))
     return points
@@ -227,11 +224,8 @@ def render(report: Report, k_max: int = K_MAX) -> str:
         lines.append("no specdec.round spans: nothing to report (was the draft worker traced?)")
         return "\n".join(lines)
     drafting = report.drafting_rounds
-    streamed = sum(r.streamed for r in report.rounds)
     lines += [
-        f"rounds: {len(report.rounds)} ({len(drafting)} drafting"
-        + (f", {streamed} tokens the target decoded alone" if streamed else "")
-        + f"), generated {report.num_generated} tokens, "
+        f"rounds: {len(report.rounds)} ({len(drafting)} drafting), generated {report.num_generated} tokens, "
         f"drafted {report.num_drafted}, accepted {report.num_accepted}",
         f"acceptance rate: {report.acceptance_rate:.1%} of drafted tokens",
         f"mean accepted length: {report.mean_accepted_length:.2f} tokens per drafting round "

@@ -61,7 +61,6 @@ class Round:
     verify_ns: int  # round trip to the target
     target_compute_ns: int
     max_k: int  # the call's k (a round may draft fewer: an n-gram without a match drafts none)
-    streamed: bool = False  # a token the target decoded alone (adaptive), not a round trip
 
     @property
     def network_ns(self) -> int:
@@ -97,7 +96,6 @@ def rounds_of(spans: Sequence[Span]) -> list[Round]:
             span.trace_id, int(a["specdec.k"]), int(a["specdec.accepted"]), int(a["specdec.committed"]),
             span.duration_ns, int(a["specdec.draft_ns"]), int(a["specdec.verify_ns"]),
             int(a["specdec.target_compute_ns"]), int(a.get("specdec.max_k", a["specdec.k"])),
-            bool(a.get("specdec.streamed", False)),
         ))
     return rounds
 

@@ -65,7 +65,7 @@ def round_stats_to_proto(stats: RoundStats, proposal_bytes: int = 0, verdict_byt
         round=stats.index, base_len=stats.base_len, num_drafted=stats.num_drafted,
         num_accepted=stats.num_accepted, next_token_kind=NEXT_TOKEN_KIND_TO_PROTO[stats.next_token_kind],
         draft_ns=stats.draft_ns, verify_rtt_ns=stats.verify_ns, target_compute_ns=stats.target_compute_ns,
-        proposal_bytes=proposal_bytes, verdict_bytes=verdict_bytes, streamed=stats.streamed,
+        proposal_bytes=proposal_bytes, verdict_bytes=verdict_bytes,
     )
 
 
@@ -75,7 +75,6 @@ def round_stats_from_proto(message: common_pb2.RoundStats, num_committed: int) -
         num_accepted=message.num_accepted, num_committed=num_committed,
         next_token_kind=NEXT_TOKEN_KIND_FROM_PROTO.get(message.next_token_kind, NextTokenKind.BONUS),
         draft_ns=message.draft_ns, verify_ns=message.verify_rtt_ns, target_compute_ns=message.target_compute_ns,
-        streamed=message.streamed,
     )
 
 

@@ -97,18 +97,14 @@ class Instruments:
     drafted_tokens: metrics.Counter  # draft tokens proposed; attribute position (0-based)
     accepted_tokens: metrics.Counter  # draft tokens accepted; attribute position (0-based)
     rounds: metrics.Counter  # rounds of a speculation loop: a proposal (k >= 0), one target pass
-    streamed_tokens: metrics.Counter  # tokens an adaptive call let the target decode alone
+    handoff_tokens: metrics.Counter  # tokens adaptive calls handed to the target to decode alone
     fallbacks: metrics.Counter  # generations decoded target-only because no draft was usable
     failovers: metrics.Counter  # sessions moved to another worker; attribute pool (target | draft)
     round_duration: metrics.Histogram  # seconds; attribute phase (draft | verify_compute | network)
     time_per_output_token: metrics.Histogram  # seconds per generated token, per call
 
     def record_round(self, stats: RoundStats) -> None:
-        """Counts one finished round (the draft worker calls this for each), or one
-        token the target decoded alone (no round trip: not in the round phases)."""
-        if stats.streamed:
-            self.streamed_tokens.add(1)
-            return
+        """Counts one finished round (the draft worker calls this for each)."""
         self.rounds.add(1)
         if stats.num_drafted > 0:
             self.drafts.add(1)
@@ -146,9 +142,9 @@ def _create_instruments(meter: metrics.Meter) -> Instruments:
             "specdec.accepted.tokens", "{token}", "Draft tokens accepted, by draft position (attribute position)"),
         rounds=meter.create_counter(
             "specdec.rounds", "{round}", "Speculation rounds: one proposal (k >= 0) verified in one target pass"),
-        streamed_tokens=meter.create_counter(
-            "specdec.streamed.tokens", "{token}",
-            "Tokens the target decoded alone within adaptive speculating calls (drafting did not pay)"),
+        handoff_tokens=meter.create_counter(
+            "specdec.handoff.tokens", "{token}",
+            "Tokens adaptive calls handed to the target to decode alone (speculation did not pay)"),
         fallbacks=meter.create_counter(
             "specdec.fallbacks", "{generation}", "Generations decoded by the target alone because no draft was usable"),
         failovers=meter.create_counter(

@@ -44,8 +44,10 @@ class Verifier(Protocol):
 @dataclass(frozen=True)
 class RoundResult:
     token_ids: list[int]  # tokens this round added to the output
-    stats: RoundStats
+    stats: RoundStats | None  # None on a hand-off
     finish_reason: FinishReason | None  # set on the last round
+    # With hand-off on: the last result, no tokens, the target to decode this many alone.
+    handoff_tokens: int = 0
 
 
 def speculation_rounds(
@@ -55,13 +57,17 @@ def speculation_rounds(
     params: SamplingParams,
     policy: SpeculationPolicy,
     context_length: int,
+    handoff: bool = False,
 ) -> Iterator[RoundResult]:
     """Runs rounds until a stop token, max_new_tokens or the context length.
 
     Each step is either a round (draft k tokens, verify them in one target pass) or, when
     the policy finds that faster, a stretch of tokens the target decodes alone, each
-    yielded as it comes. On entry verifier and draft both hold `base_len` committed
-    tokens; after each yielded result both hold the new committed length.
+    yielded as it comes; with `handoff`, the loop ends instead with a result asking the
+    caller to have the target decode the stretch (the draft service: its caller talks
+    to the target directly, so no token is relayed). On entry verifier and draft both
+    hold `base_len` committed tokens; after each yielded result both hold the new
+    committed length.
     """
     num_generated = index = 0
     while True:
@@ -69,17 +75,19 @@ def speculation_rounds(
         # Never draft or decode past max_new_tokens or the context.
         room = min(params.max_new_tokens - num_generated, context_length - base_len)
         solo = min(policy.solo_tokens(), room) if draft is not None else 0
-        if solo:
-            steps = _solo_stretch(verifier, draft, base_len, solo)
-        else:
+        if not solo:
             k = min(policy.next_k(), room - 1) if draft is not None else 0
             proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
             draft_ns = time.perf_counter_ns() - start
-            instead = policy.tokens_instead_of_empty_round() if k > 0 and not proposal.token_ids else 0
-            if instead:  # nothing to verify: not worth a round trip for one token
-                steps = _solo_stretch(verifier, draft, base_len, min(instead, room))
-            else:
-                steps = (_round(verifier, draft, base_len, proposal, draft_ns),)
+            # Nothing to verify: not worth a round trip for one token.
+            solo = min(policy.tokens_instead_of_empty_round(), room) if k > 0 and not proposal.token_ids else 0
+        if solo and handoff:
+            yield RoundResult([], None, None, handoff_tokens=solo)
+            return
+        if solo:
+            steps = _solo_stretch(verifier, draft, base_len, solo)
+        else:
+            steps = (_round(verifier, draft, base_len, proposal, draft_ns),)
         for stats, result in steps:
             stats = dataclasses.replace(stats, index=index)
             index += 1

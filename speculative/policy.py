@@ -73,10 +73,10 @@ class AdaptiveK(SpeculationPolicy):
     - a: per-token acceptance (prior 0.5), from the rounds that drafted;
     - d: drafting time per draft token;
     - c(w) = c(1) + g * (w - 1): the target's compute for a pass over w tokens, as the
-      target reports it; g is measured by every drafting round whatever its width
-      (prior: 10% of c(1)), each sample clamped to [0, c(1)] (a token more never costs
-      more than a pass of its own), so one slow pass (a cold start, a neighbour's burst)
-      cannot make a width look too costly to ever be tried again;
+      target reports it, one line fitted to every pass whatever its width (slope prior:
+      10% of c(1); 0 <= g <= c(1)), each sample clipped to twice the line, so
+      one slow pass (a cold start, a neighbour's burst) cannot make a width look too
+      costly to ever be tried again;
     - R: the rest of a round: its elapsed time less drafting and the target's compute
       (network, serialization, queueing, applying the verdict, passing tokens on);
     - s = c(1) + o: time per token when the target decodes alone, o its elapsed time
@@ -112,6 +112,7 @@ class AdaptiveK(SpeculationPolicy):
         self.draft_token_ns = 0.0
         self.one_token_ns = 0.0  # c(1); 0 = not measured
         self.per_token_ns: float | None = None  # g
+        self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum c, sum x c over passes (x = w - 1)
         self.overhead_ns = 0.0  # R
         self.stream_overhead_ns: float | None = None  # o
         self.stream_start_ns: float | None = None  # o_0: waiting for a stretch's first token
@@ -126,6 +127,8 @@ class AdaptiveK(SpeculationPolicy):
         """Starts from costs measured before (before this policy's first round)."""
         if costs.one_token_ns:
             self.one_token_ns, self.per_token_ns = costs.one_token_ns, costs.per_token_ns
+            for x in (0, 4):  # the line as two pseudo-passes, outweighed by the first real ones
+                self._add_sample(x, self.compute_ns(x + 1), 1.0)
             self.overhead_ns, self.stream_overhead_ns = costs.overhead_ns, costs.stream_overhead_ns
             self.stream_start_ns = costs.stream_start_ns
             self.draft_token_ns, self.measured = costs.draft_token_ns, True
@@ -153,8 +156,8 @@ class AdaptiveK(SpeculationPolicy):
         # What a probe round costs beyond the token it yields (its round trip, and the
         # first token of the next stretch waits for another), and the stretch over which
         # that is probe_share of the time.
-        probe_ns = k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns + self._start_ns() - solo_ns
-        stretch = min(max(self.next_solo, math.ceil(probe_ns / (self.probe_share * solo_ns))), self.max_solo)
+        probe_ns = k * self.draft_token_ns + self.compute_ns(k + 1) + self._start_ns() - solo_ns
+        stretch = min(max(self.next_solo, _ceil(probe_ns / (self.probe_share * solo_ns))), self.max_solo)
         self.next_solo = min(2 * self.next_solo, self.max_solo)
         self.probe_due = self.stretch_starting = True
         return stretch
@@ -162,13 +165,15 @@ class AdaptiveK(SpeculationPolicy):
     def tokens_instead_of_empty_round(self) -> int:
         """When the drafter has nothing to propose (the n-gram drafter, most of the time
         outside text it can copy), a round would pay a round trip for one plain step;
-        a stretch pays it once: as many tokens as make that round trip at most
-        probe_share of the stretch, after which the drafter is asked again. 0 where
-        there is no round trip to save (in process)."""
-        if not self.measured or self.overhead_ns <= (self.stream_overhead_ns or 0.0):
+        a stretch pays for starting once: at least first_solo tokens, and as many as
+        make starting it at most probe_share of the stretch, after which the drafter is
+        asked again. 0 where the round trip is not worth saving (under probe_share of a
+        token: in process, or on a fast link)."""
+        solo_ns = self.solo_cost_ns()
+        if not self.measured or self.overhead_ns <= self.probe_share * solo_ns:
             return 0
         self.stretch_starting = True
-        return min(math.ceil(self._start_ns() / (self.probe_share * self.solo_cost_ns())), self.max_solo)
+        return min(max(self.first_solo, _ceil(self._start_ns() / (self.probe_share * solo_ns))), self.max_solo)
 
     def tokens_per_ns(self, k: int) -> float:
         """Expected output tokens per nanosecond of a round that drafts k tokens."""
@@ -183,8 +188,10 @@ class AdaptiveK(SpeculationPolicy):
         return self.one_token_ns + per_token * (width - 1)
 
     def _start_ns(self) -> float:
-        """What starting a stretch costs besides its first token's compute (prior: R)."""
-        return self.stream_start_ns if self.stream_start_ns is not None else self.overhead_ns
+        """What starting a stretch costs besides its first token's compute, and
+        speculating again after it (prior: 2 R, the stream's round trip and the next
+        round's; a stretch handed off to the caller is never measured here)."""
+        return self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns
 
     def solo_cost_ns(self) -> float:
         overhead = self.stream_overhead_ns if self.stream_overhead_ns is not None else 0.0
@@ -214,15 +221,33 @@ class AdaptiveK(SpeculationPolicy):
             self.draft_token_ns = _blend(self.draft_token_ns or per_token, per_token, self.decay)
 
     def _observe_compute(self, width: int, compute_ns: int) -> None:
-        if not self.one_token_ns:  # the first pass: c(1) from it under the prior slope
-            self.one_token_ns = compute_ns / (1.0 + 0.1 * (width - 1))
-            return
-        if width == 1:
-            self.one_token_ns = _blend(self.one_token_ns, compute_ns, self.decay)
-            return
-        sample = min(max(0.0, (compute_ns - self.one_token_ns) / (width - 1)), self.one_token_ns)
-        self.per_token_ns = _blend(self.per_token_ns if self.per_token_ns is not None else sample, sample, self.decay)
+        """Refits c(w) = c(1) + g (w - 1) by decayed least squares over all passes, each
+        sample clipped to twice what the line predicts (one slow pass moves it little, and
+        every pass, whatever its width, corrects it)."""
+        if self._sums[0]:
+            predicted = self.compute_ns(width)
+            compute_ns = min(compute_ns, 2.0 * predicted)  # a fast pass is real, a slow one may be a spike
+        self._add_sample(width - 1, compute_ns, 1.0)
+        n, sx, sxx, sc, sxc = self._sums
+        mean_x, mean_c = sx / n, sc / n
+        prior = 0.1 * mean_c / (1.0 + 0.1 * mean_x)  # g where one width tells nothing
+        g = (sxc / n - mean_x * mean_c + _SLOPE_PRIOR_WEIGHT * prior) / (sxx / n - mean_x**2 + _SLOPE_PRIOR_WEIGHT)
+        g = min(max(g, 0.0), mean_c / (1.0 + mean_x))  # 0 <= g <= c(1)
+        self.one_token_ns, self.per_token_ns = mean_c - g * mean_x, g
+
+    def _add_sample(self, x: float, compute_ns: float, weight: float) -> None:
+        decayed = [self.decay * total for total in self._sums]
+        self._sums = [decayed[0] + weight, decayed[1] + weight * x, decayed[2] + weight * x * x,
+                      decayed[3] + weight * compute_ns, decayed[4] + weight * x * compute_ns]
+
+
+_SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
 
 
 def _blend(old: float, new: float, decay: float) -> float:
     return decay * old + (1.0 - decay) * new
+
+
+def _ceil(x: float) -> int:
+    """ceil, blind to float noise (a ratio that is 20 on paper must not become 21)."""
+    return math.ceil(round(x, 6))

@@ -161,12 +161,8 @@ def check_accounting(updates, base_len: int, num_tokens: int, finish_reason) -> 
         assert 0 <= stats.num_accepted <= stats.num_drafted
         length += len(update.token_ids)
         assert update.committed_len == length
-        if stats.streamed:  # decoded by the target alone: no proposal, no verdict
-            assert stats.num_drafted == 0 and len(update.token_ids) == 1
-            assert stats.proposal_bytes == stats.verdict_bytes == 0 and stats.target_compute_ns > 0
-        else:
-            assert stats.proposal_bytes > 0 and stats.verdict_bytes > 0
-            assert stats.verify_rtt_ns >= stats.target_compute_ns > 0
+        assert stats.proposal_bytes > 0 and stats.verdict_bytes > 0
+        assert stats.verify_rtt_ns >= stats.target_compute_ns > 0
         assert update.finished == (index == len(updates) - 1)
     assert updates[0].round.round + len(updates) - 1 == updates[-1].round.round
     assert length == base_len + num_tokens
@@ -214,11 +210,12 @@ def test_target_only_and_adaptive_k(draft_stubs, target, target_address, prompt_
     assert tokens_of(updates) == references[0]
     assert all(u.round.num_drafted == 0 and len(u.token_ids) == 1 for u in updates)
     pair.close()
-    for worker in ("same", "unrelated"):
+    for worker in ("same", "unrelated"):  # the unrelated draft's calls may hand off
         pair = Pair(draft_stubs[worker], target, target_address, prompt_ids[1])
-        updates = pair.speculate(num_speculative_tokens=8, adaptive=True)
-        assert tokens_of(updates) == references[1]
-        check_accounting(updates, len(prompt_ids[1]), MAX_NEW_TOKENS, common_pb2.FINISH_REASON_LENGTH)
+        tokens, updates, _ = speculate_with_handoffs(pair, target, MAX_NEW_TOKENS, num_speculative_tokens=8,
+                                                     adaptive=True)
+        assert tokens == references[1]
+        assert all(1 <= len(u.token_ids) <= u.round.num_accepted + 1 for u in updates)
         pair.close()
 
 
@@ -502,42 +499,51 @@ def slow_target_address(target_address):
         yield proxy.address
 
 
+def speculate_with_handoffs(pair: Pair, target, max_new_tokens: int, **speculation):
+    """Speculate as the orchestrator does: when a stream hands off, the target decodes
+    that many tokens alone (Decode), the draft is extended with them, Speculate again.
+    Returns (tokens, Speculate updates with tokens, hand-offs)."""
+    tokens, updates, handoffs = [], [], []
+    while len(tokens) < max_new_tokens:
+        sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens - len(tokens))
+        stream = list(pair.draft.Speculate(pair.request(sampling, **speculation), timeout=TIMEOUT_S))
+        rounds = [u for u in stream if not u.handoff_tokens]
+        tokens += tokens_of(rounds)
+        updates += rounds
+        pair.committed_len = stream[-1].committed_len
+        if not stream[-1].handoff_tokens:
+            assert stream[-1].finished
+            break
+        handoff = stream[-1]
+        assert not handoff.token_ids and not handoff.finished and handoff is stream[-1]
+        handoffs.append(handoff.handoff_tokens)
+        decoded = [t.token_id for t in target.Decode(target_pb2.DecodeRequest(
+            session_id=pair.target_handle.session_id, base_len=pair.committed_len,
+            max_tokens=min(handoff.handoff_tokens, max_new_tokens - len(tokens))), timeout=TIMEOUT_S)]
+        pair.draft.Extend(common_pb2.ExtendRequest(session_id=pair.draft_handle.session_id,
+                                                   base_len=pair.committed_len, token_ids=decoded), timeout=TIMEOUT_S)
+        tokens += decoded
+        pair.committed_len += len(decoded)
+    return tokens, updates, handoffs
+
+
 @pytest.mark.parametrize(("worker", "drafter"), [("same", "model"), ("unrelated", "model"), ("same", "ngram")])
-def test_adaptive_call_over_a_slow_link_lets_the_target_decode_alone(
+def test_adaptive_call_over_a_slow_link_hands_decoding_to_the_target(
         worker, drafter, draft_stubs, target, slow_target_address, prompt_ids, references):
     """The round trip costs more than anything a round can win, so after the first
-    rounds the policy hands over to the target's Decode stream: streamed tokens, the
-    same greedy output, and consistent accounting."""
+    rounds the call hands off: the target decodes alone, the draft catches up, the next
+    call goes on from the session's policy. Same greedy output."""
     pair = Pair(draft_stubs[worker], target, slow_target_address, prompt_ids[3], drafter)
-    updates = pair.speculate(num_speculative_tokens=4, adaptive=True)
+    tokens, updates, handoffs = speculate_with_handoffs(pair, target, MAX_NEW_TOKENS, num_speculative_tokens=4,
+                                                        adaptive=True)
     pair.close()
-    assert tokens_of(updates) == references[3]
-    check_accounting(updates, len(prompt_ids[3]), MAX_NEW_TOKENS, common_pb2.FINISH_REASON_LENGTH)
-    streamed = [u for u in updates if u.round.streamed]
-    assert len(streamed) >= MAX_NEW_TOKENS // 2, [(u.round.num_drafted, u.round.streamed) for u in updates]
-    # The next call with this target starts from the costs measured: no round trip first.
+    assert tokens == references[3]
+    assert handoffs and sum(handoffs) >= MAX_NEW_TOKENS // 2, (handoffs, [u.round.num_drafted for u in updates])
+    # The next session on this draft and target starts from the costs measured: it
+    # hands off before its first round trip.
     pair = Pair(draft_stubs[worker], target, slow_target_address, prompt_ids[2], drafter)
-    updates = pair.speculate(num_speculative_tokens=4, adaptive=True)
+    first = list(pair.draft.Speculate(pair.request(num_speculative_tokens=4, adaptive=True), timeout=TIMEOUT_S))
+    assert len(first) == 1 and first[0].handoff_tokens > 0 and first[0].committed_len == len(prompt_ids[2])
+    tokens, _, _ = speculate_with_handoffs(pair, target, MAX_NEW_TOKENS, num_speculative_tokens=4, adaptive=True)
     pair.close()
-    assert updates[0].round.streamed and tokens_of(updates) == references[2]
-
-
-def test_cancelling_during_a_streamed_stretch_leaves_the_sessions_usable(
-        draft_stubs, target, slow_target_address, prompt_ids, tiny_target):
-    ids = prompt_ids[3]
-    reference = SpeculativeGenerator(tiny_target).generate(ids, SamplingParams(max_new_tokens=48), k=0).token_ids
-    pair = Pair(draft_stubs["unrelated"], target, slow_target_address, ids)
-    call = pair.draft.Speculate(pair.request(common_pb2.SamplingParams(max_new_tokens=48),
-                                             num_speculative_tokens=4, adaptive=True), timeout=TIMEOUT_S)
-    received = []
-    for update in call:
-        received.append(update)
-        if update.round.streamed and len(received) > 4:
-            call.cancel()
-            break
-    assert received[-1].round.streamed
-    pair.truncate(received[-1].committed_len)  # the target may have decoded a token more
-    rest = pair.speculate(common_pb2.SamplingParams(max_new_tokens=48 - len(tokens_of(received))),
-                          num_speculative_tokens=2)
-    pair.close()
-    assert tokens_of(received) + tokens_of(rest) == reference
+    assert tokens == references[2]

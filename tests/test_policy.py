@@ -77,13 +77,12 @@ def test_break_even_round_trip_matches_the_cost_model():
 
 def test_an_empty_proposal_is_not_worth_a_round_trip_over_a_slow_link():
     """The n-gram drafter often has nothing to propose: over a link with a round trip,
-    the target decodes a stretch instead (the round trip then paid once for it, at most
-    5% of the stretch: 5 ms / (0.05 * 10 ms) = 10 tokens); in process, where nothing is
-    saved, the plain step is taken."""
+    the target decodes a stretch instead, long enough that starting it (its round trip
+    and the next round's, 2 x 5 ms) is at most 5% of it: 10 ms / (0.05 * 10 ms) = 20
+    tokens; in process, where there is no round trip to save, the plain step is taken."""
     slow = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)])
-    assert slow.solo_tokens() == 0 and slow.tokens_instead_of_empty_round() == 10
+    assert slow.solo_tokens() == 0 and slow.tokens_instead_of_empty_round() == 20
     local = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=0.1), _round(0, 0, 10.0, overhead_ms=0.1)])
-    local.observe(*_streamed(10.0, overhead_ms=0.2))  # streaming saves nothing here
     assert local.tokens_instead_of_empty_round() == 0
     assert AdaptiveK(4).tokens_instead_of_empty_round() == 0  # nothing measured yet
 
@@ -105,10 +104,23 @@ def test_one_slow_pass_does_not_rule_anything_out():
     choice look too costly to ever be tried (and re-measured) again."""
     policy = _settled(AdaptiveK(8), [_round(1, 1, 11.0, overhead_ms=2.0), _streamed(10.0)], times=30)
     policy.observe(*_round(4, 4, 300.0, overhead_ms=2.0))  # 30x a one-token pass
-    assert policy.compute_ns(9) < (10.0 + 8 * 2.0) * MS  # the slope sample (290 / 4 ms) is clamped to c(1)
-    assert policy.next_k() == 8  # everything accepted, so the long proposals still pay
+    assert policy.compute_ns(5) < 2 * 14.0 * MS  # clipped to twice the line's 14 ms
+    assert policy.next_k() == 8  # everything accepted, so long proposals still pay...
+    for _ in range(10):
+        policy.observe(*_round(8, 8, 18.0, overhead_ms=2.0))
+    assert policy.compute_ns(9) == pytest.approx(18.0 * MS, rel=0.1)  # ...and re-measure the line
     policy.observe(*_streamed(300.0))
     assert policy.solo_cost_ns() <= policy.one_token_ns + policy.overhead_ns
+
+
+def test_a_cold_first_pass_is_forgotten_even_at_one_width():
+    """Calls that always verify the same width never see c(1) alone: the line still
+    follows what the passes measure."""
+    policy = AdaptiveK(2)
+    policy.observe(*_round(2, 1, 300.0))  # the first pass, cold
+    for _ in range(40):
+        policy.observe(*_round(2, 1, 12.0))
+    assert policy.compute_ns(3) == pytest.approx(12.0 * MS, rel=0.1)
 
 
 def test_a_costly_draft_lowers_k():

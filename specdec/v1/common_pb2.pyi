@@ -82,7 +82,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("round", "base_len", "num_drafted", "num_accepted", "next_token_kind", "draft_ns", "verify_rtt_ns", "target_compute_ns", "proposal_bytes", "verdict_bytes", "streamed")
+    __slots__ = ("round", "base_len", "num_drafted", "num_accepted", "next_token_kind", "draft_ns", "verify_rtt_ns", "target_compute_ns", "proposal_bytes", "verdict_bytes")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -93,7 +93,6 @@ class RoundStats(_message.Message):
     TARGET_COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERDICT_BYTES_FIELD_NUMBER: _ClassVar[int]
-    STREAMED_FIELD_NUMBER: _ClassVar[int]
     round: int
     base_len: int
     num_drafted: int
@@ -104,8 +103,7 @@ class RoundStats(_message.Message):
     target_compute_ns: int
     proposal_bytes: int
     verdict_bytes: int
-    streamed: bool
-    def __init__(self, round: _Optional[int] = ..., base_len: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., draft_ns: _Optional[int] = ..., verify_rtt_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., verdict_bytes: _Optional[int] = ..., streamed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., base_len: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., draft_ns: _Optional[int] = ..., verify_rtt_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., verdict_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("num_generated_tokens", "num_rounds", "num_drafted", "num_accepted", "acceptance_rate", "mean_accepted_per_round", "accepted_per_position", "drafted_per_position", "prefill_ns", "draft_ns", "verify_ns", "target_compute_ns", "network_ns", "orchestrator_ns", "total_ns", "num_prefill_tokens", "num_failovers", "num_streamed_tokens")

@@ -1,0 +1,69 @@
+"""Adaptive speculation through the three services as processes, with a delaying proxy
+between draft and target (`--draft-target-delay-ms`): the round trip costs more than a
+round can win against ~1 ms tiny-model steps, so adaptive calls hand decoding to the
+target (SpeculateUpdate.handoff_tokens -> the orchestrator's Decode stream, the draft
+caught up by Extend, Speculate again). Output stays exactly target-only greedy; seeded
+sampling stays a run of the requested length; a session continues across calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.v1 import common_pb2, orchestrator_pb2
+from speculative.generator import SpeculativeGenerator
+from speculative.sampling import SamplingParams
+from tests.system import LocalSystem
+
+MAX_NEW_TOKENS = 32
+DELAY_MS = 15  # one way
+
+
+def _request(ids, drafter: str, sampling: common_pb2.SamplingParams | None = None, session_id: str = ""):
+    request = orchestrator_pb2.GenerateRequest(include_stats=True, session_id=session_id)
+    request.token_ids.ids.extend(ids)
+    request.sampling.CopyFrom(sampling or common_pb2.SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
+    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=4, drafter=drafter, adaptive=True))
+    return request
+
+
+def _greedy(tiny_target) -> SamplingParams:
+    """What the orchestrator asks for: greedy, and its end-of-text token stops."""
+    return SamplingParams(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=(tiny_target.eos_token_id,))
+
+
+@pytest.fixture(scope="module")
+def slow_system():
+    with LocalSystem(draft_target_delay_ms=DELAY_MS) as system:
+        yield system
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_adaptive_generation_over_a_slow_link_hands_off_and_stays_exact(slow_system, drafter, tiny_target, prompt_ids):
+    generator = SpeculativeGenerator(tiny_target)
+    handed_off = 0
+    for ids in prompt_ids[:4]:
+        response = slow_system.stub.Generate(_request(ids, drafter), timeout=120)
+        expected = generator.generate(ids, _greedy(tiny_target), k=0).token_ids
+        assert list(response.token_ids) == expected, slow_system.logs()
+        assert response.stats.num_generated_tokens == len(expected)
+        handed_off += response.stats.num_streamed_tokens
+    assert handed_off >= 2 * MAX_NEW_TOKENS  # most tokens: speculation cannot pay here
+
+
+def test_a_session_continues_across_hand_offs(slow_system, tiny_target, prompt_ids):
+    """Two calls on one session equal one target-only run of both lengths: each call's
+    hand-offs left draft and target at the same committed tokens."""
+    ids = prompt_ids[1]
+    first = slow_system.stub.Generate(_request(ids, "ngram"), timeout=120)
+    second = slow_system.stub.Generate(_request([ids[0]], "ngram", session_id=first.session_id), timeout=120)
+    expected = SpeculativeGenerator(tiny_target).generate(
+        [*ids, *first.token_ids, ids[0]], _greedy(tiny_target), k=0).token_ids
+    assert list(second.token_ids) == expected
+
+
+def test_seeded_sampling_through_hand_offs_yields_the_requested_tokens(slow_system, prompt_ids):
+    sampling = common_pb2.SamplingParams(temperature=0.9, seed=11, max_new_tokens=MAX_NEW_TOKENS)
+    response = slow_system.stub.Generate(_request(prompt_ids[2], "model", sampling), timeout=120)
+    assert len(response.token_ids) == MAX_NEW_TOKENS or response.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN
+    assert response.stats.num_streamed_tokens > 0
