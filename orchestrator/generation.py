@@ -302,6 +302,9 @@ class Generation:
     def _committed(self, plan: Plan) -> list[int]:
         return plan.tokens + self.generated
 
+    def _committed_len(self, plan: Plan) -> int:
+        return len(plan.tokens) + len(self.generated)
+
     # 4. Generate: stream rounds, stop, roll back, save.
 
     def _generate(self, plan: Plan, lease: Lease) -> Iterator[Chunk]:
@@ -347,7 +350,7 @@ class Generation:
         alone for a while) goes on with the target's Decode stream for that many
         tokens, the draft caught up by Extend, then Speculate again."""
         if self.draft is None:
-            base_len = len(plan.tokens) + len(self.generated)
+            base_len = self._committed_len(plan)
             yield from self._decode(plan, base_len, 0, self._remaining_params(plan.params))
             return
         while True:
@@ -356,7 +359,7 @@ class Generation:
             handoff = yield from self._speculate(plan, self._remaining_params(plan.params))
             if not handoff:
                 return
-            base_len = len(plan.tokens) + len(self.generated)
+            base_len = self._committed_len(plan)
             if (yield from self._decode(plan, base_len, handoff)):
                 return
             self._catch_up_draft(plan, base_len)
@@ -365,7 +368,7 @@ class Generation:
         """Yields the rounds of one Speculate stream; returns its hand-off (tokens for
         the target to decode alone), 0 when the stream finished."""
         record = plan.record
-        base_len = len(plan.tokens) + len(self.generated)
+        base_len = self._committed_len(plan)
         speculation = common_pb2.SpeculationParams(
             num_speculative_tokens=plan.k, drafter=plan.drafter, adaptive=plan.adaptive)
         self.call = self.draft.stub.Speculate(draft_pb2.SpeculateRequest(

@@ -26,14 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from speculative.policy import expected_tokens  # the same formula the adaptive policy uses
+
 K_MAX = 16  # the protocol's largest k (speculative.sampling.validate_num_speculative_tokens)
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """E[tokens per round] for k draft tokens: accepted ones plus the target's own."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 @dataclass(frozen=True)

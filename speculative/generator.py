@@ -36,8 +36,9 @@ class Verifier(Protocol):
     ) -> VerifyResult: ...
 
     def decode(self, base_len: int, max_tokens: int) -> Iterator[VerifyResult]:
-        """Target-only decoding of up to max_tokens tokens, one result per token, with no
-        round trip per token (remotely: one server stream)."""
+        """Target-only decoding of up to max_tokens tokens, one result per token. Needed
+        only where the loop decodes stretches itself (in process); a remote caller runs
+        the loop with handoff=True and the stretch goes to its own caller instead."""
         ...
 
 

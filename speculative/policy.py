@@ -12,8 +12,10 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from speculative.stats import RoundStats
+if TYPE_CHECKING:  # annotations only: this module stays free of torch, for `python -m report`
+    from speculative.stats import RoundStats
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ class AdaptiveK(SpeculationPolicy):
             return 0
         # The round trips of a probe (its own, and the next stretch's first token waits
         # for another), and the stretch over which they are probe_share of the time.
-        stretch = min(max(self.next_solo, _ceil(self._start_ns() / (self.probe_share * solo_ns))), self.max_solo)
+        stretch = self._stretch(self.next_solo, solo_ns)
         self.next_solo = min(2 * self.next_solo, self.max_solo)
         self.probe_due = self.stretch_starting = True
         return stretch
@@ -172,7 +174,12 @@ class AdaptiveK(SpeculationPolicy):
         if not self.measured or self.overhead_ns <= EMPTY_ROUND_SHARE * solo_ns:
             return 0
         self.stretch_starting = True
-        return min(max(self.first_solo, _ceil(self._start_ns() / (self.probe_share * solo_ns))), self.max_solo)
+        return self._stretch(self.first_solo, solo_ns)
+
+    def _stretch(self, shortest: int, solo_ns: float) -> int:
+        """A stretch of at least `shortest` tokens, and long enough that starting it is
+        at most probe_share of its time; at most max_solo."""
+        return min(max(shortest, _ceil(self._start_ns() / (self.probe_share * solo_ns))), self.max_solo)
 
     def tokens_per_ns(self, k: int) -> float:
         """Expected output tokens per nanosecond of a round that drafts k tokens."""

@@ -171,6 +171,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int]:
         """Checks base_len, applies the call's sampling; returns (base_len, tokens to decode)."""
         sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
+        if request.max_tokens < 0:  # checked before the session is touched
+            raise InvalidArgument(f"max_tokens must be >= 0 (0 = up to max_new_tokens), got {request.max_tokens}")
         with self.sessions.use(request.session_id) as target:
             if request.base_len != target.length:
                 raise StaleProposal(
@@ -179,8 +181,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if sampling is not None:
                 target.set_sampling(sampling)
             max_new_tokens = target.params.max_new_tokens
-            if request.max_tokens < 0:
-                raise InvalidArgument(f"max_tokens must be >= 0 (0 = up to max_new_tokens), got {request.max_tokens}")
             return target.length, min(max_new_tokens, request.max_tokens or max_new_tokens)
 
     def _sampling(self, message: common_pb2.SamplingParams) -> SamplingParams:
