@@ -119,7 +119,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             target = self.targets.info(plan.target_address, timeout_s)
             context_length = check_start(entry, request, plan, self.drafters, target)
             apply_settings(entry.draft, plan.settings)
-            adaptive = self._adaptive_policy(entry, plan)
+            adaptive = self._adaptive_policy(entry, plan, request)
             verifier = RemoteVerifier(
                 self.targets.stub(plan.target_address), plan.target_address, plan.target_session_id,
                 plan.settings.params, entry.next_round, timeout_s,
@@ -144,14 +144,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     # --- helpers ----------------------------------------------------------------------
 
-    def _adaptive_policy(self, entry: SessionEntry, plan: SpeculatePlan) -> AdaptiveK | None:
+    def _adaptive_policy(self, entry: SessionEntry, plan: SpeculatePlan, request) -> AdaptiveK | None:
         """The call's adaptive policy: the session's own when it has one for the same
         k (it goes on after a hand-off, or into the next turn), else a new one seeded
         with what earlier calls measured between this drafter and this target."""
         if not isinstance(plan.policy, AdaptiveK):
             return None
+        handoff, entry.handoff = entry.handoff, None
         if entry.policy is not None and entry.policy.max_k == plan.policy.max_k:
             plan.policy = entry.policy
+            # Back from a whole stretch: what it cost, past its tokens, to start one.
+            if handoff is not None and request.base_len == handoff.resume_len and request.handoff_token_ns:
+                plan.policy.observe_handoff(handoff.num_tokens, time.perf_counter_ns() - handoff.at_ns,
+                                            request.handoff_token_ns)
         elif costs := self.targets.costs(plan.target_address, entry.drafter):
             plan.policy.seed(costs)
         entry.policy = plan.policy

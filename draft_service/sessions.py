@@ -27,6 +27,13 @@ class SessionBusy(SpeculativeError):
     """Another call held the session for longer than this call could wait (ABORTED)."""
 
 
+@dataclass(frozen=True)
+class Handoff:
+    at_ns: int  # time.perf_counter_ns() when the stretch was handed off
+    num_tokens: int
+    resume_len: int  # committed length after the whole stretch
+
+
 @dataclass(eq=False)
 class SessionEntry:
     session_id: str
@@ -36,6 +43,9 @@ class SessionEntry:
     # The last adaptive call's policy: the next call goes on with what it measured (after
     # a hand-off, the caller calls again at once).
     policy: AdaptiveK | None = None
+    # The last call's hand-off, if it ended with one: when, and the committed length the
+    # caller comes back with when it decoded the whole stretch.
+    handoff: Handoff | None = None
     closed: bool = False  # evicted or closed: whoever still holds the entry must not use it
     lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -24,7 +24,7 @@ from opentelemetry import trace
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters, DraftSettings, check_ngram_sizes
 from draft_service.remote_verifier import RemoteVerifier, TargetInfo
-from draft_service.sessions import SessionEntry
+from draft_service.sessions import Handoff, SessionEntry
 from service_common import telemetry
 from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
 from specdec.v1 import draft_pb2
@@ -120,6 +120,8 @@ def run_rounds(
         with contextlib.closing(rounds):
             for result in rounds:
                 if result.handoff_tokens:  # the caller has the target decode a stretch
+                    entry.handoff = Handoff(time.perf_counter_ns(), result.handoff_tokens,
+                                            committed_len + result.handoff_tokens)
                     yield draft_pb2.SpeculateUpdate(committed_len=committed_len, handoff_tokens=result.handoff_tokens)
                     return
                 round_end_ns = time.time_ns()

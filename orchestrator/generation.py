@@ -85,6 +85,7 @@ class Generation:
         self.draft: Worker | None = None
         self.generated: list[int] = []  # tokens received from the workers (committed by the target)
         self.synced_len = 0  # tokens both workers certainly hold (base of the last stream)
+        self._handoff_token_ns = 0  # time between tokens of the last stretch handed off to us
         self._in_flight = contextlib.ExitStack()  # counts the call on its workers' load
 
     def run(self) -> Iterator[Chunk]:
@@ -375,7 +376,8 @@ class Generation:
             session_id=record.draft.session_id, base_len=base_len,
             target=common_pb2.KvHandle(worker_id=record.target.worker_id, worker_address=self.target.address,
                                        session_id=record.target.session_id, committed_len=base_len),
-            sampling=sampling_to_proto(params), speculation=speculation),
+            sampling=sampling_to_proto(params), speculation=speculation,
+            handoff_token_ns=self._handoff_token_ns),
             timeout=self._deadline())
         self.context.add_callback(self.call.cancel)
         for update in self.call:
@@ -396,7 +398,13 @@ class Generation:
         self.call = self.target.stub.Decode(request, timeout=self._deadline())
         self.context.add_callback(self.call.cancel)
         handoff = params is None  # within a speculating call
+        first_ns, count = 0, 0
         for token in self.call:
+            count += 1
+            if count == 1:
+                first_ns = time.perf_counter_ns()
+            elif handoff:  # the draft sizes its next stretches by it
+                self._handoff_token_ns = (time.perf_counter_ns() - first_ns) // (count - 1)
             self.stats.record_round(RoundStats(self.stats.num_rounds, token.committed_len - 1, 0, 0, 1,
                                                NextTokenKind.BONUS, 0, token.compute_ns, token.compute_ns,
                                                streamed=handoff))

@@ -95,9 +95,18 @@ class AdaptiveK(SpeculationPolicy):
     `first_solo` tokens, or longer when the round trip is long, so that a probe (its
     round trip, and another before the next stretch's first token) costs at most
     `probe_share` of the stretch; each probe that still loses doubles it, up to
-    `max_solo`. When the drafter has nothing to propose, no round trip is paid for a
-    plain step: the target decodes a short stretch and the drafter is asked again
-    (`tokens_instead_of_empty_round`).
+    `max_solo`.
+
+    A drafter may also propose nothing (the n-gram drafter, outside text it can copy):
+    such a round is one plain step that still pays R. Whether that is worth it depends
+    on f, the share of the drafter's turns that propose at all: with its proposals, a
+    round yields on average
+
+        (f * E[tokens](a, k) + (1 - f)) / (f * (k * d + c(k + 1) + R) + (1 - f) * (c(1) + R))
+
+    tokens per ns. When that still beats 1 / s, the empty round is taken (the next
+    turn may find text to copy); else the target decodes a short stretch and the
+    drafter is asked again (`tokens_instead_of_empty_round`).
 
     `costs` seeds the cost averages (not the acceptance, which depends on the text) with
     what earlier calls between the same draft and target measured, so a call over a slow
@@ -111,6 +120,8 @@ class AdaptiveK(SpeculationPolicy):
         self.first_solo, self.max_solo, self.probe_share = first_solo, max_solo, probe_share
         self.accepted = 1.0  # decayed counts of the Bernoulli trials behind a:
         self.trials = 2.0  # a prior acceptance of 0.5
+        self.proposals = 1.0  # decayed counts of the drafter's turns behind f:
+        self.turns = 2.0  # a prior proposal rate of 0.5
         self.draft_token_ns = 0.0
         self.one_token_ns = 0.0  # c(1); 0 = not measured
         self.per_token_ns: float | None = None  # g
@@ -143,6 +154,10 @@ class AdaptiveK(SpeculationPolicy):
     def acceptance(self) -> float:
         return self.accepted / self.trials
 
+    def proposal_rate(self) -> float:
+        """f: the share of the drafter's turns that proposed something."""
+        return self.proposals / self.turns
+
     def next_k(self) -> int:
         return max(range(1, self.max_k + 1), key=lambda k: (self.tokens_per_ns(k), -k))
 
@@ -163,15 +178,14 @@ class AdaptiveK(SpeculationPolicy):
         return stretch
 
     def tokens_instead_of_empty_round(self) -> int:
-        """When the drafter has nothing to propose (the n-gram drafter, most of the time
-        outside text it can copy), a round would pay a round trip for one plain step;
-        a stretch pays for starting once: at least first_solo tokens, and as many as
-        make starting it at most probe_share of the stretch, after which the drafter is
-        asked again. 0 where the round trip is not worth the drafts a stretch forgoes
-        (under EMPTY_ROUND_SHARE of a token: in process, loopback, a link of a few ms
-        against a slow target: text to copy turns up within a stretch)."""
+        """The drafter proposed nothing, so a round would pay R for one plain step. It
+        is taken while rounds, empty ones included at the measured rate f, still beat
+        decoding alone (text to copy may turn up at the next turn); else the target
+        decodes a stretch: at least first_solo tokens, and as many as make starting it
+        at most probe_share of the stretch, after which the drafter is asked again."""
+        self._count_turn(proposed=False)
         solo_ns = self.solo_cost_ns()
-        if not self.measured or self.overhead_ns <= EMPTY_ROUND_SHARE * solo_ns:
+        if not self.measured or self.mixed_tokens_per_ns(self.next_k()) >= 1.0 / solo_ns:
             return 0
         self.stretch_starting = True
         return self._stretch(self.first_solo, solo_ns)
@@ -188,15 +202,22 @@ class AdaptiveK(SpeculationPolicy):
         cost = k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
         return expected_tokens(self.acceptance(), k) / cost
 
+    def mixed_tokens_per_ns(self, k: int) -> float:
+        """Expected output tokens per nanosecond of rounds that draft k tokens when the
+        drafter proposes (share f of its turns) and are one plain step when it does not."""
+        f = self.proposal_rate()
+        tokens = f * expected_tokens(self.acceptance(), k) + (1.0 - f)
+        drafted_ns = k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
+        return tokens / (f * drafted_ns + (1.0 - f) * (self.compute_ns(1) + self.overhead_ns))
+
     def compute_ns(self, width: int) -> float:
         """c(width): the target's pass over `width` tokens."""
         per_token = self.per_token_ns if self.per_token_ns is not None else 0.1 * self.one_token_ns
         return self.one_token_ns + per_token * (width - 1)
 
     def _start_ns(self) -> float:
-        """What starting a stretch costs besides its first token's compute, and
-        speculating again after it (prior: 2 R, the stream's round trip and the next
-        round's; a stretch handed off to the caller is never measured here)."""
+        """What starting a stretch costs besides its tokens, and speculating again after
+        it (prior: 2 R, the stream's round trip and the next round's)."""
         return self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns
 
     def solo_cost_ns(self) -> float:
@@ -220,11 +241,31 @@ class AdaptiveK(SpeculationPolicy):
         self.overhead_ns = _blend(self.overhead_ns if self.measured else overhead, overhead, self.decay)
         self.measured = True
         if round_stats.num_drafted > 0:
+            self._count_turn(proposed=True)
             rejected = round_stats.num_accepted < round_stats.num_drafted
             self.accepted = self.decay * self.accepted + round_stats.num_accepted
             self.trials = self.decay * self.trials + round_stats.num_accepted + rejected
             per_token = round_stats.draft_ns / round_stats.num_drafted
             self.draft_token_ns = _blend(self.draft_token_ns or per_token, per_token, self.decay)
+
+    def observe_handoff(self, num_tokens: int, elapsed_ns: int, token_ns: int) -> None:
+        """Learns from a stretch handed to the caller: elapsed_ns from handing it off to
+        being asked to speculate again after num_tokens, which the caller received
+        token_ns apart. Past the tokens themselves, that is what starting a stretch costs
+        (the caller's stream to the target, bringing the draft up to date, a new call),
+        which sizes the next stretches; past the target's compute, what each token of a
+        stretch costs."""
+        overhead = max(0.0, token_ns - self.one_token_ns)
+        previous = self.stream_overhead_ns if self.stream_overhead_ns is not None else overhead
+        self.stream_overhead_ns = _blend(previous, overhead, self.decay)
+        start = max(0.0, elapsed_ns - num_tokens * token_ns)
+        previous = self.stream_start_ns if self.stream_start_ns is not None else start
+        self.stream_start_ns = _blend(previous, start, self.decay)
+        self.stretch_starting = False
+
+    def _count_turn(self, proposed: bool) -> None:
+        self.proposals = self.decay * self.proposals + proposed
+        self.turns = self.decay * self.turns + 1.0
 
     def _observe_compute(self, width: int, compute_ns: int) -> None:
         """Refits c(w) = c(1) + g (w - 1) by decayed least squares over all passes, each
@@ -248,10 +289,6 @@ class AdaptiveK(SpeculationPolicy):
 
 
 _SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
-# An empty proposal hands a stretch to the target only when a round trip costs more than
-# this share of a token: below it, the copies a stretch would not look for weigh more
-# (measured: SmolLM2 + n-gram lost up to 25% on a summary with a 4 ms round trip, 8%).
-EMPTY_ROUND_SHARE = 0.15
 
 
 def _blend(old: float, new: float, decay: float) -> float:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -503,10 +504,12 @@ def speculate_with_handoffs(pair: Pair, target, max_new_tokens: int, **speculati
     """Speculate as the orchestrator does: when a stream hands off, the target decodes
     that many tokens alone (Decode), the draft is extended with them, Speculate again.
     Returns (tokens, Speculate updates with tokens, hand-offs)."""
-    tokens, updates, handoffs = [], [], []
+    tokens, updates, handoffs, token_ns = [], [], [], 0
     while len(tokens) < max_new_tokens:
         sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens - len(tokens))
-        stream = list(pair.draft.Speculate(pair.request(sampling, **speculation), timeout=TIMEOUT_S))
+        request = pair.request(sampling, **speculation)
+        request.handoff_token_ns = token_ns
+        stream = list(pair.draft.Speculate(request, timeout=TIMEOUT_S))
         rounds = [u for u in stream if not u.handoff_tokens]
         tokens += tokens_of(rounds)
         updates += rounds
@@ -517,9 +520,13 @@ def speculate_with_handoffs(pair: Pair, target, max_new_tokens: int, **speculati
         handoff = stream[-1]
         assert not handoff.token_ids and not handoff.finished and handoff is stream[-1]
         handoffs.append(handoff.handoff_tokens)
-        decoded = [t.token_id for t in target.Decode(target_pb2.DecodeRequest(
-            session_id=pair.target_handle.session_id, base_len=pair.committed_len,
-            max_tokens=min(handoff.handoff_tokens, max_new_tokens - len(tokens))), timeout=TIMEOUT_S)]
+        decoded, arrivals = [], []
+        for token in target.Decode(target_pb2.DecodeRequest(
+                session_id=pair.target_handle.session_id, base_len=pair.committed_len,
+                max_tokens=min(handoff.handoff_tokens, max_new_tokens - len(tokens))), timeout=TIMEOUT_S):
+            decoded.append(token.token_id)
+            arrivals.append(time.perf_counter_ns())
+        token_ns = (arrivals[-1] - arrivals[0]) // (len(arrivals) - 1) if len(arrivals) > 1 else 0
         pair.draft.Extend(common_pb2.ExtendRequest(session_id=pair.draft_handle.session_id,
                                                    base_len=pair.committed_len, token_ids=decoded), timeout=TIMEOUT_S)
         tokens += decoded

@@ -75,16 +75,53 @@ def test_break_even_round_trip_matches_the_cost_model():
     assert above.solo_tokens() > 0
 
 
-def test_an_empty_proposal_is_not_worth_a_round_trip_over_a_slow_link():
-    """The n-gram drafter often has nothing to propose: over a link with a round trip,
-    the target decodes a stretch instead, long enough that starting it (its round trip
-    and the next round's, 2 x 5 ms) is at most 5% of it: 10 ms / (0.05 * 10 ms) = 20
-    tokens; in process, where there is no round trip to save, the plain step is taken."""
-    slow = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)])
-    assert slow.solo_tokens() == 0 and slow.tokens_instead_of_empty_round() == 20
-    local = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=0.1), _round(0, 0, 10.0, overhead_ms=0.1)])
-    assert local.tokens_instead_of_empty_round() == 0
+def _drafter_turns(policy, pattern, times=30, overhead_ms=5.0):
+    """The drafter's turns, `pattern` over and over: P proposes (a = 3/4, c(5) = 14 ms,
+    R = overhead_ms), E proposes nothing. The stretches asked for instead of the E rounds."""
+    stretches = []
+    for _ in range(times):
+        for turn in pattern:
+            if turn == "P":
+                policy.observe(*_round(4, 3, 14.0, overhead_ms=overhead_ms))
+            else:
+                stretches.append(policy.tokens_instead_of_empty_round())
+    return stretches
+
+
+def test_an_empty_proposal_is_worth_a_round_trip_only_while_proposals_pay_for_it():
+    """c(1) = 10 ms, c(5) = 14 ms, R = 5 ms, solo 10 ms per token, k = 4 at a = 3/4
+    (E = 3.05 tokens for 19 ms). With a share f of turns proposing, rounds yield
+    (3.05 f + 1 - f) / (19 f + 15 (1 - f)) tokens per ms, which beats 0.1 for
+    f >= 0.5 / 1.65 = 0.30: a drafter proposing every other turn (f ~ 0.47) is worth an
+    empty round; one proposing every fifth turn (f <= 0.22) is not, and the target
+    decodes a stretch instead, long enough that starting it (its round trip and the
+    next round's, 2 x 5 ms) is at most 5% of it: 10 ms / (0.05 * 10 ms) = 20 tokens."""
+    def settled():
+        return _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)], times=30)
+    often, rarely = settled(), settled()
+    assert often.next_k() == 4
+    assert set(_drafter_turns(often, "PE")) == {0}
+    assert set(_drafter_turns(rarely, "PEEEE")[-4:]) == {20}
     assert AdaptiveK(4).tokens_instead_of_empty_round() == 0  # nothing measured yet
+
+
+def test_in_process_an_empty_round_costs_next_to_nothing():
+    """With R = 0.1 ms, an empty round costs what a solo token does, so even a drafter
+    proposing every fifth turn keeps the rounds (its proposals pay)."""
+    local = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=0.1), _streamed(10.0, overhead_ms=0.1)])
+    assert set(_drafter_turns(local, "PEEEE", overhead_ms=0.1)) == {0}
+
+
+def test_a_measured_handoff_sizes_the_next_stretches():
+    """Stretches handed off came back 30 ms later than their tokens (received 11 ms
+    apart: 1 ms past the target's 10 ms): a stretch now costs 10 + min(1, R) = 11 ms a
+    token, and starting one 30 ms, so one is 30 / (0.05 * 11) = 54.5 -> 55 tokens (for
+    a drafter proposing every eighth turn, f <= 0.16, under the 0.22 that now pays)."""
+    policy = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)], times=30)
+    for _ in range(100):
+        policy.observe_handoff(20, 20 * 11 * MS + 30 * MS, 11 * MS)
+    assert policy.solo_cost_ns() == pytest.approx(11 * MS, rel=1e-4)
+    assert set(_drafter_turns(policy, "PEEEEEEE")[-7:]) == {55}
 
 
 def test_costs_measured_by_an_earlier_call_decide_the_first_round():

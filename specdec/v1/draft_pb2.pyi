@@ -26,18 +26,20 @@ class DraftOpenSessionResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., prefill_ns: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "target", "sampling", "speculation")
+    __slots__ = ("session_id", "base_len", "target", "sampling", "speculation", "handoff_token_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     target: _common_pb2.KvHandle
     sampling: _common_pb2.SamplingParams
     speculation: _common_pb2.SpeculationParams
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., target: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ...) -> None: ...
+    handoff_token_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., target: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., handoff_token_ns: _Optional[int] = ...) -> None: ...
 
 class SpeculateUpdate(_message.Message):
     __slots__ = ("token_ids", "committed_len", "round", "finished", "finish_reason", "handoff_tokens")
