@@ -132,6 +132,7 @@ class AdaptiveK(SpeculationPolicy):
         self.stretch_starting = False  # the next streamed token is a stretch's first
         self.measured = False  # a round has been measured
         self.next_solo = first_solo
+        self.next_empty_solo = first_solo  # after an empty turn; doubles while turns stay empty
         self.probe_due = False  # the round after a solo stretch re-measures
         if costs is not None:
             self.seed(costs)
@@ -181,14 +182,18 @@ class AdaptiveK(SpeculationPolicy):
         """The drafter proposed nothing, so a round would pay R for one plain step. It
         is taken while rounds, empty ones included at the measured rate f, still beat
         decoding alone (text to copy may turn up at the next turn); else the target
-        decodes a stretch: at least first_solo tokens, and as many as make starting it
-        at most probe_share of the stretch, after which the drafter is asked again."""
+        decodes a stretch, after which the drafter is asked again: at least first_solo
+        tokens, twice the last one's after each further empty turn (at most
+        MAX_EMPTY_STRETCH_FACTOR * first_solo: copies must not be missed for long), and as
+        many as make starting it at most probe_share of the stretch."""
         self._count_turn(proposed=False)
         solo_ns = self.solo_cost_ns()
         if not self.measured or self.mixed_tokens_per_ns(self.next_k()) >= 1.0 / solo_ns:
             return 0
         self.stretch_starting = True
-        return self._stretch(self.first_solo, solo_ns)
+        stretch = self._stretch(self.next_empty_solo, solo_ns)
+        self.next_empty_solo = min(2 * self.next_empty_solo, MAX_EMPTY_STRETCH_FACTOR * self.first_solo)
+        return stretch
 
     def _stretch(self, shortest: int, solo_ns: float) -> int:
         """A stretch of at least `shortest` tokens, and long enough that starting it is
@@ -242,6 +247,7 @@ class AdaptiveK(SpeculationPolicy):
         self.measured = True
         if round_stats.num_drafted > 0:
             self._count_turn(proposed=True)
+            self.next_empty_solo = self.first_solo
             rejected = round_stats.num_accepted < round_stats.num_drafted
             self.accepted = self.decay * self.accepted + round_stats.num_accepted
             self.trials = self.decay * self.trials + round_stats.num_accepted + rejected
@@ -289,6 +295,9 @@ class AdaptiveK(SpeculationPolicy):
 
 
 _SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
+# Stretches after empty turns grow to at most this many times first_solo (32 tokens):
+# fewer restarts where nothing can be copied, while text to copy is found within 32 tokens.
+MAX_EMPTY_STRETCH_FACTOR = 4
 
 
 def _blend(old: float, new: float, decay: float) -> float:
