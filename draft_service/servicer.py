@@ -155,7 +155,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             plan.policy = entry.policy
             # Back from a whole stretch: what it cost, past its tokens, to start one.
             if handoff is not None and request.base_len == handoff.resume_len and request.handoff_token_ns:
-                plan.policy.observe_handoff(handoff.num_tokens, time.perf_counter_ns() - handoff.at_ns,
+                plan.policy.observe_stretch(handoff.num_tokens, time.perf_counter_ns() - handoff.at_ns,
                                             request.handoff_token_ns)
         elif costs := self.targets.costs(plan.target_address, entry.drafter):
             plan.policy.seed(costs)

@@ -86,10 +86,13 @@ def speculation_rounds(
             yield RoundResult([], None, None, handoff_tokens=solo)
             return
         if solo:
+            stretch_start, intervals = start, []
             steps = _solo_stretch(verifier, draft, base_len, solo)
         else:
             steps = (_round(verifier, draft, base_len, proposal, draft_ns),)
         for stats, result in steps:
+            if solo:
+                intervals.append(stats.verify_ns)
             stats = dataclasses.replace(stats, index=index)
             index += 1
             base_len, num_generated = base_len + len(result.token_ids), num_generated + len(result.token_ids)
@@ -101,6 +104,11 @@ def speculation_rounds(
             start = time.perf_counter_ns()
             if finish_reason is not None:
                 return
+        if solo and intervals:
+            # The draft catches up on the stretch now, not within the next proposal: it
+            # is what starting a stretch costs, not what drafting does.
+            draft.prefill()
+            policy.observe_stretch(len(intervals), time.perf_counter_ns() - stretch_start, _per_token(intervals))
 
 
 def _round(verifier: Verifier, draft: DraftSession | None, base_len: int, proposal: Proposal,
@@ -132,6 +140,13 @@ def _solo_stretch(verifier: Verifier, draft: DraftSession, base_len: int, num_to
             yield stats, result
     finally:
         tokens.close()  # stops the target's stream when the caller stops early
+
+
+def _per_token(intervals: list[int]) -> int:
+    """Time per token of a stream, from the intervals between its tokens (the first
+    one, from the request, also holds the stream's start)."""
+    later = intervals[1:] or intervals
+    return sum(later) // len(later)
 
 
 def _finish_reason(result: VerifyResult, out_of_room: bool) -> FinishReason | None:

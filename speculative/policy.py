@@ -26,7 +26,7 @@ class MeasuredCosts:
     per_token_ns: float | None  # what each further token of a pass adds (None = not measured)
     overhead_ns: float  # the rest of a round (R)
     stream_overhead_ns: float | None  # per token decoded alone, besides its compute
-    stream_start_ns: float | None  # the first token of a stretch, besides its compute
+    stream_start_ns: float | None  # starting a stretch, besides its tokens
     draft_token_ns: float  # per draft token
 
 
@@ -49,6 +49,9 @@ class SpeculationPolicy(abc.ABC):
     def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
         """Learns from a finished round (or a token the target decoded alone) that took
         elapsed_ns from the policy's decision to its result having been passed on."""
+
+    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int) -> None:
+        """Learns from a whole stretch the target decoded alone (see AdaptiveK)."""
 
 
 class FixedK(SpeculationPolicy):
@@ -81,9 +84,11 @@ class AdaptiveK(SpeculationPolicy):
       costly to ever be tried again;
     - R: the rest of a round: its elapsed time less drafting and the target's compute
       (network, serialization, queueing, applying the verdict, passing tokens on);
-    - s = c(1) + o: time per token when the target decodes alone, o its elapsed time
-      besides compute, at most R; a stretch's first token also waits o_0 (a round trip:
-      the stream's request, then its first token), paid once per stretch.
+    - s = c(1) + o: time per token when the target decodes alone, o the time between a
+      stretch's tokens besides compute, at most R; starting a stretch costs o_0 once
+      (the stream's first token, the draft catching up on the stretch; across the
+      services also the caller's stream and a new call), measured from whole stretches
+      (`observe_stretch`) in process and across the services alike.
 
     Tokens per second of a round drafting k tokens (Leviathan et al. 2023, with a
     per-round delay R as in `python -m report`):
@@ -92,9 +97,8 @@ class AdaptiveK(SpeculationPolicy):
 
     against 1 / s for decoding alone. When decoding alone wins, the target decodes a
     stretch of tokens, then one round re-measures (a probe). The first stretch is
-    `first_solo` tokens, or longer when the round trip is long, so that a probe (its
-    round trip, and another before the next stretch's first token) costs at most
-    `probe_share` of the stretch; each probe that still loses doubles it, up to
+    `first_solo` tokens, or longer when starting one costs more, so that o_0 is at
+    most `probe_share` of the stretch; each probe that still loses doubles it, up to
     `max_solo`.
 
     A drafter may also propose nothing (the n-gram drafter, outside text it can copy):
@@ -128,8 +132,7 @@ class AdaptiveK(SpeculationPolicy):
         self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum c, sum x c over passes (x = w - 1)
         self.overhead_ns = 0.0  # R
         self.stream_overhead_ns: float | None = None  # o
-        self.stream_start_ns: float | None = None  # o_0: waiting for a stretch's first token
-        self.stretch_starting = False  # the next streamed token is a stretch's first
+        self.stream_start_ns: float | None = None  # o_0: starting a stretch, besides its tokens
         self.measured = False  # a round has been measured
         self.next_solo = first_solo
         self.next_empty_solo = first_solo  # after an empty turn; doubles while turns stay empty
@@ -175,7 +178,7 @@ class AdaptiveK(SpeculationPolicy):
         # for another), and the stretch over which they are probe_share of the time.
         stretch = self._stretch(self.next_solo, solo_ns)
         self.next_solo = min(2 * self.next_solo, self.max_solo)
-        self.probe_due = self.stretch_starting = True
+        self.probe_due = True
         return stretch
 
     def tokens_instead_of_empty_round(self) -> int:
@@ -190,7 +193,6 @@ class AdaptiveK(SpeculationPolicy):
         solo_ns = self.solo_cost_ns()
         if not self.measured or self.mixed_tokens_per_ns(self.next_k()) >= 1.0 / solo_ns:
             return 0
-        self.stretch_starting = True
         stretch = self._stretch(self.next_empty_solo, solo_ns)
         self.next_empty_solo = min(2 * self.next_empty_solo, MAX_EMPTY_STRETCH_FACTOR * self.first_solo)
         return stretch
@@ -231,15 +233,7 @@ class AdaptiveK(SpeculationPolicy):
 
     def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
         self._observe_compute(round_stats.num_drafted + 1, round_stats.target_compute_ns)
-        if round_stats.streamed:
-            overhead = max(0.0, elapsed_ns - round_stats.target_compute_ns)
-            if self.stretch_starting:
-                self.stretch_starting = False
-                previous = self.stream_start_ns if self.stream_start_ns is not None else overhead
-                self.stream_start_ns = _blend(previous, overhead, self.decay)
-            else:
-                previous = self.stream_overhead_ns if self.stream_overhead_ns is not None else overhead
-                self.stream_overhead_ns = _blend(previous, overhead, self.decay)
+        if round_stats.streamed:  # the stretch as a whole is observed by observe_stretch
             return
         drafting_ns = round_stats.draft_ns if round_stats.num_drafted else 0  # a search that found nothing is overhead
         overhead = max(0, elapsed_ns - drafting_ns - round_stats.target_compute_ns)
@@ -254,20 +248,19 @@ class AdaptiveK(SpeculationPolicy):
             per_token = round_stats.draft_ns / round_stats.num_drafted
             self.draft_token_ns = _blend(self.draft_token_ns or per_token, per_token, self.decay)
 
-    def observe_handoff(self, num_tokens: int, elapsed_ns: int, token_ns: int) -> None:
-        """Learns from a stretch handed to the caller: elapsed_ns from handing it off to
-        being asked to speculate again after num_tokens, which the caller received
-        token_ns apart. Past the tokens themselves, that is what starting a stretch costs
-        (the caller's stream to the target, bringing the draft up to date, a new call),
-        which sizes the next stretches; past the target's compute, what each token of a
-        stretch costs."""
+    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int) -> None:
+        """Learns from a whole stretch of target-only decoding: elapsed_ns from deciding
+        on it to being ready to draft again after its num_tokens, which came token_ns
+        apart. Past the tokens themselves, that is what starting a stretch costs (the
+        stream's first token, bringing the draft up to date with what it did not see;
+        across the services also the caller's stream and a new call), which sizes the
+        next stretches; past the target's compute, what each token of a stretch costs."""
         overhead = max(0.0, token_ns - self.one_token_ns)
         previous = self.stream_overhead_ns if self.stream_overhead_ns is not None else overhead
         self.stream_overhead_ns = _blend(previous, overhead, self.decay)
         start = max(0.0, elapsed_ns - num_tokens * token_ns)
         previous = self.stream_start_ns if self.stream_start_ns is not None else start
         self.stream_start_ns = _blend(previous, start, self.decay)
-        self.stretch_starting = False
 
     def _count_turn(self, proposed: bool) -> None:
         self.proposals = self.decay * self.proposals + proposed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculative.drafters import NgramDrafter
+from speculative.drafters import DraftSession, NgramDrafter
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import AdaptiveK, SpeculationPolicy, expected_tokens
 from speculative.rejection import NextTokenKind
@@ -120,7 +120,7 @@ def test_a_measured_handoff_sizes_the_next_stretches():
     a drafter proposing every eighth turn, f <= 0.16, under the 0.22 that now pays)."""
     policy = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)], times=30)
     for _ in range(100):
-        policy.observe_handoff(20, 20 * 11 * MS + 30 * MS, 11 * MS)
+        policy.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
     assert policy.solo_cost_ns() == pytest.approx(11 * MS, rel=1e-4)
     assert set(_drafter_turns(policy, "PEEEEEEE")[-7:]) == {55}  # past the 32 for empty turns
 
@@ -210,3 +210,59 @@ def test_stretches_of_target_only_decoding_keep_greedy_and_seeded_output_exact(t
     seeded = SamplingParams(temperature=0.8, seed=7, max_new_tokens=21)
     first = mixed.generate(ids, seeded, k=_Alternating(k, solo)).token_ids
     assert mixed.generate(ids, seeded, k=_Alternating(k, solo)).token_ids == first
+
+
+class _StretchLog(_Alternating):
+    def __init__(self, k, solo):
+        super().__init__(k, solo)
+        self.stretches = []
+
+    def observe_stretch(self, num_tokens, elapsed_ns, token_ns):
+        self.stretches.append((num_tokens, elapsed_ns, token_ns))
+
+
+class _CallLog(DraftSession):
+    """A draft session that logs which of its methods were called, in order."""
+
+    def __init__(self, inner, calls):
+        self.inner, self.calls = inner, calls
+
+    @property
+    def length(self):
+        return self.inner.length
+
+    def propose(self, k):
+        self.calls.append("propose")
+        return self.inner.propose(k)
+
+    def append(self, token_ids):
+        self.calls.append("append")
+        self.inner.append(token_ids)
+
+    def truncate_to(self, length):
+        self.inner.truncate_to(length)
+
+    def prefill(self):
+        self.calls.append("prefill")
+        self.inner.prefill()
+
+    def release(self):
+        self.inner.release()
+
+
+def test_the_draft_catches_up_on_a_stretch_before_drafting_again(tiny_target, tiny_perturbed, prompt_ids):
+    """In process, the draft runs the tokens it did not see at the end of a stretch,
+    which the policy learns as the cost of starting one, never within the next
+    proposal (which would pass it off as drafting time)."""
+    from speculative.drafters import ModelDrafter
+
+    calls = []
+    drafter = ModelDrafter(tiny_perturbed)
+    opened = drafter.open
+    drafter.open = lambda ids, params: _CallLog(opened(ids, params), calls)
+    policy = _StretchLog(2, 3)
+    SpeculativeGenerator(tiny_target, drafter).generate(prompt_ids[0], SamplingParams(max_new_tokens=20), k=policy)
+    stretch = ["append"] * 3 + ["prefill", "propose"]
+    text = " ".join(calls)
+    assert text.count(" ".join(stretch)) == len(policy.stretches) >= 3, text
+    assert all(n == 3 and elapsed >= n * token_ns > 0 for n, elapsed, token_ns in policy.stretches)
