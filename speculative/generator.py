@@ -17,7 +17,7 @@ from typing import Protocol
 from speculative.drafters import EMPTY_PROPOSAL, Drafter, DraftSession, Proposal
 from speculative.fingerprint import check_compatible
 from speculative.loading import LoadedModel
-from speculative.policy import FixedK, SpeculationPolicy
+from speculative.policy import AdaptiveK, FixedK, MeasuredCosts, SpeculationPolicy
 from speculative.sampling import SamplingParams, SparseProbs, validate_num_speculative_tokens
 from speculative.stats import GenerationStats, RoundStats
 from speculative.target import TargetSession, VerifyResult
@@ -179,6 +179,9 @@ class SpeculativeGenerator:
             check_compatible(target.name, target.fingerprint, drafter.name, drafter.fingerprint)
         self.target = target
         self.drafter = drafter
+        # What adaptive calls measured of the costs: it seeds the next call's policy (as
+        # the draft service does per target), so a call can decide before measuring.
+        self.measured_costs: MeasuredCosts | None = None
 
     def generate(
         self,
@@ -190,6 +193,9 @@ class SpeculativeGenerator:
         start = time.perf_counter_ns()
         params.validate()
         policy = k if isinstance(k, SpeculationPolicy) else FixedK(validate_num_speculative_tokens(k))
+        adaptive = isinstance(policy, AdaptiveK)
+        if adaptive and not policy.measured and self.measured_costs is not None:
+            policy.seed(self.measured_costs)
         target = TargetSession(self.target, prompt_token_ids, params)
         draft = self._open_draft(prompt_token_ids, params, policy)
         stats = GenerationStats(prefill_ns=time.perf_counter_ns() - start)
@@ -205,6 +211,8 @@ class SpeculativeGenerator:
             target.release()
             if draft is not None:
                 draft.release()
+            if adaptive and policy.measured:
+                self.measured_costs = policy.costs()
         stats.total_ns = time.perf_counter_ns() - start
         return GenerationResult(token_ids, finish_reason, stats)
 

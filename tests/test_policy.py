@@ -266,3 +266,25 @@ def test_the_draft_catches_up_on_a_stretch_before_drafting_again(tiny_target, ti
     text = " ".join(calls)
     assert text.count(" ".join(stretch)) == len(policy.stretches) >= 3, text
     assert all(n == 3 and elapsed >= n * token_ns > 0 for n, elapsed, token_ns in policy.stretches)
+
+
+class _FirstLook(AdaptiveK):
+    """Records whether it had costs to decide with at each decision."""
+
+    def __init__(self, max_k):
+        super().__init__(max_k)
+        self.looks = []
+
+    def solo_tokens(self):
+        self.looks.append(self.measured)
+        return super().solo_tokens()
+
+
+def test_in_process_calls_seed_the_next_calls_costs(tiny_target, prompt_ids):
+    generator = SpeculativeGenerator(tiny_target, NgramDrafter())
+    params = SamplingParams(max_new_tokens=12)
+    first, second = _FirstLook(4), _FirstLook(4)
+    generator.generate(prompt_ids[0], params, k=first)
+    assert generator.measured_costs is not None and generator.measured_costs.one_token_ns > 0
+    generator.generate(prompt_ids[1], params, k=second)
+    assert first.looks[0] is False and second.looks[0] is True
