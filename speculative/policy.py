@@ -75,7 +75,8 @@ class AdaptiveK(SpeculationPolicy):
     """Chooses each round the fastest of k = 1..max_k and target-only decoding, from
     this request's own measurements (decayed running averages):
 
-    - a: per-token acceptance (prior 0.5), from the rounds that drafted;
+    - a: per-token acceptance (prior 0.5), from the rounds that drafted, decided on
+      with HOPE more accepted tokens (`hopeful_acceptance`);
     - d: drafting time per draft token;
     - c(w) = c(1) + g * (w - 1): the target's compute for a pass over w tokens, as the
       target reports it, one line fitted to every pass whatever its width (slope prior:
@@ -158,6 +159,15 @@ class AdaptiveK(SpeculationPolicy):
     def acceptance(self) -> float:
         return self.accepted / self.trials
 
+    def hopeful_acceptance(self) -> float:
+        """The acceptance decisions use: the estimate with HOPE more accepted token,
+        which weighs while there is little evidence (the decayed counts hold about ten
+        rounds' trials). One rejected first round (an answer's first token is often the
+        draft's worst guess) must not stop speculation, and k must not creep up one
+        token per round while every draft is accepted; a drafter that is always wrong
+        still reads 1 / 11 at k = 1."""
+        return (self.accepted + HOPE) / (self.trials + HOPE)
+
     def proposal_rate(self) -> float:
         """f: the share of the drafter's turns that proposed something."""
         return self.proposals / self.turns
@@ -207,13 +217,13 @@ class AdaptiveK(SpeculationPolicy):
         if not self.one_token_ns:  # nothing measured: relative costs, R = 0, d = 0
             return expected_tokens(self.acceptance(), k) / (1.0 + 0.1 * k)
         cost = k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
-        return expected_tokens(self.acceptance(), k) / cost
+        return expected_tokens(self.hopeful_acceptance(), k) / cost
 
     def mixed_tokens_per_ns(self, k: int) -> float:
         """Expected output tokens per nanosecond of rounds that draft k tokens when the
         drafter proposes (share f of its turns) and are one plain step when it does not."""
         f = self.proposal_rate()
-        tokens = f * expected_tokens(self.acceptance(), k) + (1.0 - f)
+        tokens = f * expected_tokens(self.hopeful_acceptance(), k) + (1.0 - f)
         drafted_ns = k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
         return tokens / (f * drafted_ns + (1.0 - f) * (self.compute_ns(1) + self.overhead_ns))
 
@@ -287,6 +297,7 @@ class AdaptiveK(SpeculationPolicy):
                       decayed[3] + weight * compute_ns, decayed[4] + weight * x * compute_ns]
 
 
+HOPE = 1.0  # accepted draft tokens added to the evidence when deciding (see hopeful_acceptance)
 _SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
 # Stretches after empty turns grow to at most this many times first_solo (32 tokens):
 # fewer restarts where nothing can be copied, while text to copy is found within 32 tokens.

@@ -38,6 +38,19 @@ def _settled(policy, rounds, times=100):
     return policy
 
 
+def test_one_rejected_first_round_does_not_stop_speculation():
+    """c(1) = 265 ms, c(3) = 318 ms, drafting 102 ms a token (as Qwen2.5-Coder 0.5B ->
+    1.5B measured in process): a first round of k = 2 with nothing accepted reads
+    a = 0.32 (0.9 accepted of 2.8 decayed trials), at which k = 1 (E = 1.32 tokens per
+    c(2) + d = 291.5 + 102 ms) loses to decoding alone (265 ms a token); decided with
+    one more accepted token, a = 0.5 and k = 1 pays (1.5 tokens), so the next round
+    measures instead of a stretch."""
+    policy = AdaptiveK(8)
+    policy.observe(*_round(2, 0, 318.0, overhead_ms=0.2, draft_ms=204.0))
+    assert policy.acceptance() == pytest.approx(0.9 / 2.8)
+    assert policy.solo_tokens() == 0 and policy.next_k() == 1
+
+
 def test_before_any_measurement_it_drafts_what_the_priors_favour():
     # Prior acceptance 0.5, each draft token +10% verification, no delay: k = 2.
     policy = AdaptiveK(6)
@@ -62,15 +75,18 @@ def test_rejected_drafts_hand_over_to_target_only_decoding_with_growing_stretche
 
 
 def test_break_even_round_trip_matches_the_cost_model():
-    """a = 2/3 (2 of 4 accepted each round), c(1) = 10 ms, c(5) = 14 ms (interpolated
-    between), solo 10 ms per token: speculation at k = 4 yields E = 2.605 tokens per
-    c(5) + R, so it stops paying at R* = 26.05 - 14 = 12.05 ms (k = 1..3 break even
-    earlier: 5.67, 9.11, 11.07 ms)."""
+    """2 of 4 drafts accepted each round: 2 accepted and 1 rejected trial a round, so
+    the decayed counts settle at 20 of 30, decided on with one more accepted
+    (HOPE): a = 21/31. c(1) = 10 ms, c(5) = 14 ms (interpolated between), solo 10 ms
+    per token: speculation at k = 4 yields E = 2.658 tokens per c(5) + R, so it stops
+    paying at R* = 26.58 - 14 = 12.58 ms (k = 1..3 break even earlier: 5.77, 9.36,
+    11.47 ms)."""
     measured = [_round(4, 2, 14.0), _streamed(10.0)]
-    break_even_ms = expected_tokens(2 / 3, 4) * 10.0 - 14.0
-    assert break_even_ms == pytest.approx(12.05, abs=0.01)
+    break_even_ms = expected_tokens(21 / 31, 4) * 10.0 - 14.0
+    assert break_even_ms == pytest.approx(12.58, abs=0.01)
     below = _settled(AdaptiveK(4), [_round(4, 2, 14.0, overhead_ms=break_even_ms - 0.3), measured[1]])
     above = _settled(AdaptiveK(4), [_round(4, 2, 14.0, overhead_ms=break_even_ms + 0.3), measured[1]])
+    assert below.hopeful_acceptance() == pytest.approx(21 / 31, abs=1e-4)
     assert below.solo_tokens() == 0 and below.next_k() == 4
     assert above.solo_tokens() > 0
 
