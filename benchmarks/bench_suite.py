@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads in process and per worker process")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="in-process dtypes (services run float32)")
     parser.add_argument("--delays-ms", default="1,5,20", help="added one-way draft<->target delays, besides loopback")
+    parser.add_argument("--in-process-only", action="store_true", help="no services phases (and no trace report)")
     parser.add_argument("--out", default=None, help="directory for results and plots (default: benchmarks/; "
                                                    "a temporary directory with --quick)")
     args = parser.parse_args(argv)
@@ -324,22 +325,25 @@ def main(argv: list[str] | None = None) -> int:
         lines += rows
         if dtype == "float32":
             sections["in process"] = {m: v for m, v in ratios.items() if m.startswith(("ours", "HF"))}
-    for delay in [0.0, *(float(d) for d in args.delays_ms.split(",") if d)]:
+    delays = [] if args.in_process_only else [0.0, *(float(d) for d in args.delays_ms.split(",") if d)]
+    for delay in delays:
         results = run_services(pair, delay, trace_dir, args)
         label = "loopback" if not delay else f"+{delay:g} ms one-way"
         rows, ratios = table(f"Services, float32, {label} (ratios against target-only through the same services)",
                              results, "target-only (Decode)", "target-only (Decode)")
         lines += rows
         sections[label] = {m: v for m, v in ratios.items() if not m.startswith("target-only")}
-    plot_ratios(plots / "speedups.png", sections, list(pair.prompts))
+    if sections:
+        plot_ratios(plots / "speedups.png", sections, list(pair.prompts))
 
     traces = sorted(str(p) for p in trace_dir.rglob("*.jsonl"))
-    report = subprocess.run([sys.executable, "-m", "report", *traces, "--plots", str(plots)],
-                            cwd=REPO, capture_output=True, text=True)
-    lines += ["## Report of the services' traces (`python -m report`, all phases together)", "", "```",
-              report.stdout.strip() or report.stderr.strip(), "```", "",
-              f"Plots: `plots/{args.pair}/speedups.png`, `speedup_vs_k.png`, `speedup_vs_delay.png`. "
-              f"Total time {time.monotonic() - started:.0f} s.", ""]
+    if traces:
+        report = subprocess.run([sys.executable, "-m", "report", *traces, "--plots", str(plots)],
+                                cwd=REPO, capture_output=True, text=True)
+        lines += ["## Report of the services' traces (`python -m report`, all phases together)", "", "```",
+                  report.stdout.strip() or report.stderr.strip(), "```", ""]
+    written = ", ".join(f"`{path.name}`" for path in sorted(plots.glob("*.png")))
+    lines += [f"Plots in `plots/{args.pair}/`: {written or 'none'}. Total time {time.monotonic() - started:.0f} s.", ""]
     result_file = out / f"results_suite_{args.pair}.md"
     result_file.write_text("\n".join(lines))
     print("\n".join(lines))
