@@ -28,6 +28,9 @@ class MeasuredCosts:
     stream_overhead_ns: float | None  # per token decoded alone, besides its compute
     stream_start_ns: float | None  # starting a stretch, besides its tokens
     draft_token_ns: float  # per draft token
+    # Per-token acceptance with this pair: the next call's prior (as light as the default
+    # 0.5: the text decides it), so one unlucky first round does not stop speculation.
+    acceptance: float | None = None
 
 
 class SpeculationPolicy(abc.ABC):
@@ -113,9 +116,9 @@ class AdaptiveK(SpeculationPolicy):
     turn may find text to copy); else the target decodes a short stretch and the
     drafter is asked again (`tokens_instead_of_empty_round`).
 
-    `costs` seeds the cost averages (not the acceptance, which depends on the text) with
-    what earlier calls between the same draft and target measured, so a call over a slow
-    link can decide before its first round trip.
+    `costs` seeds the cost averages with what earlier calls between the same draft and
+    target measured, so a call over a slow link can decide before its first round trip,
+    and the acceptance's prior with theirs (as light as the default: the text decides).
     """
 
     def __init__(self, max_k: int, decay: float = 0.9, first_solo: int = 8, max_solo: int = 128,
@@ -123,8 +126,8 @@ class AdaptiveK(SpeculationPolicy):
         self.max_k = max_k
         self.decay = decay  # weight of the past in every running average
         self.first_solo, self.max_solo, self.probe_share = first_solo, max_solo, probe_share
-        self.accepted = 1.0  # decayed counts of the Bernoulli trials behind a:
-        self.trials = 2.0  # a prior acceptance of 0.5
+        self.accepted = 0.5 * PRIOR_TRIALS  # decayed counts of the Bernoulli trials behind a:
+        self.trials = PRIOR_TRIALS  # a prior acceptance of 0.5
         self.proposals = 1.0  # decayed counts of the drafter's turns behind f:
         self.turns = 2.0  # a prior proposal rate of 0.5
         self.draft_token_ns = 0.0
@@ -150,11 +153,13 @@ class AdaptiveK(SpeculationPolicy):
             self.overhead_ns, self.stream_overhead_ns = costs.overhead_ns, costs.stream_overhead_ns
             self.stream_start_ns = costs.stream_start_ns
             self.draft_token_ns, self.measured = costs.draft_token_ns, True
+        if costs.acceptance is not None:
+            self.accepted, self.trials = PRIOR_TRIALS * costs.acceptance, PRIOR_TRIALS
 
     def costs(self) -> MeasuredCosts:
         """What this policy measured of the costs, to seed the next call's."""
         return MeasuredCosts(self.one_token_ns, self.per_token_ns, self.overhead_ns, self.stream_overhead_ns,
-                             self.stream_start_ns, self.draft_token_ns)
+                             self.stream_start_ns, self.draft_token_ns, self.acceptance())
 
     def acceptance(self) -> float:
         return self.accepted / self.trials
@@ -297,6 +302,7 @@ class AdaptiveK(SpeculationPolicy):
                       decayed[3] + weight * compute_ns, decayed[4] + weight * x * compute_ns]
 
 
+PRIOR_TRIALS = 2.0  # the weight of a's prior, in draft tokens
 HOPE = 1.0  # accepted draft tokens added to the evidence when deciding (see hopeful_acceptance)
 _SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
 # Stretches after empty turns grow to at most this many times first_solo (32 tokens):

@@ -3,6 +3,8 @@ acceptance and costs (round trip included); exactness never depends on its choic
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from speculative.drafters import DraftSession, NgramDrafter
@@ -49,6 +51,29 @@ def test_one_rejected_first_round_does_not_stop_speculation():
     policy.observe(*_round(2, 0, 318.0, overhead_ms=0.2, draft_ms=204.0))
     assert policy.acceptance() == pytest.approx(0.9 / 2.8)
     assert policy.solo_tokens() == 0 and policy.next_k() == 1
+
+
+def test_an_earlier_calls_acceptance_carries_a_first_rejection():
+    """Through the services with Qwen2.5-Coder 0.5B -> 1.5B (+1 ms), a code edit's first
+    round (k = 1) was rejected after calls that accepted 85%; from the default prior
+    (a = 0.5) that reads 0.32 (hopeful 0.5), and with c(1) = 267 ms, c(2) = 287 ms,
+    drafting 110 ms a token and R = 7 ms, decoding alone (3.74 tokens/s) beat k = 1
+    (1.5 tokens per 404 ms: 3.71/s): the call handed 39 tokens to the target, while the
+    rest of its drafts were accepted 16 of 17. With the earlier calls' 85% as the prior,
+    the rejection reads 0.55 (hopeful 0.67, 4.12 tokens/s): the call measures on."""
+    calls = [_round(4, 4, 344.0, overhead_ms=7.0, draft_ms=440.0), _round(4, 2, 344.0, overhead_ms=7.0, draft_ms=440.0),
+             _round(0, 0, 265.0, overhead_ms=7.0)]
+    earlier = _settled(AdaptiveK(8), calls, times=50)
+    assert earlier.acceptance() == pytest.approx(0.85, abs=0.01)
+    first_round = _round(1, 0, 292.0, overhead_ms=7.0, draft_ms=110.0)
+    seeded = AdaptiveK(8, costs=earlier.costs())
+    seeded.observe(*first_round)
+    assert seeded.hopeful_acceptance() == pytest.approx(0.666, abs=0.01)
+    assert seeded.solo_tokens() == 0
+    unseeded = AdaptiveK(8, costs=dataclasses.replace(earlier.costs(), acceptance=None))
+    unseeded.observe(*first_round)
+    assert unseeded.acceptance() == pytest.approx(0.9 / 2.8)
+    assert unseeded.solo_tokens() > 0
 
 
 def test_before_any_measurement_it_drafts_what_the_priors_favour():
@@ -143,9 +168,9 @@ def test_a_measured_handoff_sizes_the_next_stretches():
 
 def test_costs_measured_by_an_earlier_call_decide_the_first_round():
     earlier = _settled(AdaptiveK(4), [_round(4, 2, 14.0, overhead_ms=20.0), _streamed(10.0)])
-    seeded = AdaptiveK(4, costs=earlier.costs())  # acceptance starts from the prior again
-    assert seeded.acceptance() == 0.5
-    # a = 0.5 cannot pay a 20 ms round trip: decode alone, long enough that a probe's
+    seeded = AdaptiveK(4, costs=earlier.costs())  # acceptance: the earlier one, as a light prior
+    assert seeded.acceptance() == pytest.approx(2 / 3, abs=1e-3) and seeded.trials == 2.0
+    # a = 2/3 cannot pay a 20 ms round trip: decode alone, long enough that a probe's
     # round trips (its own, and the next stretch's first token's: 2 x 20 ms) are at most
     # 5% of the stretch (10 ms per token): 80 tokens.
     assert seeded.solo_tokens() == 80
