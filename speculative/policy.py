@@ -189,8 +189,6 @@ class AdaptiveK(SpeculationPolicy):
         if self.tokens_per_ns(k) >= 1.0 / solo_ns:
             self.next_solo = self.first_solo
             return 0
-        # The round trips of a probe (its own, and the next stretch's first token waits
-        # for another), and the stretch over which they are probe_share of the time.
         stretch = self._stretch(self.next_solo, solo_ns)
         self.next_solo = min(2 * self.next_solo, self.max_solo)
         self.probe_due = True
@@ -221,16 +219,18 @@ class AdaptiveK(SpeculationPolicy):
         """Expected output tokens per nanosecond of a round that drafts k tokens."""
         if not self.one_token_ns:  # nothing measured: relative costs, R = 0, d = 0
             return expected_tokens(self.acceptance(), k) / (1.0 + 0.1 * k)
-        cost = k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
-        return expected_tokens(self.hopeful_acceptance(), k) / cost
+        return expected_tokens(self.hopeful_acceptance(), k) / self._drafting_round_ns(k)
 
     def mixed_tokens_per_ns(self, k: int) -> float:
         """Expected output tokens per nanosecond of rounds that draft k tokens when the
         drafter proposes (share f of its turns) and are one plain step when it does not."""
         f = self.proposal_rate()
         tokens = f * expected_tokens(self.hopeful_acceptance(), k) + (1.0 - f)
-        drafted_ns = k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
-        return tokens / (f * drafted_ns + (1.0 - f) * (self.compute_ns(1) + self.overhead_ns))
+        return tokens / (f * self._drafting_round_ns(k) + (1.0 - f) * self._drafting_round_ns(0))
+
+    def _drafting_round_ns(self, k: int) -> float:
+        """A round that drafts k tokens (k = 0: the drafter proposed nothing)."""
+        return k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
 
     def compute_ns(self, width: int) -> float:
         """c(width): the target's pass over `width` tokens."""
@@ -270,12 +270,8 @@ class AdaptiveK(SpeculationPolicy):
         stream's first token, bringing the draft up to date with what it did not see;
         across the services also the caller's stream and a new call), which sizes the
         next stretches; past the target's compute, what each token of a stretch costs."""
-        overhead = max(0.0, token_ns - self.one_token_ns)
-        previous = self.stream_overhead_ns if self.stream_overhead_ns is not None else overhead
-        self.stream_overhead_ns = _blend(previous, overhead, self.decay)
-        start = max(0.0, elapsed_ns - num_tokens * token_ns)
-        previous = self.stream_start_ns if self.stream_start_ns is not None else start
-        self.stream_start_ns = _blend(previous, start, self.decay)
+        self.stream_overhead_ns = _blend(self.stream_overhead_ns, max(0.0, token_ns - self.one_token_ns), self.decay)
+        self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - num_tokens * token_ns), self.decay)
 
     def _count_turn(self, proposed: bool) -> None:
         self.proposals = self.decay * self.proposals + proposed
@@ -310,8 +306,9 @@ _SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
 MAX_EMPTY_STRETCH_FACTOR = 4
 
 
-def _blend(old: float, new: float, decay: float) -> float:
-    return decay * old + (1.0 - decay) * new
+def _blend(old: float | None, new: float, decay: float) -> float:
+    """The decayed average of old and new; new alone while nothing is measured (None)."""
+    return new if old is None else decay * old + (1.0 - decay) * new
 
 
 def _ceil(x: float) -> int:
