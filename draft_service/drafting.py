@@ -101,8 +101,10 @@ class Drafters:
         self.check_tokens(name, 0, prompt_token_ids)
         if name != MODEL:
             return self.by_name[name].open(prompt_token_ids, SamplingParams())
-        inner = self.compute.run(self.by_name[name].open, prompt_token_ids, SamplingParams())
-        return SerializedModelDraftSession(inner, self.compute)
+        inner = self.by_name[name].open(prompt_token_ids, SamplingParams())
+        session = SerializedModelDraftSession(inner, self.compute)
+        session.prefill()  # now, alongside the target's prefill, not in the first round
+        return session
 
 
 class SerializedModelDraftSession(DraftSession):

@@ -97,9 +97,9 @@ class ModelDrafter(Drafter):
         self.draft_top_k = draft_top_k
 
     def open(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> DraftSession:
+        # The prompt runs with the first proposal, or at prefill(): a call may never draft.
         session = ModelSession(self.loaded.model, self.loaded.context_length)
         session.append(prompt_token_ids)
-        session.prefill()
         return ModelDraftSession(session, params, self.draft_top_k)
 
 

@@ -71,11 +71,17 @@ def speculation_rounds(
     committed length.
     """
     num_generated = index = 0
+    draft_read_prompt = draft is None
     while True:
         start = time.perf_counter_ns()
         # Never draft or decode past max_new_tokens or the context.
         room = min(params.max_new_tokens - num_generated, context_length - base_len)
-        solo = min(policy.solo_tokens(), room) if draft is not None else 0
+        solo = min(policy.solo_tokens(room), room) if draft is not None else 0
+        if not solo and not draft_read_prompt:
+            # The draft reads the prompt only now: a call the target decodes alone from
+            # its start never runs the draft model on it.
+            draft.prefill()
+            draft_read_prompt, start = True, time.perf_counter_ns()
         if not solo:
             k = min(policy.next_k(), room - 1) if draft is not None else 0
             proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
@@ -108,6 +114,7 @@ def speculation_rounds(
             # The draft catches up on the stretch now, not within the next proposal: it
             # is what starting a stretch costs, not what drafting does.
             draft.prefill()
+            draft_read_prompt = True
             policy.observe_stretch(len(intervals), time.perf_counter_ns() - stretch_start, _per_token(intervals))
 
 

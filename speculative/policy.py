@@ -40,8 +40,9 @@ class SpeculationPolicy(abc.ABC):
     def next_k(self) -> int:
         """Draft tokens for the next round."""
 
-    def solo_tokens(self) -> int:
-        """Tokens the target should decode alone before the next round (0 = draft now)."""
+    def solo_tokens(self, remaining: int | None = None) -> int:
+        """Tokens the target should decode alone before the next round (0 = draft now),
+        of the `remaining` tokens this call may still generate (None: not known)."""
         return 0
 
     def tokens_instead_of_empty_round(self) -> int:
@@ -103,7 +104,8 @@ class AdaptiveK(SpeculationPolicy):
     stretch of tokens, then one round re-measures (a probe). The first stretch is
     `first_solo` tokens, or longer when starting one costs more, so that o_0 is at
     most `probe_share` of the stretch; each probe that still loses doubles it, up to
-    `max_solo`.
+    `max_solo`. A stretch after which fewer tokens would remain than it has runs to the
+    end of the call: no probe is worth it there.
 
     A drafter may also propose nothing (the n-gram drafter, outside text it can copy):
     such a round is one plain step that still pays R. Whether that is worth it depends
@@ -180,7 +182,7 @@ class AdaptiveK(SpeculationPolicy):
     def next_k(self) -> int:
         return max(range(1, self.max_k + 1), key=lambda k: (self.tokens_per_ns(k), -k))
 
-    def solo_tokens(self) -> int:
+    def solo_tokens(self, remaining: int | None = None) -> int:
         if not self.measured or self.probe_due:
             self.probe_due = False
             return 0
@@ -192,6 +194,11 @@ class AdaptiveK(SpeculationPolicy):
         stretch = self._stretch(self.next_solo, solo_ns)
         self.next_solo = min(2 * self.next_solo, self.max_solo)
         self.probe_due = True
+        if remaining is not None and remaining - stretch < stretch:
+            # A probe pays (bringing the draft up to date, a round that may lose) only
+            # with tokens left to speculate on should it win: should it lose, the next
+            # stretch would be twice this one, past the end anyway.
+            return remaining
         return stretch
 
     def tokens_instead_of_empty_round(self) -> int:

@@ -99,6 +99,17 @@ def test_rejected_drafts_hand_over_to_target_only_decoding_with_growing_stretche
     assert policy.next_k() == 1  # the probe drafts what is cheapest to re-measure with
 
 
+def test_a_stretch_runs_to_the_end_when_a_probe_after_it_could_not_pay():
+    """After a stretch of 8, fewer than 8 tokens left: speculating on them, should the
+    probe win, cannot repay bringing the draft up to date, so the stretch takes them."""
+    policy = _settled(AdaptiveK(8, first_solo=8, max_solo=64), [_round(4, 0, 14.0), _round(1, 0, 11.0)])
+    assert policy.solo_tokens(remaining=16) == 8
+    policy.observe(*_round(1, 0, 11.0))  # the probe, still losing: the next stretch is 16
+    assert policy.solo_tokens() == 0
+    assert policy.solo_tokens(remaining=31) == 31
+    assert AdaptiveK(8).solo_tokens(remaining=5) == 0  # nothing measured yet: a round first
+
+
 def test_break_even_round_trip_matches_the_cost_model():
     """2 of 4 drafts accepted each round: 2 accepted and 1 rejected trial a round, so
     the decayed counts settle at 20 of 30, decided on with one more accepted
@@ -225,7 +236,7 @@ class _Alternating(SpeculationPolicy):
     def next_k(self):
         return self.max_k
 
-    def solo_tokens(self):
+    def solo_tokens(self, remaining=None):
         self.drafting = not self.drafting
         return 0 if self.drafting else self.solo
 
@@ -309,6 +320,35 @@ def test_the_draft_catches_up_on_a_stretch_before_drafting_again(tiny_target, ti
     assert all(n == 3 and elapsed >= n * token_ns > 0 for n, elapsed, token_ns in policy.stretches)
 
 
+class _Solo(SpeculationPolicy):
+    max_k = 4
+
+    def next_k(self):
+        return self.max_k
+
+    def solo_tokens(self, remaining=None):
+        return remaining
+
+
+def test_a_call_the_target_decodes_alone_never_runs_the_draft_model(tiny_target, tiny_perturbed, prompt_ids):
+    """The draft reads the prompt only before its first proposal: where speculation
+    does not pay, a call costs what target-only decoding does."""
+    from speculative.drafters import ModelDrafter
+
+    passes = []
+    hook = tiny_perturbed.model.register_forward_hook(lambda *args: passes.append(1))
+    try:
+        generator = SpeculativeGenerator(tiny_target, ModelDrafter(tiny_perturbed))
+        params = SamplingParams(max_new_tokens=12)
+        result = generator.generate(prompt_ids[0], params, k=_Solo())
+        assert result.token_ids == SpeculativeGenerator(tiny_target).generate(prompt_ids[0], params, k=0).token_ids
+        assert passes == [] and result.stats.num_streamed == 12
+        generator.generate(prompt_ids[0], params, k=4)
+        assert passes  # a drafting call still runs it
+    finally:
+        hook.remove()
+
+
 class _FirstLook(AdaptiveK):
     """Records whether it had costs to decide with at each decision."""
 
@@ -316,9 +356,9 @@ class _FirstLook(AdaptiveK):
         super().__init__(max_k)
         self.looks = []
 
-    def solo_tokens(self):
+    def solo_tokens(self, remaining=None):
         self.looks.append(self.measured)
-        return super().solo_tokens()
+        return super().solo_tokens(remaining)
 
 
 def test_in_process_calls_seed_the_next_calls_costs(tiny_target, prompt_ids):
