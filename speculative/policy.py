@@ -31,6 +31,7 @@ class MeasuredCosts:
     # Per-token acceptance with this pair: the next call's prior (as light as the default
     # 0.5: the text decides it), so one unlucky first round does not stop speculation.
     acceptance: float | None = None
+    one_token_measured: bool = False  # c(1) from one-token passes, not extrapolated
 
 
 class SpeculationPolicy(abc.ABC):
@@ -105,7 +106,8 @@ class AdaptiveK(SpeculationPolicy):
     `first_solo` tokens, or longer when starting one costs more, so that o_0 is at
     most `probe_share` of the stretch; each probe that still loses doubles it, up to
     `max_solo`. A stretch after which fewer tokens would remain than it has runs to the
-    end of the call: no probe is worth it there.
+    end of the call: no probe is worth it there. Before decoding alone is ruled out, one
+    stretch measures it, unless a one-token pass already did (`_explore`).
 
     A drafter may also propose nothing (the n-gram drafter, outside text it can copy):
     such a round is one plain step that still pays R. Whether that is worth it depends
@@ -140,6 +142,7 @@ class AdaptiveK(SpeculationPolicy):
         self.stream_overhead_ns: float | None = None  # o
         self.stream_start_ns: float | None = None  # o_0: starting a stretch, besides its tokens
         self.measured = False  # a round has been measured
+        self.one_token_measured = False  # c(1) from a one-token pass (else extrapolated)
         self.next_solo = first_solo
         self.next_empty_solo = first_solo  # after an empty turn; doubles while turns stay empty
         self.probe_due = False  # the round after a solo stretch re-measures
@@ -155,13 +158,14 @@ class AdaptiveK(SpeculationPolicy):
             self.overhead_ns, self.stream_overhead_ns = costs.overhead_ns, costs.stream_overhead_ns
             self.stream_start_ns = costs.stream_start_ns
             self.draft_token_ns, self.measured = costs.draft_token_ns, True
+            self.one_token_measured = costs.one_token_measured
         if costs.acceptance is not None:
             self.accepted, self.trials = PRIOR_TRIALS * costs.acceptance, PRIOR_TRIALS
 
     def costs(self) -> MeasuredCosts:
         """What this policy measured of the costs, to seed the next call's."""
         return MeasuredCosts(self.one_token_ns, self.per_token_ns, self.overhead_ns, self.stream_overhead_ns,
-                             self.stream_start_ns, self.draft_token_ns, self.acceptance())
+                             self.stream_start_ns, self.draft_token_ns, self.acceptance(), self.one_token_measured)
 
     def acceptance(self) -> float:
         return self.accepted / self.trials
@@ -188,9 +192,12 @@ class AdaptiveK(SpeculationPolicy):
             return 0
         k = self.next_k()
         solo_ns = self.solo_cost_ns()
-        if self.tokens_per_ns(k) >= 1.0 / solo_ns:
+        lead = self.tokens_per_ns(k) * solo_ns  # speculation's speed over decoding alone
+        if lead >= 1.0 and self.one_token_measured:
             self.next_solo = self.first_solo
             return 0
+        if lead >= 1.0:
+            return self._explore(remaining, solo_ns)
         stretch = self._stretch(self.next_solo, solo_ns)
         self.next_solo = min(2 * self.next_solo, self.max_solo)
         self.probe_due = True
@@ -215,6 +222,18 @@ class AdaptiveK(SpeculationPolicy):
             return 0
         stretch = self._stretch(self.next_empty_solo, solo_ns)
         self.next_empty_solo = min(2 * self.next_empty_solo, MAX_EMPTY_STRETCH_FACTOR * self.first_solo)
+        return stretch
+
+    def _explore(self, remaining: int | None, solo_ns: float) -> int:
+        """A first stretch, while no one-token pass was measured: c(1) is extrapolated
+        from wider passes until then, by the slope's prior where their widths say little,
+        and speculation's lead read from it may not be real (Qwen2.5-Coder 1.5B in bf16:
+        c(1) read 265-285 ms, 213 ms decoding alone). Measured once, it carries to later
+        calls. Not where the call could not speculate after it."""
+        stretch = self._stretch(self.first_solo, solo_ns)
+        if remaining is not None and remaining < 2 * stretch:
+            return 0
+        self.probe_due = True
         return stretch
 
     def _stretch(self, shortest: int, solo_ns: float) -> int:
@@ -255,6 +274,7 @@ class AdaptiveK(SpeculationPolicy):
 
     def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
         self._observe_compute(round_stats.num_drafted + 1, round_stats.target_compute_ns)
+        self.one_token_measured |= round_stats.num_drafted == 0
         if round_stats.streamed:  # the stretch as a whole is observed by observe_stretch
             return
         drafting_ns = round_stats.draft_ns if round_stats.num_drafted else 0  # a search that found nothing is overhead
@@ -277,6 +297,9 @@ class AdaptiveK(SpeculationPolicy):
         stream's first token, bringing the draft up to date with what it did not see;
         across the services also the caller's stream and a new call), which sizes the
         next stretches; past the target's compute, what each token of a stretch costs."""
+        if token_ns < self.one_token_ns:  # c(1) is at most a stretch's time per token
+            self._observe_compute(1, token_ns, weight=num_tokens)
+        self.one_token_measured = True
         self.stream_overhead_ns = _blend(self.stream_overhead_ns, max(0.0, token_ns - self.one_token_ns), self.decay)
         self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - num_tokens * token_ns), self.decay)
 
@@ -284,14 +307,14 @@ class AdaptiveK(SpeculationPolicy):
         self.proposals = self.decay * self.proposals + proposed
         self.turns = self.decay * self.turns + 1.0
 
-    def _observe_compute(self, width: int, compute_ns: int) -> None:
+    def _observe_compute(self, width: int, compute_ns: float, weight: float = 1.0) -> None:
         """Refits c(w) = c(1) + g (w - 1) by decayed least squares over all passes, each
         sample clipped to twice what the line predicts (one slow pass moves it little, and
         every pass, whatever its width, corrects it)."""
         if self._sums[0]:
             predicted = self.compute_ns(width)
             compute_ns = min(compute_ns, 2.0 * predicted)  # a fast pass is real, a slow one may be a spike
-        self._add_sample(width - 1, compute_ns, 1.0)
+        self._add_sample(width - 1, compute_ns, weight)
         n, sx, sxx, sc, sxc = self._sums
         mean_x, mean_c = sx / n, sc / n
         prior = 0.1 * mean_c / (1.0 + 0.1 * mean_x)  # g where one width tells nothing
@@ -307,7 +330,7 @@ class AdaptiveK(SpeculationPolicy):
 
 PRIOR_TRIALS = 2.0  # the weight of a's prior, in draft tokens
 HOPE = 1.0  # accepted draft tokens added to the evidence when deciding (see hopeful_acceptance)
-_SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
+_SLOPE_PRIOR_WEIGHT = 0.05  # of the prior slope against the widths' variance
 # Stretches after empty turns grow to at most this many times first_solo (32 tokens):
 # fewer restarts where nothing can be copied, while text to copy is found within 32 tokens.
 MAX_EMPTY_STRETCH_FACTOR = 4

@@ -46,8 +46,10 @@ def test_one_rejected_first_round_does_not_stop_speculation():
     a = 0.32 (0.9 accepted of 2.8 decayed trials), at which k = 1 (E = 1.32 tokens per
     c(2) + d = 291.5 + 102 ms) loses to decoding alone (265 ms a token); decided with
     one more accepted token, a = 0.5 and k = 1 pays (1.5 tokens), so the next round
-    measures instead of a stretch."""
+    measures instead of a stretch. (A token decoded alone measured c(1) first: else the
+    thin lead would be checked by a stretch, see the test of exploring.)"""
     policy = AdaptiveK(8)
+    policy.observe(*_streamed(265.0))
     policy.observe(*_round(2, 0, 318.0, overhead_ms=0.2, draft_ms=204.0))
     assert policy.acceptance() == pytest.approx(0.9 / 2.8)
     assert policy.solo_tokens() == 0 and policy.next_k() == 1
@@ -108,6 +110,37 @@ def test_a_stretch_runs_to_the_end_when_a_probe_after_it_could_not_pay():
     assert policy.solo_tokens() == 0
     assert policy.solo_tokens(remaining=31) == 31
     assert AdaptiveK(8).solo_tokens(remaining=5) == 0  # nothing measured yet: a round first
+
+
+def _bf16_qwen_rounds():
+    """Qwen2.5-Coder 0.5B -> 1.5B in bf16 in process: rounds of k = 1, 360 ms each (the
+    draft 105 ms), 5 of 6 accepted. With one width seen, c(1) is the slope's prior:
+    327 ms (it is 213 ms), and k = 1 reads 1.26x faster than decoding alone (0.82x)."""
+    policy = AdaptiveK(8)
+    for observed in ([_round(1, 1, 360.0, draft_ms=105.0)] * 5 + [_round(1, 0, 360.0, draft_ms=105.0)]) * 2:
+        policy.observe(*observed)
+    assert policy.one_token_ns == pytest.approx(327 * MS, rel=0.01)
+    assert policy.tokens_per_ns(1) * policy.solo_cost_ns() == pytest.approx(1.26, abs=0.01)
+    return policy
+
+
+@pytest.mark.parametrize("services", [False, True])
+def test_a_lead_over_an_extrapolated_c1_is_checked_by_a_stretch(services):
+    """One stretch measures c(1) (in process from each token's compute, across the
+    services as at most the stretch's 215 ms a token); after the probe, decoding alone
+    wins. Where the call could not speculate after a stretch, no stretch."""
+    assert _bf16_qwen_rounds().solo_tokens(remaining=15) == 0
+    policy = _bf16_qwen_rounds()
+    assert policy.solo_tokens(remaining=64) == 8
+    if not services:
+        for _ in range(8):
+            policy.observe(*_streamed(213.0))
+    policy.observe_stretch(8, 8 * 215 * MS + 30 * MS, 215 * MS)
+    assert policy.one_token_measured and policy.one_token_ns < 240 * MS
+    assert policy.solo_tokens(remaining=56) == 0  # the probe
+    policy.observe(*_round(1, 1, 360.0, draft_ms=105.0))
+    assert policy.solo_tokens(remaining=54) == 8
+    assert AdaptiveK(8, costs=policy.costs()).one_token_measured  # carried to the next call
 
 
 def test_break_even_round_trip_matches_the_cost_model():
