@@ -25,7 +25,7 @@ class MeasuredCosts:
     one_token_ns: float  # the target's pass over one token, c(1)
     per_token_ns: float | None  # what each further token of a pass adds (None = not measured)
     overhead_ns: float  # the rest of a round (R)
-    stream_overhead_ns: float | None  # per token decoded alone, besides its compute
+    solo_token_ns: float | None  # per token of a stretch decoded alone (None = not measured)
     stream_start_ns: float | None  # starting a stretch, besides its tokens
     draft_token_ns: float  # per draft token
     # Per-token acceptance with this pair: the next call's prior (as light as the default
@@ -90,8 +90,8 @@ class AdaptiveK(SpeculationPolicy):
       costly to ever be tried again;
     - R: the rest of a round: its elapsed time less drafting and the target's compute
       (network, serialization, queueing, applying the verdict, passing tokens on);
-    - s = c(1) + o: time per token when the target decodes alone, o the time between a
-      stretch's tokens besides compute, at most R; starting a stretch costs o_0 once
+    - s: time per token when the target decodes alone, the time between a stretch's
+      tokens (c(1) until a stretch is measured), at most c(1) + R; starting a stretch costs o_0 once
       (the stream's first token, the draft catching up on the stretch; across the
       services also the caller's stream and a new call), measured from whole stretches
       (`observe_stretch`) in process and across the services alike.
@@ -139,7 +139,7 @@ class AdaptiveK(SpeculationPolicy):
         self.per_token_ns: float | None = None  # g
         self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum c, sum x c over passes (x = w - 1)
         self.overhead_ns = 0.0  # R
-        self.stream_overhead_ns: float | None = None  # o
+        self.solo_token_ns: float | None = None  # s as stretches measured it
         self.stream_start_ns: float | None = None  # o_0: starting a stretch, besides its tokens
         self.measured = False  # a round has been measured
         self.one_token_measured = False  # c(1) from a one-token pass (else extrapolated)
@@ -155,7 +155,7 @@ class AdaptiveK(SpeculationPolicy):
             self.one_token_ns, self.per_token_ns = costs.one_token_ns, costs.per_token_ns
             for x in (0, 4):  # the line as two pseudo-passes, outweighed by the first real ones
                 self._add_sample(x, self.compute_ns(x + 1), 1.0)
-            self.overhead_ns, self.stream_overhead_ns = costs.overhead_ns, costs.stream_overhead_ns
+            self.overhead_ns, self.solo_token_ns = costs.overhead_ns, costs.solo_token_ns
             self.stream_start_ns = costs.stream_start_ns
             self.draft_token_ns, self.measured = costs.draft_token_ns, True
             self.one_token_measured = costs.one_token_measured
@@ -164,7 +164,7 @@ class AdaptiveK(SpeculationPolicy):
 
     def costs(self) -> MeasuredCosts:
         """What this policy measured of the costs, to seed the next call's."""
-        return MeasuredCosts(self.one_token_ns, self.per_token_ns, self.overhead_ns, self.stream_overhead_ns,
+        return MeasuredCosts(self.one_token_ns, self.per_token_ns, self.overhead_ns, self.solo_token_ns,
                              self.stream_start_ns, self.draft_token_ns, self.acceptance(), self.one_token_measured)
 
     def acceptance(self) -> float:
@@ -269,11 +269,16 @@ class AdaptiveK(SpeculationPolicy):
         return self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns
 
     def solo_cost_ns(self) -> float:
-        overhead = self.stream_overhead_ns if self.stream_overhead_ns is not None else 0.0
-        return self.one_token_ns + min(overhead, self.overhead_ns)
+        """s: time per token decoding alone, as stretches measured it (c(1) before any),
+        at most a one-token round's c(1) + R."""
+        measured = self.solo_token_ns if self.solo_token_ns is not None else self.one_token_ns
+        return min(measured, self.one_token_ns + self.overhead_ns)
 
     def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
-        self._observe_compute(round_stats.num_drafted + 1, round_stats.target_compute_ns)
+        if round_stats.streamed:
+            self._observe_compute(1, round_stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
+        else:
+            self._observe_compute(round_stats.num_drafted + 1, round_stats.target_compute_ns)
         self.one_token_measured |= round_stats.num_drafted == 0
         if round_stats.streamed:  # the stretch as a whole is observed by observe_stretch
             return
@@ -296,25 +301,25 @@ class AdaptiveK(SpeculationPolicy):
         apart. Past the tokens themselves, that is what starting a stretch costs (the
         stream's first token, bringing the draft up to date with what it did not see;
         across the services also the caller's stream and a new call), which sizes the
-        next stretches; past the target's compute, what each token of a stretch costs."""
+        next stretches. token_ns itself is s, and bounds c(1)."""
         if token_ns < self.one_token_ns:  # c(1) is at most a stretch's time per token
-            self._observe_compute(1, token_ns, weight=num_tokens)
+            self._observe_compute(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
         self.one_token_measured = True
-        self.stream_overhead_ns = _blend(self.stream_overhead_ns, max(0.0, token_ns - self.one_token_ns), self.decay)
+        self.solo_token_ns = _blend(self.solo_token_ns, token_ns, self.decay)
         self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - num_tokens * token_ns), self.decay)
 
     def _count_turn(self, proposed: bool) -> None:
         self.proposals = self.decay * self.proposals + proposed
         self.turns = self.decay * self.turns + 1.0
 
-    def _observe_compute(self, width: int, compute_ns: float, weight: float = 1.0) -> None:
+    def _observe_compute(self, width: int, compute_ns: float, weight: float = 1.0, age: bool = True) -> None:
         """Refits c(w) = c(1) + g (w - 1) by decayed least squares over all passes, each
         sample clipped to twice what the line predicts (one slow pass moves it little, and
         every pass, whatever its width, corrects it)."""
         if self._sums[0]:
             predicted = self.compute_ns(width)
             compute_ns = min(compute_ns, 2.0 * predicted)  # a fast pass is real, a slow one may be a spike
-        self._add_sample(width - 1, compute_ns, weight)
+        self._add_sample(width - 1, compute_ns, weight, age)
         n, sx, sxx, sc, sxc = self._sums
         mean_x, mean_c = sx / n, sc / n
         prior = 0.1 * mean_c / (1.0 + 0.1 * mean_x)  # g where one width tells nothing
@@ -322,14 +327,18 @@ class AdaptiveK(SpeculationPolicy):
         g = min(max(g, 0.0), mean_c / (1.0 + mean_x))  # 0 <= g <= c(1)
         self.one_token_ns, self.per_token_ns = mean_c - g * mean_x, g
 
-    def _add_sample(self, x: float, compute_ns: float, weight: float) -> None:
-        decayed = [self.decay * total for total in self._sums]
+    def _add_sample(self, x: float, compute_ns: float, weight: float, age: bool = True) -> None:
+        decayed = [self.decay * total if age else total for total in self._sums]
         self._sums = [decayed[0] + weight, decayed[1] + weight * x, decayed[2] + weight * x * x,
                       decayed[3] + weight * compute_ns, decayed[4] + weight * x * compute_ns]
 
 
 PRIOR_TRIALS = 2.0  # the weight of a's prior, in draft tokens
 HOPE = 1.0  # accepted draft tokens added to the evidence when deciding (see hopeful_acceptance)
+# A token decoded alone weighs this much of a pass in the fit of c(w), and does not age
+# the passes: a long stretch must refine c(1), not erase what wider passes cost (64
+# one-token samples left the slope to its prior, 20 ms where passes measured 130).
+SOLO_TOKEN_WEIGHT = 0.1
 _SLOPE_PRIOR_WEIGHT = 0.05  # of the prior slope against the widths' variance
 # Stretches after empty turns grow to at most this many times first_solo (32 tokens):
 # fewer restarts where nothing can be copied, while text to copy is found within 32 tokens.

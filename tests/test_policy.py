@@ -136,11 +136,16 @@ def test_a_lead_over_an_extrapolated_c1_is_checked_by_a_stretch(services):
         for _ in range(8):
             policy.observe(*_streamed(213.0))
     policy.observe_stretch(8, 8 * 215 * MS + 30 * MS, 215 * MS)
-    assert policy.one_token_measured and policy.one_token_ns < 240 * MS
+    assert policy.one_token_measured and policy.solo_cost_ns() == pytest.approx(215 * MS, rel=0.01)
     assert policy.solo_tokens(remaining=56) == 0  # the probe
     policy.observe(*_round(1, 1, 360.0, draft_ms=105.0))
     assert policy.solo_tokens(remaining=54) == 8
-    assert AdaptiveK(8, costs=policy.costs()).one_token_measured  # carried to the next call
+    # The next call starts from what this one measured: decoding alone, 215 ms a token,
+    # still beats a round of k = 1 that took 398 + 90 ms and was accepted.
+    seeded = AdaptiveK(8, costs=policy.costs())
+    assert seeded.one_token_measured and seeded.solo_cost_ns() == pytest.approx(215 * MS)
+    seeded.observe(*_round(1, 1, 398.0, draft_ms=90.0))
+    assert seeded.solo_tokens(remaining=62) > 0
 
 
 def test_break_even_round_trip_matches_the_cost_model():
@@ -200,8 +205,8 @@ def test_in_process_an_empty_round_costs_next_to_nothing():
 
 def test_a_measured_handoff_sizes_the_next_stretches():
     """Stretches handed off came back 30 ms later than their tokens (received 11 ms
-    apart: 1 ms past the target's 10 ms): a stretch now costs 10 + min(1, R) = 11 ms a
-    token, and starting one 30 ms, so one is 30 / (0.05 * 11) = 54.5 -> 55 tokens (for
+    apart: 1 ms past the target's 10 ms): a stretch now costs 11 ms a token (at most
+    c(1) + R = 15 ms), and starting one 30 ms, so one is 30 / (0.05 * 11) = 54.5 -> 55 tokens (for
     a drafter proposing every eighth turn, f <= 0.16, under the 0.22 that now pays)."""
     policy = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)], times=30)
     for _ in range(100):
@@ -402,3 +407,14 @@ def test_in_process_calls_seed_the_next_calls_costs(tiny_target, prompt_ids):
     assert generator.measured_costs is not None and generator.measured_costs.one_token_ns > 0
     generator.generate(prompt_ids[1], params, k=second)
     assert first.looks[0] is False and second.looks[0] is True
+
+
+def test_a_long_stretch_refines_c1_without_erasing_the_slope():
+    """64 tokens decoded alone (213 ms each, in process) after passes over 2-5 tokens
+    that cost 130 ms a token more each: c(1) follows the tokens, the slope stays."""
+    passes = [_round(w - 1, w - 1, 213.0 + 130.0 * (w - 1), draft_ms=100.0 * (w - 1)) for w in (2, 3, 4, 5)]
+    policy = _settled(AdaptiveK(8), passes, times=5)
+    for _ in range(64):
+        policy.observe(*_streamed(213.0))
+    assert policy.one_token_ns == pytest.approx(213 * MS, rel=0.02)
+    assert policy.per_token_ns == pytest.approx(130 * MS, rel=0.05)
