@@ -85,7 +85,7 @@ class AdaptiveK(SpeculationPolicy):
     - d: drafting time per draft token;
     - c(w) = c(1) + g * (w - 1): the target's compute for a pass over w tokens, as the
       target reports it, one line fitted to every pass whatever its width (slope prior:
-      10% of c(1); 0 <= g <= c(1)), each sample clipped to twice the line, so
+      10% of c(1); 0 <= g <= c(1)), each sample clipped to SLOW_PASS_CLIP times the line, so
       one slow pass (a cold start, a neighbour's burst) cannot make a width look too
       costly to ever be tried again;
     - R: the rest of a round: its elapsed time less drafting and the target's compute
@@ -315,11 +315,11 @@ class AdaptiveK(SpeculationPolicy):
 
     def _observe_compute(self, width: int, compute_ns: float, weight: float = 1.0, age: bool = True) -> None:
         """Refits c(w) = c(1) + g (w - 1) by decayed least squares over all passes, each
-        sample clipped to twice what the line predicts (one slow pass moves it little, and
+        sample clipped to SLOW_PASS_CLIP times what the line predicts (one slow pass moves it little, and
         every pass, whatever its width, corrects it)."""
         if self._sums[0]:
             predicted = self.compute_ns(width)
-            compute_ns = min(compute_ns, 2.0 * predicted)  # a fast pass is real, a slow one may be a spike
+            compute_ns = min(compute_ns, SLOW_PASS_CLIP * predicted)  # a fast pass is real, a slow one may be a spike
         self._add_sample(width - 1, compute_ns, weight, age)
         n, sx, sxx, sc, sxc = self._sums
         mean_x, mean_c = sx / n, sc / n
@@ -340,6 +340,11 @@ HOPE = 1.0  # accepted draft tokens added to the evidence when deciding (see hop
 # the passes: a long stretch must refine c(1), not erase what wider passes cost (64
 # one-token samples left the slope to its prior, 20 ms where passes measured 130).
 SOLO_TOKEN_WEIGHT = 0.1
+# A pass slower than this many times the line counts as this slow: on a shared machine
+# passes came 1.7-2.4x the line in bursts (Qwen2.5-Coder 1.5B, 497-788 ms against ~300),
+# and at twice the line a burst at a call's end was carried into the next call's first
+# decisions. A lasting slowdown is still learnt, by at most 2.5% a pass.
+SLOW_PASS_CLIP = 1.25
 _SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
 # Stretches after empty turns grow to at most this many times first_solo (32 tokens):
 # fewer restarts where nothing can be copied, while text to copy is found within 32 tokens.
