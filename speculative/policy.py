@@ -201,12 +201,9 @@ class AdaptiveK(SpeculationPolicy):
         stretch = self._stretch(self.next_solo, solo_ns)
         self.next_solo = min(2 * self.next_solo, self.max_solo)
         self.probe_due = True
-        if remaining is not None and remaining - stretch < stretch:
-            # A probe pays (bringing the draft up to date, a round that may lose) only
-            # with tokens left to speculate on should it win: should it lose, the next
-            # stretch would be twice this one, past the end anyway.
-            return remaining
-        return stretch
+        # Should the probe after it lose, the next stretch (twice this one) would reach
+        # the end anyway, so the probe pays only if it wins: not worth it.
+        return remaining if _too_little_after(remaining, stretch) else stretch
 
     def tokens_instead_of_empty_round(self) -> int:
         """The drafter proposed nothing, so a round would pay R for one plain step. It
@@ -231,7 +228,7 @@ class AdaptiveK(SpeculationPolicy):
         c(1) read 265-285 ms, 213 ms decoding alone). Measured once, it carries to later
         calls. Not where the call could not speculate after it."""
         stretch = self._stretch(self.first_solo, solo_ns)
-        if remaining is not None and remaining < 2 * stretch:
+        if _too_little_after(remaining, stretch):
             return 0
         self.probe_due = True
         return stretch
@@ -276,13 +273,12 @@ class AdaptiveK(SpeculationPolicy):
         return self.solo_token_ns if self.solo_token_ns is not None else self.one_token_ns
 
     def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
-        if round_stats.streamed:
-            self._observe_compute(1, round_stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
-        else:
-            self._observe_compute(round_stats.num_drafted + 1, round_stats.target_compute_ns)
-        self.one_token_measured |= round_stats.num_drafted == 0
         if round_stats.streamed:  # the stretch as a whole is observed by observe_stretch
+            self._observe_compute(1, round_stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
+            self.one_token_measured = True
             return
+        self._observe_compute(round_stats.num_drafted + 1, round_stats.target_compute_ns)
+        self.one_token_measured |= round_stats.num_drafted == 0
         drafting_ns = round_stats.draft_ns if round_stats.num_drafted else 0  # a search that found nothing is overhead
         overhead = max(0, elapsed_ns - drafting_ns - round_stats.target_compute_ns)
         self.overhead_ns = _blend(self.overhead_ns if self.measured else overhead, overhead, self.decay)
@@ -354,6 +350,12 @@ MAX_EMPTY_STRETCH_FACTOR = 4
 def _blend(old: float | None, new: float, decay: float) -> float:
     """The decayed average of old and new; new alone while nothing is measured (None)."""
     return new if old is None else decay * old + (1.0 - decay) * new
+
+
+def _too_little_after(remaining: int | None, stretch: int) -> bool:
+    """Whether fewer tokens than the stretch would remain after it: too few to bring the
+    draft up to date for and speculate on (None: the call's length is not known)."""
+    return remaining is not None and remaining < 2 * stretch
 
 
 def _ceil(x: float) -> int:
