@@ -9,7 +9,7 @@ from service_common.options import RegistryConfig, TelemetryConfig
 from service_common.server import advertised_address, default_worker_id
 from speculative.drafters import DEFAULT_DRAFT_TOP_K
 from speculative.errors import InvalidArgument
-from speculative.sampling import validate_num_speculative_tokens
+from speculative.limits import validate_num_speculative_tokens
 
 ENV_PREFIX = "DRAFT"
 

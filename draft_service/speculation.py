@@ -32,7 +32,7 @@ from speculative.errors import InvalidArgument, ResourceExhausted, StaleProposal
 from speculative.fingerprint import check_compatible
 from speculative.generator import RoundResult, speculation_rounds
 from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
-from speculative.sampling import validate_num_speculative_tokens
+from speculative.limits import validate_num_speculative_tokens
 
 tracer = trace.get_tracer(__name__)
 

@@ -25,8 +25,9 @@ from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
 from speculative.errors import InvalidArgument
 from speculative.generator import FinishReason
 from speculative.rejection import NextTokenKind
-from speculative.sampling import SamplingParams, validate_num_speculative_tokens
-from speculative.stats import GenerationStats, RoundStats
+from speculative.limits import validate_num_speculative_tokens
+from speculative.sampling import SamplingParams
+from speculative.stats import GenerationStats, RoundStats, per_token_ns
 from orchestrator.config import OrchestratorConfig
 from orchestrator.store import Lease, SessionRecord, SessionStore, WorkerHandle
 from orchestrator.text import TextAssembler, common_prefix_length, render_chat
@@ -351,8 +352,7 @@ class Generation:
         alone for a while) goes on with the target's Decode stream for that many
         tokens, the draft caught up by Extend, then Speculate again."""
         if self.draft is None:
-            base_len = self._committed_len(plan)
-            yield from self._decode(plan, base_len, 0, self._remaining_params(plan.params))
+            yield from self._decode_alone(plan)
             return
         while True:
             # Each stream restarts the target's generator from the seed it is sent: moved
@@ -361,7 +361,7 @@ class Generation:
             if not handoff:
                 return
             base_len = self._committed_len(plan)
-            if (yield from self._decode(plan, base_len, handoff)):
+            if (yield from self._decode_handoff(plan, base_len, handoff)):
                 return
             self._catch_up_draft(plan, base_len)
 
@@ -387,24 +387,33 @@ class Generation:
             yield list(update.token_ids), update.finish_reason
         return 0
 
-    def _decode(self, plan: Plan, base_len: int, max_tokens: int, params: SamplingParams | None = None):
-        """Yields the tokens of one target Decode stream (max_tokens 0 = up to
-        max_new_tokens); returns whether the call finished. Without params the target
-        goes on with the sampling, and the random draws, it has."""
+    def _decode_alone(self, plan: Plan):
+        """Target-only decoding: one Decode stream up to max_new_tokens, with the call's
+        sampling."""
+        request = target_pb2.DecodeRequest(session_id=plan.record.target.session_id,
+                                           base_len=self._committed_len(plan),
+                                           sampling=sampling_to_proto(self._remaining_params(plan.params)))
+        yield from self._decode(plan, request, handoff=False)
+
+    def _decode_handoff(self, plan: Plan, base_len: int, num_tokens: int):
+        """The stretch a Speculate stream handed off: the target decodes num_tokens
+        alone, going on with the sampling, and the random draws, it has. Returns
+        whether the call finished."""
         request = target_pb2.DecodeRequest(session_id=plan.record.target.session_id, base_len=base_len,
-                                           max_tokens=max_tokens)
-        if params is not None:
-            request.sampling.CopyFrom(sampling_to_proto(params))
+                                           max_tokens=num_tokens)
+        return (yield from self._decode(plan, request, handoff=True))
+
+    def _decode(self, plan: Plan, request: target_pb2.DecodeRequest, handoff: bool):
+        """Yields the tokens of one target Decode stream; returns whether the call
+        finished. A hand-off's tokens are timed: the draft sizes its next stretches by
+        them."""
         self.call = self.target.stub.Decode(request, timeout=self._deadline())
         self.context.add_callback(self.call.cancel)
-        handoff = params is None  # within a speculating call
-        first_ns, count = 0, 0
+        intervals, last_ns = [], time.perf_counter_ns()
         for token in self.call:
-            count += 1
-            if count == 1:
-                first_ns = time.perf_counter_ns()
-            elif handoff:  # the draft sizes its next stretches by it
-                self._handoff_token_ns = (time.perf_counter_ns() - first_ns) // (count - 1)
+            now_ns = time.perf_counter_ns()
+            intervals.append(now_ns - last_ns)
+            last_ns = now_ns
             self.stats.record_round(RoundStats(self.stats.num_rounds, token.committed_len - 1, 0, 0, 1,
                                                NextTokenKind.BONUS, 0, token.compute_ns, token.compute_ns,
                                                streamed=handoff))
@@ -414,6 +423,8 @@ class Generation:
             yield [token.token_id], finish
             if finish:
                 return True
+        if handoff and intervals:  # the next Speculate call tells the draft
+            self._handoff_token_ns = per_token_ns(intervals)
         return False
 
     def _catch_up_draft(self, plan: Plan, base_len: int) -> None:

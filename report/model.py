@@ -26,9 +26,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from speculative.limits import MAX_SPECULATIVE_TOKENS
 from speculative.policy import expected_tokens  # the same formula the adaptive policy uses
 
-K_MAX = 16  # the protocol's largest k (speculative.sampling.validate_num_speculative_tokens)
+K_MAX = MAX_SPECULATIVE_TOKENS  # the model considers every k the protocol allows
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,10 @@ from typing import Protocol
 from speculative.drafters import EMPTY_PROPOSAL, Drafter, DraftSession, Proposal
 from speculative.fingerprint import check_compatible
 from speculative.loading import LoadedModel
+from speculative.limits import validate_num_speculative_tokens
 from speculative.policy import AdaptiveK, FixedK, MeasuredCosts, SpeculationPolicy
-from speculative.sampling import SamplingParams, SparseProbs, validate_num_speculative_tokens
-from speculative.stats import GenerationStats, RoundStats
+from speculative.sampling import SamplingParams, SparseProbs
+from speculative.stats import GenerationStats, RoundStats, per_token_ns
 from speculative.target import TargetSession, VerifyResult
 
 
@@ -115,7 +116,7 @@ def speculation_rounds(
             # is what starting a stretch costs, not what drafting does.
             draft.prefill()
             draft_read_prompt = True
-            policy.observe_stretch(len(intervals), time.perf_counter_ns() - stretch_start, _per_token(intervals))
+            policy.observe_stretch(len(intervals), time.perf_counter_ns() - stretch_start, per_token_ns(intervals))
 
 
 def _round(verifier: Verifier, draft: DraftSession | None, base_len: int, proposal: Proposal,
@@ -147,13 +148,6 @@ def _solo_stretch(verifier: Verifier, draft: DraftSession, base_len: int, num_to
             yield stats, result
     finally:
         tokens.close()  # stops the target's stream when the caller stops early
-
-
-def _per_token(intervals: list[int]) -> int:
-    """Time per token of a stream, from the intervals between its tokens (the first
-    one, from the request, also holds the stream's start)."""
-    later = intervals[1:] or intervals
-    return sum(later) // len(later)
 
 
 def _finish_reason(result: VerifyResult, out_of_room: bool) -> FinishReason | None:

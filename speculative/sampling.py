@@ -15,11 +15,6 @@ import torch
 
 from speculative.errors import InvalidArgument
 
-# Speculation length beyond this costs more in verification than any realistic draft
-# recovers (acceptance decays geometrically with position), and keeps proposals small.
-MAX_SPECULATIVE_TOKENS = 16
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target's next-token distribution is turned into tokens."""
@@ -55,15 +50,6 @@ class SamplingParams:
 
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
-
-
-def validate_num_speculative_tokens(k: int) -> int:
-    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise InvalidArgument(
-            f"num_speculative_tokens (k) must be in [0, {MAX_SPECULATIVE_TOKENS}] "
-            f"(0 = target-only decoding), got {k}"
-        )
-    return k
 
 
 def make_generator(seed: int | None) -> torch.Generator:

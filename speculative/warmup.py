@@ -13,7 +13,7 @@ import time
 
 from speculative.loading import LoadedModel
 from speculative.model_session import ModelSession
-from speculative.sampling import MAX_SPECULATIVE_TOKENS
+from speculative.limits import MAX_SPECULATIVE_TOKENS
 
 PROMPT_LEN = 16  # tokens of context the passes extend: attention over a short cache
 

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from speculative.errors import InvalidArgument
+from speculative.limits import MAX_SPECULATIVE_TOKENS, validate_num_speculative_tokens
 from speculative.sampling import (
-    MAX_SPECULATIVE_TOKENS,
     SamplingParams,
     SparseProbs,
     greedy_tokens,
     logits_to_probs,
     make_generator,
     sample_from,
-    validate_num_speculative_tokens,
 )
 
 # --- SamplingParams.validate ------------------------------------------------------------

@@ -1,0 +1,22 @@
+"""Limits of the speculation protocol, shared by every service and the report.
+
+Free of torch on purpose: the trace report and the orchestrator's request checks read
+them without loading a model runtime.
+"""
+
+from __future__ import annotations
+
+from speculative.errors import InvalidArgument
+
+# Speculation length beyond this costs more in verification than any realistic draft
+# recovers (acceptance decays geometrically with position), and keeps proposals small.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def validate_num_speculative_tokens(k: int) -> int:
+    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidArgument(
+            f"num_speculative_tokens (k) must be in [0, {MAX_SPECULATIVE_TOKENS}] "
+            f"(0 = target-only decoding), got {k}"
+        )
+    return k
