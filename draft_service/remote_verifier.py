@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -146,7 +147,12 @@ def as_target_error(address: str, error: grpc.RpcError) -> Exception:
 
 class RemoteVerifier:
     """A Verifier over one Verify stream to one target session. Not thread-safe: one
-    speculation loop drives it; `close()` ends the stream."""
+    speculation loop drives it; `close()` ends the stream.
+
+    The stream opens with the first proposal and closes without waiting for the
+    target's end of it: a call that hands its first tokens to the target alone never
+    opens one, and one that hands off later does not wait a round trip to the target
+    before its caller can ask the target to decode."""
 
     def __init__(
         self,
@@ -163,11 +169,12 @@ class RemoteVerifier:
         self.proposal_bytes = 0  # serialized size of the last Proposal, in bytes
         self.verdict_bytes = 0  # serialized size of the last Verdict, in bytes
         self._sampling = sampling_to_proto(params)  # sent with the first proposal only
+        self._stub = stub
+        self._deadline = time.monotonic() + timeout_s  # bounds the stream, whenever it opens
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._responses = None  # the Verify call, once the first proposal opens it
         self._in_flight = False  # a proposal was sent and its verdict not read
         self._closed = False
-        # gRPC reads the request iterator on its own thread; the deadline bounds the stream.
-        self._responses = stub.Verify(iter(self._requests.get, _END_OF_STREAM), timeout=timeout_s)
 
     def verify(
         self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None
@@ -175,6 +182,10 @@ class RemoteVerifier:
         """Sends one proposal, waits for its verdict; StaleProposal if it was discarded."""
         proposal = self._proposal(base_len, draft_token_ids, draft_probs)
         self.proposal_bytes = proposal.ByteSize()
+        if self._responses is None:
+            # gRPC reads the request iterator on its own thread.
+            self._responses = self._stub.Verify(iter(self._requests.get, _END_OF_STREAM),
+                                                timeout=max(0.0, self._deadline - time.monotonic()))
         self._requests.put(proposal)
         self._in_flight = True
         verdict = self._next_verdict()
@@ -239,21 +250,29 @@ class RemoteVerifier:
         )
 
     def close(self) -> None:
-        """Ends the stream: half-closes it and waits for the target to end it, or cancels
-        it when a verdict is still outstanding (after an error). Idempotent."""
+        """Ends the stream: half-closes it, the target's end read on another thread, or
+        cancels it when a verdict is still outstanding (after an error). Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._requests.put(_END_OF_STREAM)  # also frees gRPC's request-reading thread
+        if self._responses is None:
+            return
         if self._in_flight:
             self._responses.cancel()
             return
-        try:
-            for extra in self._responses:
-                log.warning("unexpected verdict after the last proposal",
-                            extra={"fields": {"target": self.address, "round": extra.round}})
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.CANCELLED:
-                log.warning("Verify stream ended with an error",
-                            extra={"fields": {"target": self.address, "code": error.code().name,
-                                              "details": error.details()}})
+        threading.Thread(target=_read_to_end, args=(self._responses, self.address),
+                         name="verify-close", daemon=True).start()
+
+
+def _read_to_end(responses, address: str) -> None:
+    """Waits for the target to end a half-closed Verify stream; logs what should not be."""
+    try:
+        for extra in responses:
+            log.warning("unexpected verdict after the last proposal",
+                        extra={"fields": {"target": address, "round": extra.round}})
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.CANCELLED:
+            log.warning("Verify stream ended with an error",
+                        extra={"fields": {"target": address, "code": error.code().name,
+                                          "details": error.details()}})
