@@ -88,7 +88,7 @@ def speculation_rounds(
             proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
             draft_ns = time.perf_counter_ns() - start
             # Nothing to verify: not worth a round trip for one token.
-            solo = min(policy.tokens_instead_of_empty_round(), room) if k > 0 and not proposal.token_ids else 0
+            solo = min(policy.tokens_instead_of_empty_round(room), room) if k > 0 and not proposal.token_ids else 0
         if solo and handoff:
             yield RoundResult([], None, None, handoff_tokens=solo)
             return

@@ -46,9 +46,10 @@ class SpeculationPolicy(abc.ABC):
         of the `remaining` tokens this call may still generate (None: not known)."""
         return 0
 
-    def tokens_instead_of_empty_round(self) -> int:
+    def tokens_instead_of_empty_round(self, remaining: int | None = None) -> int:
         """The drafter proposed nothing: tokens for the target to decode alone instead of
-        a round trip for one plain step (0 = take the round)."""
+        a round trip for one plain step (0 = take the round), of the `remaining` tokens
+        this call may still generate (None: not known)."""
         return 0
 
     def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
@@ -205,20 +206,26 @@ class AdaptiveK(SpeculationPolicy):
         # the end anyway, so the probe pays only if it wins: not worth it.
         return remaining if _too_little_after(remaining, stretch) else stretch
 
-    def tokens_instead_of_empty_round(self) -> int:
+    def tokens_instead_of_empty_round(self, remaining: int | None = None) -> int:
         """The drafter proposed nothing, so a round would pay R for one plain step. It
         is taken while rounds, empty ones included at the measured rate f, still beat
         decoding alone (text to copy may turn up at the next turn); else the target
         decodes a stretch, after which the drafter is asked again: at least first_solo
         tokens, twice the last one's after each further empty turn (at most
         MAX_EMPTY_STRETCH_FACTOR * first_solo: copies must not be missed for long), and as
-        many as make starting it at most probe_share of the stretch."""
+        many as make starting it at most probe_share of the stretch. When less than
+        first_solo tokens would remain after it, it runs to the end of the call: asking
+        the drafter again there costs a stretch's start for too few tokens to win it
+        back (SmolLM2 at 20 ms: a 32-token stretch left one token, which a round trip
+        to the target then cost twice over)."""
         self._count_turn(proposed=False)
         solo_ns = self.solo_cost_ns()
         if not self.measured or self.mixed_tokens_per_ns(self.next_k()) >= 1.0 / solo_ns:
             return 0
         stretch = self._stretch(self.next_empty_solo, solo_ns)
         self.next_empty_solo = min(2 * self.next_empty_solo, MAX_EMPTY_STRETCH_FACTOR * self.first_solo)
+        if remaining is not None and remaining - stretch < self.first_solo:
+            return remaining
         return stretch
 
     def _explore(self, remaining: int | None, solo_ns: float) -> int:

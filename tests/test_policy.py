@@ -196,6 +196,17 @@ def test_an_empty_proposal_is_worth_a_round_trip_only_while_proposals_pay_for_it
     assert AdaptiveK(4).tokens_instead_of_empty_round() == 0  # nothing measured yet
 
 
+def test_an_empty_turn_near_the_end_of_the_call_decodes_to_the_end():
+    """The stretch instead of an empty round (32 tokens once turns stay empty, as above)
+    runs to the end of the call when fewer than first_solo (8) tokens would remain
+    after it: asking the drafter again could not win back the start of another stretch
+    there."""
+    rarely = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)], times=30)
+    assert _drafter_turns(rarely, "PEEEE")[-1] == 32
+    assert [rarely.tokens_instead_of_empty_round(remaining) for remaining in (100, 40, 39, 33, 5)] \
+        == [32, 32, 39, 33, 5]
+
+
 def test_in_process_an_empty_round_costs_next_to_nothing():
     """With R = 0.1 ms, an empty round costs what a solo token does, so even a drafter
     proposing every fifth turn keeps the rounds (its proposals pay)."""
