@@ -140,13 +140,16 @@ def service_methods(stub, drafter: str, k: int, max_new_tokens: int) -> dict:
 
 
 def measure(methods: dict, inputs: dict, repeats: int) -> dict[str, dict[str, list[Run]]]:
-    """{prompt: {method: [Run]}}: per prompt, repeats rounds over all methods in turn."""
+    """{prompt: {method: [Run]}}: per prompt, repeats rounds over all methods in turn,
+    each round starting one method later (interleaved and rotated: drift within a
+    round, and whatever a method leaves behind for the next, hit every method alike)."""
     results = {}
+    names = list(methods)
     for prompt, value in inputs.items():
         runs = {method: [] for method in methods}
-        for _ in range(repeats):  # interleaved: drift hits every method alike
-            for method, run in methods.items():
-                runs[method].append(run(value))
+        for repeat in range(repeats):
+            for method in names[repeat % len(names):] + names[:repeat % len(names)]:
+                runs[method].append(methods[method](value))
         results[prompt] = runs
         print(f"  {prompt}: " + ", ".join(f"{m} {_rate(r):.2f} tok/s" for m, r in runs.items()), flush=True)
     return results
