@@ -95,7 +95,9 @@ class AdaptiveK(SpeculationPolicy):
       tokens (c(1) until a stretch is measured); starting a stretch costs o_0 once
       (the stream's first token, the draft catching up on the stretch; across the
       services also the caller's stream and a new call), measured from whole stretches
-      (`observe_stretch`) in process and across the services alike.
+      (`observe_stretch`) in process and across the services alike. s ages with the
+      rounds since its last stretch, and is measured again while rounds win once that
+      risks little (`_remeasure_solo`).
 
     Tokens per second of a round drafting k tokens (Leviathan et al. 2023, with a
     per-round delay R as in `python -m report`):
@@ -141,6 +143,8 @@ class AdaptiveK(SpeculationPolicy):
         self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum c, sum x c over passes (x = w - 1)
         self.overhead_ns = 0.0  # R
         self.solo_token_ns: float | None = None  # s as stretches measured it
+        self.rounds_since_solo = 0  # rounds since s was last measured, and their time: s
+        self.rounds_since_solo_ns = 0.0  # ages with each, and is re-measured in time
         self.stream_start_ns: float | None = None  # o_0: starting a stretch, besides its tokens
         self.measured = False  # a round has been measured
         self.one_token_measured = False  # c(1) from a one-token pass (else extrapolated)
@@ -219,13 +223,33 @@ class AdaptiveK(SpeculationPolicy):
         back (SmolLM2 at 20 ms: a 32-token stretch left one token, which a round trip
         to the target then cost twice over)."""
         self._count_turn(proposed=False)
-        solo_ns = self.solo_cost_ns()
-        if not self.measured or self.mixed_tokens_per_ns(self.next_k()) >= 1.0 / solo_ns:
+        if not self.measured:
             return 0
+        solo_ns = self.solo_cost_ns()
+        rounds_ns = 1.0 / self.mixed_tokens_per_ns(self.next_k())  # per token, empty rounds included
+        if rounds_ns <= solo_ns:
+            return self._remeasure_solo(remaining, solo_ns, rounds_ns)
         stretch = self._stretch(self.next_empty_solo, solo_ns)
         self.next_empty_solo = min(2 * self.next_empty_solo, MAX_EMPTY_STRETCH_FACTOR * self.first_solo)
         if remaining is not None and remaining - stretch < self.first_solo:
             return remaining
+        return stretch
+
+    def _remeasure_solo(self, remaining: int | None, solo_ns: float, rounds_ns: float) -> int:
+        """Rounds win, so the empty round is taken (0), and s, which only stretches
+        measure, would never be measured again: one stretch that came out slow (a burst
+        of load on this shared machine: SmolLM2 at 57 ms a token against 46) kept a whole
+        benchmark phase on empty rounds that cost more. So a first_solo stretch
+        re-measures s once the rounds since the last one took long enough that what it
+        may lose (its start, and its tokens at s where rounds are faster) is at most
+        probe_share of their time. Not where it would end the call; not while no stretch
+        has measured s (it is then c(1), which the rounds keep measuring)."""
+        if self.solo_token_ns is None:
+            return 0
+        stretch = self._stretch(self.first_solo, solo_ns)
+        budget_ns = self.probe_share * self.rounds_since_solo_ns
+        if budget_ns < self._start_ns() + stretch * (solo_ns - rounds_ns) or _too_little_after(remaining, stretch):
+            return 0
         return stretch
 
     def _explore(self, remaining: int | None, solo_ns: float) -> int:
@@ -285,6 +309,8 @@ class AdaptiveK(SpeculationPolicy):
             self.one_token_measured = True
             return
         self._observe_compute(round_stats.num_drafted + 1, round_stats.target_compute_ns)
+        self.rounds_since_solo += 1
+        self.rounds_since_solo_ns += elapsed_ns
         self.one_token_measured |= round_stats.num_drafted == 0
         drafting_ns = round_stats.draft_ns if round_stats.num_drafted else 0  # a search that found nothing is overhead
         overhead = max(0, elapsed_ns - drafting_ns - round_stats.target_compute_ns)
@@ -309,7 +335,9 @@ class AdaptiveK(SpeculationPolicy):
         if token_ns < self.one_token_ns:  # c(1) is at most a stretch's time per token
             self._observe_compute(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
         self.one_token_measured = True
-        self.solo_token_ns = _blend(self.solo_token_ns, token_ns, self.decay)
+        # s ages by the rounds since it was measured, as passes do by later passes.
+        self.solo_token_ns = _blend(self.solo_token_ns, token_ns, self.decay ** (1 + self.rounds_since_solo))
+        self.rounds_since_solo, self.rounds_since_solo_ns = 0, 0.0
         self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - num_tokens * token_ns), self.decay)
 
     def _count_turn(self, proposed: bool) -> None:

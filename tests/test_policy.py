@@ -446,3 +446,24 @@ def test_decoding_alone_costs_what_its_stretches_measured():
         policy.observe(*_round(k, k, compute_ms, overhead_ms=3.0, draft_ms=draft_ms))
     assert policy.solo_cost_ns() == 285 * MS and policy.one_token_ns < 240 * MS
     assert policy.solo_tokens(remaining=43) == 0
+
+
+def test_a_stretch_that_came_out_slow_is_measured_again():
+    """Empty rounds cost c(1) + R = 46 + 3 ms (48.7 ms a token: the prior share of
+    proposing turns has not quite decayed); the one stretch measured came out slow (57
+    ms a token, a burst of load), so rounds win and s would never be measured again.
+    Once the rounds since it took long enough that a first_solo stretch risks at most
+    5% of their time (its start, 4 ms, and 8 tokens at 57 - 48.7 ms: 70 ms, so
+    0.05 x n x 49 ms >= 70 ms from n = 29 rounds), one re-measures s; aged by those 29
+    rounds, the old sample weighs 0.9^30 = 4%: s = 46.5 ms, and decoding alone wins."""
+    policy = _settled(AdaptiveK(4), [_round(0, 0, 46.0, overhead_ms=3.0)], times=30)
+    policy.observe_stretch(8, (8 * 57 + 4) * MS, 57 * MS)
+    turns = []
+    while len(turns) < 100 and not (turns and turns[-1]):
+        turns.append(policy.tokens_instead_of_empty_round(1000))
+        if not turns[-1]:
+            policy.observe(*_round(0, 0, 46.0, overhead_ms=3.0))
+    assert (len(turns) - 1, turns[-1]) == (29, 8)
+    policy.observe_stretch(8, (8 * 46 + 4) * MS, 46 * MS)
+    assert policy.solo_cost_ns() == pytest.approx(46.5 * MS, rel=0.01)
+    assert policy.tokens_instead_of_empty_round(1000) > 0
