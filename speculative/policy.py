@@ -143,8 +143,8 @@ class AdaptiveK(SpeculationPolicy):
         self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum c, sum x c over passes (x = w - 1)
         self.overhead_ns = 0.0  # R
         self.solo_token_ns: float | None = None  # s as stretches measured it
-        self.rounds_since_solo = 0  # rounds since s was last measured, and their time: s
-        self.rounds_since_solo_ns = 0.0  # ages with each, and is re-measured in time
+        self.rounds_since_solo = 0  # rounds since a stretch last measured s (s ages by each)
+        self.rounds_since_solo_ns = 0.0  # and their time (what re-measuring s may risk a share of)
         self.stream_start_ns: float | None = None  # o_0: starting a stretch, besides its tokens
         self.measured = False  # a round has been measured
         self.one_token_measured = False  # c(1) from a one-token pass (else extrapolated)
@@ -247,8 +247,8 @@ class AdaptiveK(SpeculationPolicy):
         if self.solo_token_ns is None:
             return 0
         stretch = self._stretch(self.first_solo, solo_ns)
-        budget_ns = self.probe_share * self.rounds_since_solo_ns
-        if budget_ns < self._start_ns() + stretch * (solo_ns - rounds_ns) or _too_little_after(remaining, stretch):
+        risk_ns = self._start_ns() + stretch * (solo_ns - rounds_ns)
+        if risk_ns > self.probe_share * self.rounds_since_solo_ns or _too_little_after(remaining, stretch):
             return 0
         return stretch
 
