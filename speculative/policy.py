@@ -208,7 +208,7 @@ class AdaptiveK(SpeculationPolicy):
         self.probe_due = True
         # Should the probe after it lose, the next stretch (twice this one) would reach
         # the end anyway, so the probe pays only if it wins: not worth it.
-        return remaining if _too_little_after(remaining, stretch) else stretch
+        return remaining if _too_little_after(remaining, stretch, stretch) else stretch
 
     def tokens_instead_of_empty_round(self, remaining: int | None = None) -> int:
         """The drafter proposed nothing, so a round would pay R for one plain step. It
@@ -231,9 +231,7 @@ class AdaptiveK(SpeculationPolicy):
             return self._remeasure_solo(remaining, solo_ns, rounds_ns)
         stretch = self._stretch(self.next_empty_solo, solo_ns)
         self.next_empty_solo = min(2 * self.next_empty_solo, MAX_EMPTY_STRETCH_FACTOR * self.first_solo)
-        if remaining is not None and remaining - stretch < self.first_solo:
-            return remaining
-        return stretch
+        return remaining if _too_little_after(remaining, stretch, self.first_solo) else stretch
 
     def _remeasure_solo(self, remaining: int | None, solo_ns: float, rounds_ns: float) -> int:
         """Rounds win, so the empty round is taken (0), and s, which only stretches
@@ -248,7 +246,7 @@ class AdaptiveK(SpeculationPolicy):
             return 0
         stretch = self._stretch(self.first_solo, solo_ns)
         risk_ns = self._start_ns() + stretch * (solo_ns - rounds_ns)
-        if risk_ns > self.probe_share * self.rounds_since_solo_ns or _too_little_after(remaining, stretch):
+        if risk_ns > self.probe_share * self.rounds_since_solo_ns or _too_little_after(remaining, stretch, stretch):
             return 0
         return stretch
 
@@ -259,7 +257,7 @@ class AdaptiveK(SpeculationPolicy):
         c(1) read 265-285 ms, 213 ms decoding alone). Measured once, it carries to later
         calls. Not where the call could not speculate after it."""
         stretch = self._stretch(self.first_solo, solo_ns)
-        if _too_little_after(remaining, stretch):
+        if _too_little_after(remaining, stretch, stretch):
             return 0
         self.probe_due = True
         return stretch
@@ -387,10 +385,11 @@ def _blend(old: float | None, new: float, decay: float) -> float:
     return new if old is None else decay * old + (1.0 - decay) * new
 
 
-def _too_little_after(remaining: int | None, stretch: int) -> bool:
-    """Whether fewer tokens than the stretch would remain after it: too few to bring the
-    draft up to date for and speculate on (None: the call's length is not known)."""
-    return remaining is not None and remaining < 2 * stretch
+def _too_little_after(remaining: int | None, stretch: int, least: int) -> bool:
+    """Whether fewer than `least` of the `remaining` tokens would be left after the
+    stretch: too few to bring the draft up to date for and speculate on (None: the
+    call's length is not known)."""
+    return remaining is not None and remaining - stretch < least
 
 
 def _ceil(x: float) -> int:
