@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import platform
 import shlex
@@ -248,9 +249,45 @@ def table(title: str, results: dict, baseline: str, reference: str) -> tuple[lis
     lines.append("")
     for method in methods:
         lines.append(f"- {method}: geometric mean {statistics.geometric_mean(ratios[method]):.2f}x, "
-                     f"min {min(ratios[method]):.2f}x, max {max(ratios[method]):.2f}x")
+                     f"min {min(ratios[method]):.2f}x, max {max(ratios[method]):.2f}x"
+                     + ("" if method == baseline else _significance(results, method, baseline)))
     lines.append("")
     return lines, ratios
+
+
+def paired_ratio(method_runs: list[Run], baseline_runs: list[Run], confidence: float = 0.95):
+    """(ratio, low, high): the geometric mean over repeats of method / baseline tok/s, each
+    repeat's two runs paired (measured in the same round, minutes apart at most), and the
+    two-sided Student t interval of the mean log ratio at `confidence`. None below two
+    repeats. A call's speed moves 10-15% from one call to the next on a shared machine:
+    the interval says which cells that noise cannot explain."""
+    from scipy import stats  # benchmarks only (the dev extra)
+
+    logs = [math.log((len(m.token_ids) / m.seconds) / (len(b.token_ids) / b.seconds))
+            for m, b in zip(method_runs, baseline_runs)]
+    if len(logs) < 2:
+        return None
+    mean, spread = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
+    half = stats.t.ppf(0.5 + confidence / 2, len(logs) - 1) * spread
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def _significance(results: dict, method: str, baseline: str) -> str:
+    """The prompts where the method is slower, and faster, than the baseline beyond the
+    95% interval of paired repeats."""
+    slower, faster = [], []
+    for prompt, runs in results.items():
+        paired = paired_ratio(runs[method], runs[baseline])
+        if paired is None:
+            return ""
+        ratio, low, high = paired
+        cell = f"{prompt} {ratio:.2f}x [{low:.2f}, {high:.2f}]"
+        if high < 1.0:
+            slower.append(cell)
+        elif low > 1.0:
+            faster.append(cell)
+    return (f"; slower than {baseline} beyond the 95% interval of paired repeats: {', '.join(slower) or 'none'}"
+            f"; faster: {', '.join(faster) or 'none'}")
 
 
 def _equal_runs(runs: dict[str, list[Run]], reference: str) -> tuple[int, int]:

@@ -1,9 +1,12 @@
 """The benchmark suite's measuring loop: every method runs once per repeat, and each
-repeat starts one method later, so no method always runs first or last."""
+repeat starts one method later, so no method always runs first or last. Its table says
+which prompts a method is slower on beyond what the noise between paired repeats explains."""
 
 from __future__ import annotations
 
-from benchmarks.bench_suite import Run, measure, table
+import pytest
+
+from benchmarks.bench_suite import Run, measure, paired_ratio, table
 
 
 def test_repeats_are_interleaved_and_rotated():
@@ -25,3 +28,31 @@ def test_every_run_is_compared_with_target_only():
     lines, _ = table("t", {"prompt": runs}, baseline="target-only", reference="target-only")
     row = next(line for line in lines if line.startswith("| prompt |") and "tok/s" in line)
     assert row.endswith("| 3/4 |")
+
+
+def _runs(seconds):
+    return [Run([0] * 10, s) for s in seconds]
+
+
+def test_paired_ratio_is_the_geometric_mean_with_a_t_interval():
+    ratio, low, high = paired_ratio(_runs([2.0, 4.0]), _runs([1.0, 1.0]))  # 0.5x and 0.25x
+    assert ratio == pytest.approx((0.5 * 0.25) ** 0.5)
+    # log ratios -ln 2 and -ln 4: mean -1.5 ln 2, standard error 0.5 ln 2, t(0.975, 1) = 12.706
+    assert low == pytest.approx(2 ** (-1.5 - 0.5 * 12.7062), rel=1e-4)
+    assert high == pytest.approx(2 ** (-1.5 + 0.5 * 12.7062), rel=1e-4)
+    assert paired_ratio(_runs([1.0]), _runs([1.0])) is None
+
+
+def test_table_names_prompts_slower_beyond_the_noise_and_only_those():
+    baseline = _runs([1.0, 1.2, 0.9, 1.1, 1.0])
+    results = {
+        # 10% slower every time, whatever the call's own speed: beyond the noise.
+        "steady": {"target-only": baseline, "k=4": _runs([s * 1.1 for s in (1.0, 1.2, 0.9, 1.1, 1.0)])},
+        # 10% slower by the medians, but the pairs disagree: within the noise.
+        "noisy": {"target-only": baseline, "k=4": _runs([1.4, 1.0, 1.2, 0.9, 1.1])},
+    }
+    lines, _ = table("t", results, baseline="target-only", reference="target-only")
+    summary = next(line for line in lines if line.startswith("- k=4:"))
+    assert "slower than target-only beyond the 95% interval of paired repeats: steady 0.91x" in summary
+    assert "noisy" not in summary
+    assert summary.endswith("faster: none")
