@@ -9,10 +9,12 @@ Phases, each measuring its own baseline, methods interleaved within a prompt (me
 --repeats), greedy:
 1. in process, per dtype: target-only (HF `generate`, ours), HF `generate` with
    `prompt_lookup_num_tokens` and, for a pair with a draft model, with `assistant_model`
-   (HF's default assistant settings), our generator at fixed k and adaptive k;
+   (HF's default assistant settings), our generator at fixed k and adaptive k (and,
+   with a draft model, adaptive with prompt lookup first: the ngram+model drafter);
 2. through the three services (`launcher`), once over loopback and once per added
    one-way delay (`--draft-target-delay-ms`: a delaying TCP proxy in front of the target):
-   target-only (`Decode`), fixed k, adaptive k; traced to JSON lines for `python -m report`.
+   target-only (`Decode`), fixed k, adaptive k (and ngram+model adaptive); traced to JSON
+   lines for `python -m report`.
 
 Ratios: in-process methods against in-process target-only (ours); service methods
 against the same system's target-only (`Decode`), so each delay is compared with
@@ -45,7 +47,7 @@ from benchmarks.bench_core import chat_ids
 from benchmarks.prompts import PROMPTS
 from launcher.__main__ import Cluster, parse_args, start_system
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from speculative.drafters import ModelDrafter, NgramDrafter
+from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import load_model
 from speculative.policy import AdaptiveK, FixedK
@@ -116,11 +118,14 @@ def in_process_methods(target, draft, k: int, max_new_tokens: int) -> dict:
     methods[f"ours k={k}"] = _ours(target, drafter, lambda: FixedK(k), max_new_tokens)
     methods[f"ours adaptive k<={ADAPTIVE_MAX_K}"] = _ours(target, drafter, lambda: AdaptiveK(ADAPTIVE_MAX_K),
                                                          max_new_tokens)
+    if draft is not None:
+        methods[f"ours ngram+model adaptive k<={ADAPTIVE_MAX_K}"] = _ours(
+            target, LookupThenModelDrafter(drafter, NgramDrafter()), lambda: AdaptiveK(ADAPTIVE_MAX_K), max_new_tokens)
     return methods
 
 
 def service_methods(stub, drafter: str, k: int, max_new_tokens: int) -> dict:
-    def method(num_speculative_tokens: int, adaptive: bool):
+    def method(num_speculative_tokens: int, adaptive: bool, drafter: str = drafter):
         def run(text):
             request = orchestrator_pb2.GenerateRequest(include_stats=True)
             request.chat.messages.add(role="user", content=text)
@@ -133,11 +138,14 @@ def service_methods(stub, drafter: str, k: int, max_new_tokens: int) -> dict:
             stub.CloseSession(common_pb2.CloseSessionRequest(session_id=response.session_id), timeout=60)
             return Run(list(response.token_ids), elapsed, response.stats)
         return run
-    return {
+    methods = {
         "target-only (Decode)": method(0, False),
         f"k={k}": method(k, False),
         f"adaptive k<={ADAPTIVE_MAX_K}": method(ADAPTIVE_MAX_K, True),
     }
+    if drafter == "model":
+        methods[f"ngram+model adaptive k<={ADAPTIVE_MAX_K}"] = method(ADAPTIVE_MAX_K, True, "ngram+model")
+    return methods
 
 
 def measure(methods: dict, inputs: dict, repeats: int) -> dict[str, dict[str, list[Run]]]:

@@ -1,7 +1,8 @@
 """The drafters a draft worker offers, by name, and how a session's drafter is set up
 for one Speculate call.
 
-"model" is the worker's small model (`--model`), "ngram" prompt lookup (no model). A
+"model" is the worker's small model (`--model`), "ngram" prompt lookup (no model),
+"ngram+model" lookup where the context has text to copy and the model elsewhere. A
 session keeps the drafter it was opened with; each Speculate call brings its own
 sampling params, draft truncation and n-gram sizes, applied here before its rounds.
 
@@ -19,6 +20,8 @@ from speculative.compute_thread import ComputeThread
 from speculative.drafters import (
     Drafter,
     DraftSession,
+    LookupThenModelDrafter,
+    LookupThenModelSession,
     ModelDrafter,
     ModelDraftSession,
     NgramDrafter,
@@ -31,7 +34,9 @@ from speculative.sampling import SamplingParams
 
 MODEL = "model"
 NGRAM = "ngram"
-DRAFTER_NAMES = (MODEL, NGRAM)
+NGRAM_THEN_MODEL = "ngram+model"
+DRAFTER_NAMES = (MODEL, NGRAM, NGRAM_THEN_MODEL)
+WITH_MODEL = (MODEL, NGRAM_THEN_MODEL)  # the drafters that run the worker's model
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,8 @@ class DraftSettings:
 
 
 class Drafters:
-    """The worker's drafters: the model drafter (if a model is loaded) and n-gram lookup."""
+    """The worker's drafters: n-gram lookup and, if a model is loaded, the model drafter
+    and the two together."""
 
     def __init__(self, loaded: LoadedModel | None, default_drafter: str, draft_top_k: int,
                  min_ngram: int, max_ngram: int, compute: ComputeThread | None = None):
@@ -55,6 +61,7 @@ class Drafters:
         self.by_name: dict[str, Drafter] = {NGRAM: NgramDrafter(min_ngram, max_ngram)}
         if loaded is not None:
             self.by_name[MODEL] = ModelDrafter(loaded, draft_top_k)
+            self.by_name[NGRAM_THEN_MODEL] = LookupThenModelDrafter(self.by_name[MODEL], self.by_name[NGRAM])
         self.default = self.resolve(default_drafter)  # fails at start-up, not per request
 
     def resolve(self, name: str) -> str:
@@ -81,12 +88,12 @@ class Drafters:
         """New input tokens must be in the vocabulary and leave room to generate."""
         if not token_ids:
             raise InvalidArgument("no token ids given: send at least one")
-        limit = self.loaded.vocab_size if name == MODEL else None
+        limit = self.loaded.vocab_size if name in WITH_MODEL else None
         bad = [t for t in token_ids if t < 0 or (limit is not None and t >= limit)]
         if bad:
             vocabulary = f"[0, {limit})" if limit is not None else "ids >= 0"
             raise InvalidArgument(f"token ids {bad[:5]} are outside the draft vocabulary {vocabulary}")
-        if name == MODEL and num_existing + len(token_ids) >= self.loaded.context_length:
+        if name in WITH_MODEL and num_existing + len(token_ids) >= self.loaded.context_length:
             raise InvalidArgument(
                 f"{num_existing + len(token_ids)} tokens leave no room to generate in the draft "
                 f"model's context length of {self.loaded.context_length} tokens"
@@ -94,15 +101,16 @@ class Drafters:
 
     def context_length(self, name: str) -> int | None:
         """The drafter's own limit on a sequence, in tokens (None: no limit)."""
-        return self.loaded.context_length if name == MODEL else None
+        return self.loaded.context_length if name in WITH_MODEL else None
 
     def open(self, name: str, prompt_token_ids: Sequence[int]) -> DraftSession:
         """Opens and prefills; the sampling params arrive with each Speculate call."""
         self.check_tokens(name, 0, prompt_token_ids)
-        if name != MODEL:
+        if name == NGRAM:
             return self.by_name[name].open(prompt_token_ids, SamplingParams())
-        inner = self.by_name[name].open(prompt_token_ids, SamplingParams())
-        session = SerializedModelDraftSession(inner, self.compute)
+        model = SerializedModelDraftSession(self.by_name[MODEL].open(prompt_token_ids, SamplingParams()), self.compute)
+        session = model if name == MODEL else LookupThenModelSession(
+            self.by_name[NGRAM].open(prompt_token_ids, SamplingParams()), model)
         session.prefill()  # now, alongside the target's prefill, not in the first round
         return session
 
@@ -143,6 +151,10 @@ def apply_settings(draft: DraftSession, settings: DraftSettings) -> None:
     A seed restarts the draft's generator exactly as the in-process generator seeds it
     (from the request's seed), so a seeded call reproduces SpeculativeGenerator's output.
     """
+    if isinstance(draft, LookupThenModelSession):
+        apply_settings(draft.lookup, settings)
+        apply_settings(draft.model, settings)
+        return
     draft.set_sampling(settings.params)
     if isinstance(draft, SerializedModelDraftSession):
         draft.inner.draft_top_k = settings.draft_top_k

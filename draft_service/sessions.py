@@ -37,7 +37,7 @@ class Handoff:
 @dataclass(eq=False)
 class SessionEntry:
     session_id: str
-    drafter: str  # name of the session's drafter: "model" or "ngram"
+    drafter: str  # name of the session's drafter: "model", "ngram" or "ngram+model"
     draft: DraftSession
     next_round: int = 0  # Proposal.round of the session's next round (0-based per session)
     # The last adaptive call's policy: the next call goes on with what it measured (after

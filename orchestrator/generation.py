@@ -128,8 +128,8 @@ class Generation:
             message.ParseFromString(record.speculation)
         if self.request.HasField("speculation"):
             message = self.request.speculation
-        if message.drafter not in ("", "model", "ngram"):
-            raise InvalidArgument(f"drafter must be 'model', 'ngram' or empty, got {message.drafter!r}")
+        if message.drafter not in ("", "model", "ngram", "ngram+model"):
+            raise InvalidArgument(f"drafter must be 'model', 'ngram', 'ngram+model' or empty, got {message.drafter!r}")
         return message
 
     def _tokens(self, record: SessionRecord) -> tuple[list[int], int]:

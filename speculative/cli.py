@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from speculative.drafters import ModelDrafter, NgramDrafter
+from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
 from speculative.errors import SpeculativeError
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import DEFAULT_MODEL, DTYPES, configure_threads, load_model
@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m speculative", description=__doc__.splitlines()[0])
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="target model: packaged name, .gguf path, HF id or tiny-random[:SEED]")
-    parser.add_argument("--drafter", default="ngram", help="'ngram', 'none', or 'model:NAME' (a small model with the target's tokenizer)")
+    parser.add_argument("--drafter", default="ngram", help="'ngram', 'none', 'model:NAME' (a small model with the target's tokenizer) "
+                        "or 'ngram+model:NAME' (prompt lookup, the model where it finds nothing)")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (0 = target-only)")
     parser.add_argument("--adaptive", action="store_true", help="choose k per round (up to --k) from measured acceptance and costs")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -78,7 +79,10 @@ def _make_drafter(args):
         return NgramDrafter()
     if args.drafter.startswith("model:"):
         return ModelDrafter(load_model(args.drafter[len("model:"):], device=args.device, dtype=args.dtype))
-    raise SystemExit(f"error: --drafter must be 'ngram', 'none' or 'model:NAME', got {args.drafter!r}")
+    if args.drafter.startswith("ngram+model:"):
+        model = load_model(args.drafter[len("ngram+model:"):], device=args.device, dtype=args.dtype)
+        return LookupThenModelDrafter(ModelDrafter(model), NgramDrafter())
+    raise SystemExit(f"error: --drafter must be 'ngram', 'none', 'model:NAME' or 'ngram+model:NAME', got {args.drafter!r}")
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:

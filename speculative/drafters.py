@@ -3,6 +3,10 @@
 The interface maps one-to-one onto the draft service's RPCs: `Drafter.open` (open a
 session, prefill), `DraftSession.propose(k)`, `append` / `truncate_to` (apply a verdict,
 roll back), `release` (close).
+
+Three drafters: a small model (`ModelDrafter`), prompt lookup (`NgramDrafter`), and the
+two together (`LookupThenModelDrafter`): lookup where the context has text to copy, the
+model elsewhere.
 """
 
 from __future__ import annotations
@@ -211,3 +215,65 @@ def lookup_continuation(token_ids: list[int], k: int, min_ngram: int, max_ngram:
             start = int(matches[0]) + n
             return token_ids[start : start + k]
     return []
+
+
+# --- prompt lookup first, the model elsewhere -------------------------------------------
+
+
+class LookupThenModelDrafter(Drafter):
+    """Prompt lookup where the context has a continuation to copy, the draft model where
+    it has none. Lookup is free and, on text that copies its input, right for long runs
+    (Qwen2.5-Coder 1.5B: Hugging Face prompt lookup 1.68x on a code edit and a summary,
+    where the 0.5B draft model gave 1.20-1.46x); the model drafts everything else.
+
+    Exact under sampling as well: which of the two proposes depends on the context
+    only, and a looked-up token is proposed with certainty (a one-hot draft
+    distribution), so the target's rejection sampling sees the distribution each token
+    was really drawn from."""
+
+    def __init__(self, model: ModelDrafter, lookup: NgramDrafter):
+        self.model, self.lookup = model, lookup
+        self.name = f"{lookup.name}+{model.name}"
+        self.fingerprint = model.fingerprint
+
+    def open(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> DraftSession:
+        return LookupThenModelSession(self.lookup.open(prompt_token_ids, params),
+                                      self.model.open(prompt_token_ids, params))
+
+
+class LookupThenModelSession(DraftSession):
+    """Both sessions hold the same tokens: what one proposes is appended to the other
+    (the model runs looked-up tokens with its next pass, as pending input)."""
+
+    def __init__(self, lookup: DraftSession, model: DraftSession):
+        self.lookup, self.model = lookup, model
+
+    @property
+    def length(self) -> int:
+        return self.model.length
+
+    def propose(self, k: int) -> Proposal:
+        proposal = self.lookup.propose(k)
+        if proposal:  # deterministic: draft_probs None, one-hot distributions
+            self.model.append(proposal.token_ids)
+            return proposal
+        proposal = self.model.propose(k)
+        self.lookup.append(proposal.token_ids)
+        return proposal
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        self.lookup.append(token_ids)
+        self.model.append(token_ids)
+
+    def truncate_to(self, length: int) -> None:
+        self.lookup.truncate_to(length)
+        self.model.truncate_to(length)
+
+    def release(self) -> None:
+        self.model.release()
+
+    def prefill(self) -> None:
+        self.model.prefill()
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.model.set_sampling(params)

@@ -1,4 +1,5 @@
-"""A drafter that knows the right answer and lies on purpose, to force partial acceptance."""
+"""Test drafters: one that knows the right answer and lies on purpose, to force partial
+acceptance; a wrapper that counts proposals."""
 
 from __future__ import annotations
 
@@ -50,3 +51,23 @@ class ScriptedDraftSession(DraftSession):
 
     def truncate_to(self, length: int) -> None:
         del self.token_ids[length:]
+
+
+def counting_proposals(drafter: Drafter) -> Drafter:
+    """The drafter, counting in `drafter.proposals` the non-empty proposals its sessions
+    made (to check that a test ran the path it is about)."""
+    drafter.proposals = 0
+    open_session = drafter.open
+
+    def open_counted(prompt_token_ids, params):
+        session = open_session(prompt_token_ids, params)
+        propose = session.propose
+
+        def propose_counted(k):
+            proposal = propose(k)
+            drafter.proposals += bool(proposal)
+            return proposal
+        session.propose = propose_counted
+        return session
+    drafter.open = open_counted
+    return drafter

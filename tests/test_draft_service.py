@@ -27,7 +27,7 @@ from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import check_start, plan_call
 from launcher.delay_proxy import DelayProxy
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from speculative.drafters import ModelDrafter, NgramDrafter
+from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
 from speculative.errors import IncompatibleModels, NotFound
 from speculative.fingerprint import ANY_VOCABULARY
 from speculative.generator import SpeculativeGenerator
@@ -182,7 +182,8 @@ def expect_error(code, call, *args, match: str = "", **kwargs) -> grpc.RpcError:
 
 # --- equivalence -----------------------------------------------------------------------
 
-DRAFTERS = [("same", "model"), ("unrelated", "model"), ("perturbed", "model"), ("same", "ngram")]
+DRAFTERS = [("same", "model"), ("unrelated", "model"), ("perturbed", "model"), ("same", "ngram"),
+            ("perturbed", "ngram+model")]
 
 
 def test_greedy_speculation_equals_target_only(draft_stubs, target, target_address, prompt_ids, references):
@@ -220,13 +221,15 @@ def test_target_only_and_adaptive_k(draft_stubs, target, target_address, prompt_
         pair.close()
 
 
-@pytest.mark.parametrize(("worker", "drafter"), [("same", "model"), ("perturbed", "model"), ("same", "ngram")])
+@pytest.mark.parametrize(("worker", "drafter"), [("same", "model"), ("perturbed", "model"), ("same", "ngram"),
+                                                 ("perturbed", "ngram+model")])
 def test_seeded_sampling_equals_in_process(worker, drafter, draft_stubs, target, target_address, prompt_ids,
                                            tiny_target, tiny_perturbed):
     """Same seed, same draws: the service's output is the in-process generator's (the
     draft's sparse distributions cross the wire exactly)."""
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=24)
-    in_process = NgramDrafter() if drafter == "ngram" else ModelDrafter(tiny_target if worker == "same" else tiny_perturbed)
+    model = ModelDrafter(tiny_target if worker == "same" else tiny_perturbed)
+    in_process = {"ngram": NgramDrafter(), "model": model, "ngram+model": LookupThenModelDrafter(model, NgramDrafter())}[drafter]
     expected = SpeculativeGenerator(tiny_target, in_process).generate(prompt_ids[2], params, k=4).token_ids
     sampling = common_pb2.SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=24)
     for _ in range(2):  # and again: a seed reproduces the run

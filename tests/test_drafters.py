@@ -1,10 +1,11 @@
-"""Drafters: n-gram lookup, the model drafter's proposals, and its draft lag."""
+"""Drafters: n-gram lookup, the model drafter's proposals, and its draft lag; lookup
+then model."""
 
 from __future__ import annotations
 
 import pytest
 
-from speculative.drafters import ModelDrafter, NgramDrafter, lookup_continuation
+from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, lookup_continuation
 from speculative.errors import InvalidArgument
 from speculative.sampling import SamplingParams
 
@@ -69,3 +70,25 @@ def test_model_draft_sampling_sends_exact_sparse_distributions(tiny_target, prom
         assert len(probs.token_ids) == 5
         assert abs(float(probs.probs.sum()) - 1.0) < 1e-6
         assert probs.prob_of(token_id) > 0
+
+
+def test_lookup_then_model_copies_where_it_can_and_drafts_with_the_model_elsewhere(tiny_target):
+    drafter = LookupThenModelDrafter(ModelDrafter(tiny_target), NgramDrafter())
+    prompt = list(range(10, 30))  # nothing repeats: the model drafts
+    session = drafter.open(prompt, SamplingParams())
+    expected = ModelDrafter(tiny_target).open(prompt, SamplingParams()).propose(3).token_ids
+    assert session.propose(3).token_ids == expected
+    assert session.lookup.length == session.model.length == len(prompt) + 3
+
+    session.truncate_to(len(prompt))
+    session.append([12, 13])  # "12 13" occurred: lookup copies what followed
+    assert session.propose(3).token_ids == [14, 15, 16]
+    assert session.lookup.length == session.model.length == len(prompt) + 5
+
+    # Two copied tokens accepted, a bonus token appended: the model runs the copied
+    # tokens it never saw with its next pass, and drafts what a fresh session would.
+    session.truncate_to(len(prompt) + 4)
+    session.append([99])
+    sequence = prompt + [12, 13, 14, 15, 99]
+    expected = ModelDrafter(tiny_target).open(sequence, SamplingParams()).propose(2).token_ids
+    assert session.propose(2).token_ids == expected

@@ -1,6 +1,6 @@
 """Greedy speculative output equals target-only greedy output, token for token, always.
 
-Tiny fp32 models on CPU, 20 prompts x k in {1, 2, 3, 5, 8} x four drafters. No
+Tiny fp32 models on CPU, 20 prompts x k in {1, 2, 3, 5, 8} x five drafters. No
 tolerance: one differing token fails the test.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.drafters import ModelDrafter, NgramDrafter
+from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
 from speculative.generator import FinishReason, SpeculativeGenerator
 from speculative.sampling import SamplingParams
-from tests.scripted_drafter import ScriptedDrafter
+from tests.scripted_drafter import ScriptedDrafter, counting_proposals
 
 K_VALUES = [1, 2, 3, 5, 8]
 MAX_NEW_TOKENS = 24
@@ -102,3 +102,10 @@ def test_stop_token_ends_generation_inside_an_accepted_run(tiny_target, prompt_i
     result = SpeculativeGenerator(tiny_target, ModelDrafter(tiny_target)).generate(ids, params, k=8)
     assert result.token_ids == reference[: first + 1]
     assert result.finish_reason is FinishReason.STOP_TOKEN
+
+
+def test_lookup_then_model_equals_target_only(tiny_target, tiny_perturbed, prompt_ids, references):
+    lookup, model = counting_proposals(NgramDrafter()), counting_proposals(ModelDrafter(tiny_perturbed))
+    drafter = LookupThenModelDrafter(model, lookup)
+    _check_all(tiny_target, prompt_ids, references, lambda ids, ref: drafter)
+    assert lookup.proposals > 0 and model.proposals > 0  # lookup copied somewhere, the model drafted elsewhere

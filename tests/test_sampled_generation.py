@@ -11,9 +11,10 @@ import torch
 from scipy.stats import chisquare
 
 from speculative import rejection
-from speculative.drafters import ModelDrafter, NgramDrafter
+from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
 from speculative.generator import SpeculativeGenerator
 from speculative.sampling import SamplingParams, logits_to_probs
+from tests.scripted_drafter import counting_proposals
 
 # Each run's first three tokens are one draw from a 4 x 4 x 4 = 64-cell distribution
 # (top_k=4), which the test computes exactly from the target model.
@@ -81,6 +82,19 @@ def test_speculative_sampling_follows_the_target_distribution(tiny_target, tiny_
     samples, acceptance = _sample_runs(tiny_target, ModelDrafter(tiny_perturbed), prompt_ids[0], 2, NUM_RUNS)
     assert 0.2 < acceptance < 0.9, f"the draft should be partly right, acceptance {acceptance:.2f}"
     assert _chi_square_p_value(samples, exact) > ALPHA
+
+
+def test_lookup_then_model_sampling_follows_the_target_distribution(tiny_target, tiny_perturbed, prompt_ids):
+    """Looked-up tokens are proposed with certainty, the model's drawn from its
+    distribution; the mix must still sample the target's. The prompt ends with its own
+    first two tokens, so lookup proposes at the first turn (and wherever the draws go on
+    copying), the model at the others."""
+    prompt = prompt_ids[0] + prompt_ids[0][:2]
+    lookup, model = counting_proposals(NgramDrafter()), counting_proposals(ModelDrafter(tiny_perturbed))
+    samples, acceptance = _sample_runs(tiny_target, LookupThenModelDrafter(model, lookup), prompt, 2, NUM_RUNS)
+    assert lookup.proposals > 100 and model.proposals > 100
+    assert 0.1 < acceptance < 0.9, f"the drafts should be partly right, acceptance {acceptance:.2f}"
+    assert _chi_square_p_value(samples, _exact_target_distribution(tiny_target, prompt)) > ALPHA
 
 
 def test_the_distribution_test_catches_a_biased_rule(tiny_target, tiny_perturbed, prompt_ids, exact, monkeypatch):

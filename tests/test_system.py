@@ -47,7 +47,7 @@ def test_greedy_output_equals_target_only(system, tiny_target, prompt_ids):
     for index, ids in enumerate(prompt_ids[:10]):
         reference = _reference(tiny_target, ids)
         for k in (0, 1, 4, 8):
-            for drafter in ("model", "ngram"):
+            for drafter in ("model", "ngram", "ngram+model"):
                 response = system.stub.Generate(_request(ids, k, drafter), timeout=60)
                 if list(response.token_ids) != reference:
                     mismatches.append((index, k, drafter))
