@@ -150,18 +150,28 @@ def service_methods(stub, drafter: str, k: int, max_new_tokens: int) -> dict:
 
 def measure(methods: dict, inputs: dict, repeats: int) -> dict[str, dict[str, list[Run]]]:
     """{prompt: {method: [Run]}}: per prompt, repeats rounds over all methods in turn,
-    each round starting one method later (interleaved and rotated: drift within a
-    round, and whatever a method leaves behind for the next, hit every method alike)."""
+    in the order `round_order` gives (interleaved: drift within a round, and whatever a
+    method leaves behind for the next, hit every method alike)."""
     results = {}
-    names = list(methods)
     for prompt, value in inputs.items():
         runs = {method: [] for method in methods}
         for repeat in range(repeats):
-            for method in names[repeat % len(names):] + names[:repeat % len(names)]:
+            for method in round_order(list(methods), repeat):
                 runs[method].append(methods[method](value))
         results[prompt] = runs
         print(f"  {prompt}: " + ", ".join(f"{m} {_rate(r):.2f} tok/s" for m, r in runs.items()), flush=True)
     return results
+
+
+def round_order(names: list[str], repeat: int) -> list[str]:
+    """The methods' order in round `repeat`: rotated by repeat // 2, reversed in odd
+    rounds. Rotation alone moves each method through every position but keeps who runs
+    right after whom (with target-only, k=4, adaptive, adaptive followed k=4 in 4 of 5
+    rounds and target-only never did); the reversed rounds give each method each
+    predecessor as often (over 6 rounds of 3 methods, every order once)."""
+    shift = (repeat // 2) % len(names)
+    order = names[shift:] + names[:shift]
+    return order[::-1] if repeat % 2 else order
 
 
 def _rate(runs: list[Run]) -> float:

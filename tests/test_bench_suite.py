@@ -1,15 +1,17 @@
-"""The benchmark suite's measuring loop: every method runs once per repeat, and each
-repeat starts one method later, so no method always runs first or last. Its table says
+"""The benchmark suite's measuring loop: every method runs once per repeat, in orders
+that give each method every position and every predecessor alike. Its table says
 which prompts a method is slower on beyond what the noise between paired repeats explains."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
-from benchmarks.bench_suite import Run, measure, paired_ratio, table
+from benchmarks.bench_suite import Run, measure, paired_ratio, round_order, table
 
 
-def test_repeats_are_interleaved_and_rotated():
+def test_repeats_are_interleaved_rotated_and_reversed():
     order = []
 
     def method(name):
@@ -19,8 +21,15 @@ def test_repeats_are_interleaved_and_rotated():
         return run
 
     results = measure({name: method(name) for name in "abc"}, {"prompt": None}, repeats=4)
-    assert order == list("abc" "bca" "cab" "abc")
+    assert order == list("abc" "cba" "bca" "acb")
     assert {name: len(runs) for name, runs in results["prompt"].items()} == {"a": 4, "b": 4, "c": 4}
+
+
+def test_six_rounds_of_three_methods_run_every_order_once():
+    orders = {tuple(round_order(list("abc"), repeat)) for repeat in range(6)}
+    assert len(orders) == 6
+    predecessors = Counter((order[i - 1], order[i]) for order in orders for i in (1, 2))
+    assert set(predecessors.values()) == {2}  # each method right after each other one twice
 
 
 def test_every_run_is_compared_with_target_only():
