@@ -18,12 +18,12 @@ ENV_PREFIX = "DRAFT"
 class DraftConfig(RegistryConfig, TelemetryConfig):
     # All interfaces, the port after the target's 50051; ":0" binds a free port (tests).
     address: str = "0.0.0.0:50052"
-    # The small model of the "model" drafter (packaged name, HF id, directory, .gguf or
-    # tiny-random[:SEED]); empty = no model, the worker serves the n-gram drafter only
-    # (which needs no weights and suits any target).
+    # The small model of the "model" and "ngram+model" drafters (packaged name, HF id,
+    # directory, .gguf or tiny-random[:SEED]); empty = no model, the worker serves the
+    # n-gram drafter only (which needs no weights and suits any target).
     model: str = ""
-    # Drafter of sessions that do not name one: n-gram lookup works without a model and
-    # with every target vocabulary.
+    # Drafter of sessions that do not name one ("model", "ngram" or "ngram+model"):
+    # n-gram lookup works without a model and with every target vocabulary.
     default_drafter: str = "ngram"
     # CPU always exists; "cuda" / "cuda:1" on a GPU host.
     device: str = "cpu"
