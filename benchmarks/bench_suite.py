@@ -81,6 +81,10 @@ class Run:
     seconds: float
     stats: object = None  # GenerationStats (ours) or its proto (services)
 
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.seconds
+
 
 # --- methods ------------------------------------------------------------------------------
 
@@ -175,7 +179,7 @@ def round_order(names: list[str], repeat: int) -> list[str]:
 
 
 def _rate(runs: list[Run]) -> float:
-    return statistics.median(len(r.token_ids) / r.seconds for r in runs)
+    return statistics.median(run.tokens_per_s for run in runs)
 
 
 # --- phases -------------------------------------------------------------------------------
@@ -281,8 +285,7 @@ def paired_ratio(method_runs: list[Run], baseline_runs: list[Run], confidence: f
     the interval says which cells that noise cannot explain."""
     from scipy import stats  # benchmarks only (the dev extra)
 
-    logs = [math.log((len(m.token_ids) / m.seconds) / (len(b.token_ids) / b.seconds))
-            for m, b in zip(method_runs, baseline_runs)]
+    logs = [math.log(m.tokens_per_s / b.tokens_per_s) for m, b in zip(method_runs, baseline_runs)]
     if len(logs) < 2:
         return None
     mean, spread = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
