@@ -46,6 +46,7 @@ import torch
 from benchmarks.bench_core import chat_ids
 from benchmarks.prompts import PROMPTS
 from launcher.__main__ import Cluster, parse_args, start_system
+from service_common.server import freeze_startup_heap
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
 from speculative.generator import SpeculativeGenerator
@@ -189,12 +190,14 @@ def run_in_process(pair: Pair, dtype: str, args) -> dict:
     print(f"in process, {dtype}: loading {pair.target}" + (f" and {pair.draft}" if pair.draft else ""), flush=True)
     target = load_model(pair.target, dtype=dtype)
     draft = load_model(pair.draft, dtype=dtype) if pair.draft else None
+    freeze_startup_heap()  # as the services do: no method pays for walking the models in a collection
     try:
         methods = in_process_methods(target, draft, args.k, args.max_new_tokens)
         inputs = {name: chat_ids(target.tokenizer, PROMPTS[name]) for name in pair.prompts}
         _warm_up(methods, next(iter(inputs.values())))
         return measure(methods, inputs, args.repeats)
     finally:
+        gc.unfreeze()  # the models go with the phase
         del target, draft
         gc.collect()
 
