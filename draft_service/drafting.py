@@ -20,6 +20,7 @@ from speculative.compute_thread import ComputeThread
 from speculative.drafters import (
     Drafter,
     DraftSession,
+    LookupStop,
     LookupThenModelDrafter,
     LookupThenModelSession,
     ModelDrafter,
@@ -168,8 +169,4 @@ def prefill(draft: DraftSession) -> None:
 
 
 def check_ngram_sizes(min_ngram: int, max_ngram: int) -> None:
-    if not 1 <= min_ngram <= max_ngram:
-        raise InvalidArgument(
-            f"prompt lookup sizes need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-            f"{min_ngram} and {max_ngram}"
-        )
+    LookupStop(min_ngram, max_ngram)  # raises InvalidArgument naming the fields

@@ -154,9 +154,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if entry.policy is not None and entry.policy.max_k == plan.policy.max_k:
             plan.policy = entry.policy
             # Back from a whole stretch: what it cost, past its tokens, to start one.
-            if handoff is not None and request.base_len == handoff.resume_len and request.handoff_token_ns:
-                plan.policy.observe_stretch(handoff.num_tokens, time.perf_counter_ns() - handoff.at_ns,
-                                            request.handoff_token_ns)
+            decoded = handoff.decoded(request.base_len) if handoff is not None else 0
+            if decoded and request.handoff_token_ns:
+                # One that ended at text to copy: the drafter found none after its other tokens.
+                plan.policy.observe_stretch(decoded, time.perf_counter_ns() - handoff.at_ns, request.handoff_token_ns,
+                                            empty_turns=decoded - 1 if handoff.until_lookup else 0)
         elif costs := self.targets.costs(plan.target_address, entry.drafter):
             plan.policy.seed(costs)
         entry.policy = plan.policy

@@ -30,8 +30,16 @@ class SessionBusy(SpeculativeError):
 @dataclass(frozen=True)
 class Handoff:
     at_ns: int  # time.perf_counter_ns() when the stretch was handed off
-    num_tokens: int
-    resume_len: int  # committed length after the whole stretch
+    base_len: int  # committed length it starts from
+    max_tokens: int
+    until_lookup: bool  # it ends early where prompt lookup finds text to copy
+
+    def decoded(self, resume_len: int) -> int:
+        """Tokens the stretch decoded, when the next call starts from resume_len after
+        it (0: that call does not follow this stretch)."""
+        num_tokens = resume_len - self.base_len
+        whole = num_tokens == self.max_tokens
+        return num_tokens if whole or (self.until_lookup and 0 < num_tokens < self.max_tokens) else 0
 
 
 @dataclass(eq=False)

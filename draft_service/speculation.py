@@ -27,7 +27,7 @@ from draft_service.remote_verifier import RemoteVerifier, TargetInfo
 from draft_service.sessions import Handoff, SessionEntry
 from service_common import telemetry
 from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
-from specdec.v1 import draft_pb2
+from specdec.v1 import common_pb2, draft_pb2
 from speculative.errors import InvalidArgument, ResourceExhausted, StaleProposal
 from speculative.fingerprint import check_compatible
 from speculative.generator import RoundResult, speculation_rounds
@@ -120,9 +120,12 @@ def run_rounds(
         with contextlib.closing(rounds):
             for result in rounds:
                 if result.handoff_tokens:  # the caller has the target decode a stretch
-                    entry.handoff = Handoff(time.perf_counter_ns(), result.handoff_tokens,
-                                            committed_len + result.handoff_tokens)
-                    yield draft_pb2.SpeculateUpdate(committed_len=committed_len, handoff_tokens=result.handoff_tokens)
+                    until = result.handoff_until
+                    entry.handoff = Handoff(time.perf_counter_ns(), committed_len, result.handoff_tokens, until is not None)
+                    yield draft_pb2.SpeculateUpdate(
+                        committed_len=committed_len, handoff_tokens=result.handoff_tokens,
+                        handoff_until_lookup=common_pb2.LookupStop(min_ngram=until.min_ngram, max_ngram=until.max_ngram)
+                        if until else None)
                     return
                 round_end_ns = time.time_ns()
                 committed_len += len(result.token_ids)

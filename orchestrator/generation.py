@@ -358,7 +358,7 @@ class Generation:
             # Each stream restarts the target's generator from the seed it is sent: moved
             # on by the tokens drawn so far (as after a failover), never the same draws.
             handoff = yield from self._speculate(plan, self._remaining_params(plan.params))
-            if not handoff:
+            if handoff is None:
                 return
             base_len = self._committed_len(plan)
             if (yield from self._decode_handoff(plan, base_len, handoff)):
@@ -366,8 +366,8 @@ class Generation:
             self._catch_up_draft(plan, base_len)
 
     def _speculate(self, plan: Plan, params: SamplingParams):
-        """Yields the rounds of one Speculate stream; returns its hand-off (tokens for
-        the target to decode alone), 0 when the stream finished."""
+        """Yields the rounds of one Speculate stream; returns its hand-off (the update
+        asking the target to decode a stretch alone), None when the stream finished."""
         record = plan.record
         base_len = self._committed_len(plan)
         speculation = common_pb2.SpeculationParams(
@@ -382,10 +382,10 @@ class Generation:
         self.context.add_callback(self.call.cancel)
         for update in self.call:
             if update.handoff_tokens:
-                return update.handoff_tokens
+                return update
             self.stats.record_round(round_stats_from_proto(update.round, len(update.token_ids)))
             yield list(update.token_ids), update.finish_reason
-        return 0
+        return None
 
     def _decode_alone(self, plan: Plan):
         """Target-only decoding: one Decode stream up to max_new_tokens, with the call's
@@ -395,12 +395,14 @@ class Generation:
                                            sampling=sampling_to_proto(self._remaining_params(plan.params)))
         yield from self._decode(plan, request, handoff=False)
 
-    def _decode_handoff(self, plan: Plan, base_len: int, num_tokens: int):
-        """The stretch a Speculate stream handed off: the target decodes num_tokens
-        alone, going on with the sampling, and the random draws, it has. Returns
-        whether the call finished."""
+    def _decode_handoff(self, plan: Plan, base_len: int, handoff: draft_pb2.SpeculateUpdate):
+        """The stretch a Speculate stream handed off: the target decodes it alone
+        (until text to copy, when the drafter said so), going on with the sampling, and
+        the random draws, it has. Returns whether the call finished."""
         request = target_pb2.DecodeRequest(session_id=plan.record.target.session_id, base_len=base_len,
-                                           max_tokens=num_tokens)
+                                           max_tokens=handoff.handoff_tokens)
+        if handoff.HasField("handoff_until_lookup"):
+            request.until_lookup.CopyFrom(handoff.handoff_until_lookup)
         return (yield from self._decode(plan, request, handoff=True))
 
     def _decode(self, plan: Plan, request: target_pb2.DecodeRequest, handoff: bool):

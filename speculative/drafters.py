@@ -24,6 +24,10 @@ from speculative.loading import LoadedModel
 from speculative.model_session import ModelSession
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
 
+# Longest suffix prompt lookup will search for, in tokens: each size is one scan of the
+# context (the target runs one per token of a stretch that ends at text to copy), and
+# suffixes this long find nothing shorter ones do not (common settings are 2 to 5).
+MAX_LOOKUP_NGRAM = 32
 # Support of the draft's sparse distribution when sampling: the draft samples from its
 # top tokens only, so the distribution sent with each token is small and still exact.
 DEFAULT_DRAFT_TOP_K = 32
@@ -72,6 +76,31 @@ class DraftSession(abc.ABC):
     def set_sampling(self, params: SamplingParams) -> None:
         """Sampling from now on (model drafters sample like the target); a seed restarts
         the draft's generator."""
+
+    def lookup_stop(self) -> LookupStop | None:
+        """Where this drafter proposes only what prompt lookup finds (the n-gram drafter),
+        the lookup's sizes: a stretch the target decodes alone can end at the first
+        token after which the drafter would propose again. None: it may propose anywhere."""
+        return None
+
+
+@dataclass(frozen=True)
+class LookupStop:
+    """Prompt lookup's n-gram sizes, to tell where a sequence has a continuation to copy."""
+
+    min_ngram: int
+    max_ngram: int
+
+    def __post_init__(self):
+        if not 1 <= self.min_ngram <= self.max_ngram <= MAX_LOOKUP_NGRAM:
+            raise InvalidArgument(
+                f"prompt lookup sizes need 1 <= prompt_lookup_min <= prompt_lookup_max <= {MAX_LOOKUP_NGRAM}, "
+                f"got {self.min_ngram} and {self.max_ngram}"
+            )
+
+    def matches(self, token_ids: list[int]) -> bool:
+        """Whether prompt lookup proposes after token_ids."""
+        return bool(lookup_continuation(token_ids, 1, self.min_ngram, self.max_ngram))
 
 
 class Drafter(abc.ABC):
@@ -165,10 +194,7 @@ class NgramDrafter(Drafter):
     """
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4):
-        if not 1 <= min_ngram <= max_ngram:
-            raise InvalidArgument(
-                f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
-            )
+        LookupStop(min_ngram, max_ngram)  # checks the sizes
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.name = "ngram"
@@ -198,6 +224,9 @@ class NgramDraftSession(DraftSession):
 
     def truncate_to(self, length: int) -> None:
         del self.token_ids[length:]
+
+    def lookup_stop(self) -> LookupStop:
+        return LookupStop(self.min_ngram, self.max_ngram)
 
 
 def lookup_continuation(token_ids: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:

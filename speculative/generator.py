@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from speculative.drafters import EMPTY_PROPOSAL, Drafter, DraftSession, Proposal
+from speculative.drafters import EMPTY_PROPOSAL, Drafter, DraftSession, LookupStop, Proposal
 from speculative.fingerprint import check_compatible
 from speculative.loading import LoadedModel
 from speculative.limits import validate_num_speculative_tokens
@@ -36,10 +36,12 @@ class Verifier(Protocol):
         self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None
     ) -> VerifyResult: ...
 
-    def decode(self, base_len: int, max_tokens: int) -> Iterator[VerifyResult]:
-        """Target-only decoding of up to max_tokens tokens, one result per token. Needed
-        only where the loop decodes stretches itself (in process); a remote caller runs
-        the loop with handoff=True and the stretch goes to its own caller instead."""
+    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
+        """Target-only decoding of up to max_tokens tokens, one result per token, ending
+        after the first token at which prompt lookup with `until`'s sizes finds text to
+        copy. Needed only where the loop decodes stretches itself (in process); a remote
+        caller runs the loop with handoff=True and the stretch goes to its own caller
+        instead."""
         ...
 
 
@@ -48,8 +50,10 @@ class RoundResult:
     token_ids: list[int]  # tokens this round added to the output
     stats: RoundStats | None  # None on a hand-off
     finish_reason: FinishReason | None  # set on the last round
-    # With hand-off on: the last result, no tokens, the target to decode this many alone.
+    # With hand-off on: the last result, no tokens, the target to decode this many alone,
+    # ending early where prompt lookup with these sizes finds text to copy (when set).
     handoff_tokens: int = 0
+    handoff_until: LookupStop | None = None
 
 
 def speculation_rounds(
@@ -78,6 +82,7 @@ def speculation_rounds(
         # Never draft or decode past max_new_tokens or the context.
         room = min(params.max_new_tokens - num_generated, context_length - base_len)
         solo = min(policy.solo_tokens(room), room) if draft is not None else 0
+        until = None  # where the stretch ends early: none for a stretch that speculation lost to
         if not solo and not draft_read_prompt:
             # The draft reads the prompt only now: a call the target decodes alone from
             # its start never runs the draft model on it.
@@ -87,14 +92,16 @@ def speculation_rounds(
             k = min(policy.next_k(), room - 1) if draft is not None else 0
             proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
             draft_ns = time.perf_counter_ns() - start
-            # Nothing to verify: not worth a round trip for one token.
-            solo = min(policy.tokens_instead_of_empty_round(room), room) if k > 0 and not proposal.token_ids else 0
+            if k > 0 and not proposal.token_ids:  # nothing to verify: a round trip for one token?
+                # A lookup drafter's stretch ends where it would propose again.
+                until = draft.lookup_stop()
+                solo = min(policy.tokens_instead_of_empty_round(room, ends_at_match=until is not None), room)
         if solo and handoff:
-            yield RoundResult([], None, None, handoff_tokens=solo)
+            yield RoundResult([], None, None, handoff_tokens=solo, handoff_until=until)
             return
         if solo:
             stretch_start, intervals = start, []
-            steps = _solo_stretch(verifier, draft, base_len, solo)
+            steps = _solo_stretch(verifier, draft, base_len, solo, until)
         else:
             steps = (_round(verifier, draft, base_len, proposal, draft_ns),)
         for stats, result in steps:
@@ -116,7 +123,8 @@ def speculation_rounds(
             # is what starting a stretch costs, not what drafting does.
             draft.prefill()
             draft_read_prompt = True
-            policy.observe_stretch(len(intervals), time.perf_counter_ns() - stretch_start, per_token_ns(intervals))
+            policy.observe_stretch(len(intervals), time.perf_counter_ns() - stretch_start, per_token_ns(intervals),
+                                   empty_turns=len(intervals) - 1 if until else 0)
 
 
 def _round(verifier: Verifier, draft: DraftSession | None, base_len: int, proposal: Proposal,
@@ -134,9 +142,10 @@ def _round(verifier: Verifier, draft: DraftSession | None, base_len: int, propos
     return stats, result
 
 
-def _solo_stretch(verifier: Verifier, draft: DraftSession, base_len: int, num_tokens: int):
+def _solo_stretch(verifier: Verifier, draft: DraftSession, base_len: int, num_tokens: int,
+                 until: LookupStop | None):
     """(stats, result) per token the target decodes alone; the draft follows each."""
-    tokens = verifier.decode(base_len, num_tokens)
+    tokens = verifier.decode(base_len, num_tokens, until)
     try:
         last = time.perf_counter_ns()
         for result in tokens:

@@ -46,18 +46,21 @@ class SpeculationPolicy(abc.ABC):
         of the `remaining` tokens this call may still generate (None: not known)."""
         return 0
 
-    def tokens_instead_of_empty_round(self, remaining: int | None = None) -> int:
+    def tokens_instead_of_empty_round(self, remaining: int | None = None, ends_at_match: bool = False) -> int:
         """The drafter proposed nothing: tokens for the target to decode alone instead of
         a round trip for one plain step (0 = take the round), of the `remaining` tokens
-        this call may still generate (None: not known)."""
+        this call may still generate (None: not known). ends_at_match: the stretch will
+        end by itself after the first token at which the drafter would propose again
+        (a prompt-lookup drafter: LookupStop)."""
         return 0
 
     def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
         """Learns from a finished round (or a token the target decoded alone) that took
         elapsed_ns from the policy's decision to its result having been passed on."""
 
-    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int) -> None:
-        """Learns from a whole stretch the target decoded alone (see AdaptiveK)."""
+    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0) -> None:
+        """Learns from a whole stretch the target decoded alone (see AdaptiveK); in
+        empty_turns of its tokens the drafter would have proposed nothing."""
 
 
 class FixedK(SpeculationPolicy):
@@ -121,7 +124,11 @@ class AdaptiveK(SpeculationPolicy):
 
     tokens per ns. When that still beats 1 / s, the empty round is taken (the next
     turn may find text to copy); else the target decodes a short stretch and the
-    drafter is asked again (`tokens_instead_of_empty_round`).
+    drafter is asked again (`tokens_instead_of_empty_round`). Where the drafter proposes
+    only what prompt lookup finds, the stretch can end by itself at the first token after
+    which lookup finds text to copy, so no turn comes back empty and one start pays for
+    the whole gap: it is taken when s + o_0 / gap beats an empty round's c(1) + R per
+    token, the gap being the 1 / f tokens expected until the drafter proposes again.
 
     `costs` seeds the cost averages with what earlier calls between the same draft and
     target measured, so a call over a slow link can decide before its first round trip,
@@ -210,7 +217,7 @@ class AdaptiveK(SpeculationPolicy):
         # the end anyway, so the probe pays only if it wins: not worth it.
         return remaining if _too_little_after(remaining, stretch, stretch) else stretch
 
-    def tokens_instead_of_empty_round(self, remaining: int | None = None) -> int:
+    def tokens_instead_of_empty_round(self, remaining: int | None = None, ends_at_match: bool = False) -> int:
         """The drafter proposed nothing, so a round would pay R for one plain step. It
         is taken while rounds, empty ones included at the measured rate f, still beat
         decoding alone (text to copy may turn up at the next turn); else the target
@@ -226,12 +233,31 @@ class AdaptiveK(SpeculationPolicy):
         if not self.measured:
             return 0
         solo_ns = self.solo_cost_ns()
+        if ends_at_match:
+            return self._stretch_to_match(remaining, solo_ns)
         rounds_ns = 1.0 / self.mixed_tokens_per_ns(self.next_k())  # per token, empty rounds included
         if rounds_ns <= solo_ns:
             return self._remeasure_solo(remaining, solo_ns, rounds_ns)
         stretch = self._stretch(self.next_empty_solo, solo_ns)
         self.next_empty_solo = min(2 * self.next_empty_solo, MAX_EMPTY_STRETCH_FACTOR * self.first_solo)
         return remaining if _too_little_after(remaining, stretch, self.first_solo) else stretch
+
+    def _stretch_to_match(self, remaining: int | None, solo_ns: float) -> int:
+        """A stretch that ends where the drafter proposes again (or with the call),
+        when its start, spread over the expected gap of 1 / f tokens, costs less than
+        the round trip each empty round would pay (SmolLM2 at 20 ms: 105 ms an empty
+        round against 57 ms a token decoding alone; copies on a summary came every 3
+        tokens or so, on a chat answer twice in 64). Else the empty round (and, where
+        it is cheaper than a token decoded alone, s re-measured now and then)."""
+        empty_round_ns = self._drafting_round_ns(0)
+        gap = 1.0 / self.proposal_rate()
+        if remaining is not None:
+            gap = min(gap, remaining)
+        if solo_ns + self._start_ns() / gap < empty_round_ns:
+            return remaining if remaining is not None else self.max_solo
+        if empty_round_ns <= solo_ns:  # rounds win even per token: s may be stale
+            return self._remeasure_solo(remaining, solo_ns, empty_round_ns)
+        return 0
 
     def _remeasure_solo(self, remaining: int | None, solo_ns: float, rounds_ns: float) -> int:
         """Rounds win, so the empty round is taken (0), and s, which only stretches
@@ -323,13 +349,17 @@ class AdaptiveK(SpeculationPolicy):
             per_token = round_stats.draft_ns / round_stats.num_drafted
             self.draft_token_ns = _blend(self.draft_token_ns or per_token, per_token, self.decay)
 
-    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int) -> None:
+    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0) -> None:
         """Learns from a whole stretch of target-only decoding: elapsed_ns from deciding
         on it to being ready to draft again after its num_tokens, which came token_ns
         apart. Past the tokens themselves, that is what starting a stretch costs (the
         stream's first token, bringing the draft up to date with what it did not see;
         across the services also the caller's stream and a new call), which sizes the
-        next stretches. token_ns itself is s, and bounds c(1)."""
+        next stretches. token_ns itself is s, and bounds c(1). A stretch that ended where
+        the drafter would propose again saw empty_turns turns in which it would not
+        have: they count towards f as empty rounds would have."""
+        for _ in range(empty_turns):
+            self._count_turn(proposed=False)
         if token_ns < self.one_token_ns:  # c(1) is at most a stretch's time per token
             self._observe_compute(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
         self.one_token_measured = True

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.loading import LoadedModel
 from speculative.model_session import ModelSession
@@ -95,15 +96,24 @@ class TargetSession:
         self.session.append(token_ids[verdict.num_accepted :])
         return VerifyResult(verdict, token_ids, self.length, stopped, time.perf_counter_ns() - start)
 
-    def decode(self, base_len: int, max_tokens: int) -> Iterator[VerifyResult]:
+    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
         """Target-only decoding: up to max_tokens one-token passes from base_len,
-        stopping after a stop token. Each is `verify` with no draft tokens."""
+        stopping after a stop token, or after the first token at which prompt lookup
+        with `until`'s sizes finds text to copy (the n-gram drafter would propose
+        again). Each is `verify` with no draft tokens."""
         for _ in range(max_tokens):
             result = self.verify(base_len, [])
             yield result
-            if result.stopped or result.committed_len >= self.context_length:
+            if self.decoding_ends(result, until):
                 return
             base_len = result.committed_len
+
+    def decoding_ends(self, result: VerifyResult, until: LookupStop | None = None) -> bool:
+        """Whether target-only decoding ends after `result`: a stop token, a full
+        context, or (with `until`) text to copy."""
+        if result.stopped or result.committed_len >= self.context_length:
+            return True
+        return until is not None and until.matches(self.session.token_ids)
 
     def _decide(self, draft_token_ids, draft_probs) -> Verdict:
         logits = self.session.logits(len(draft_token_ids) + 1)  # [k + 1, vocab_size]

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from opentelemetry import trace
 
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.sampling import SamplingParams
 from speculative.target import TargetSession, VerifyResult
@@ -84,7 +85,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Decode(self, request, context):
-        length, max_new_tokens = self._start_decode(request)
+        length, max_new_tokens, until = self._start_decode(request)
         timing = _DecodeTiming()
         try:
             for _ in range(max_new_tokens):
@@ -95,7 +96,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     with self.sessions.use(request.session_id, growth=1) as target:
                         if length >= target.context_length:
                             return
-                        result = self.sessions.compute.run(target.verify, length, [])
+                        result, ends = self.sessions.compute.run(_decode_one, target, length, until)
                     timing.add(time.perf_counter_ns() - start_ns)
                     if span.is_recording():
                         span.set_attributes({
@@ -106,7 +107,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 yield target_pb2.DecodeToken(
                     token_id=result.token_ids[0], committed_len=length, compute_ns=result.target_compute_ns
                 )
-                if result.stopped:
+                if ends:
                     return
         finally:
             timing.record()
@@ -168,9 +169,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 result = self.sessions.compute.run(target.verify, proposal.base_len, draft_token_ids, draft_probs)
             return _verdict(proposal, result, target.context_length)
 
-    def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int]:
-        """Checks base_len, applies the call's sampling; returns (base_len, tokens to decode)."""
+    def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int, LookupStop | None]:
+        """Checks base_len, applies the call's sampling; returns (base_len, tokens to
+        decode, where text to copy ends the stream)."""
         sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
+        until = _lookup_stop(request)  # checked before the session is touched
         if request.max_tokens < 0:  # checked before the session is touched
             raise InvalidArgument(f"max_tokens must be >= 0 (0 = up to max_new_tokens), got {request.max_tokens}")
         with self.sessions.use(request.session_id) as target:
@@ -181,10 +184,24 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if sampling is not None:
                 target.set_sampling(sampling)
             max_new_tokens = target.params.max_new_tokens
-            return target.length, min(max_new_tokens, request.max_tokens or max_new_tokens)
+            return target.length, min(max_new_tokens, request.max_tokens or max_new_tokens), until
 
     def _sampling(self, message: common_pb2.SamplingParams) -> SamplingParams:
         return sampling_from_proto(message, self.default_max_new_tokens)
+
+
+def _lookup_stop(request: target_pb2.DecodeRequest) -> LookupStop | None:
+    """DecodeRequest.until_lookup; InvalidArgument for sizes prompt lookup refuses."""
+    if not request.HasField("until_lookup"):
+        return None
+    return LookupStop(request.until_lookup.min_ngram, request.until_lookup.max_ngram)
+
+
+def _decode_one(target: TargetSession, base_len: int, until: LookupStop | None) -> tuple[VerifyResult, bool]:
+    """One token decoded alone, and whether the stream ends after it (on the compute
+    thread, as the lookup scans a tensor)."""
+    result = target.verify(base_len, [])
+    return result, target.decoding_ends(result, until)
 
 
 def _prefill_span(session_id: str, base_len: int, num_tokens: int):

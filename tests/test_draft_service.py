@@ -24,13 +24,15 @@ from draft_service.drafting import Drafters
 from draft_service.remote_verifier import TargetInfo
 from draft_service.server import create_server as create_draft_server
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
-from draft_service.speculation import check_start, plan_call
+from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
+from draft_service.drafting import DraftSettings
 from launcher.delay_proxy import DelayProxy
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
 from speculative.errors import IncompatibleModels, NotFound
 from speculative.fingerprint import ANY_VOCABULARY
 from speculative.generator import SpeculativeGenerator
+from speculative.policy import AdaptiveK, MeasuredCosts
 from speculative.sampling import SamplingParams
 from target_service.config import TargetConfig
 from target_service.server import create_server as create_target_server
@@ -430,6 +432,31 @@ def test_info(draft_stubs, tiny_target):
     draft_stubs["ngram"].CloseSession(common_pb2.CloseSessionRequest(session_id=opened.handle.session_id), timeout=TIMEOUT_S)
 
 
+class _NoRoundTrips:
+    """A verifier a call that hands off at once never uses."""
+
+    round = 0
+
+
+def test_an_ngram_drafters_hand_off_ends_where_it_would_propose_again():
+    """Over a slow link where its proposals still pay, an empty turn hands the rest of
+    the call to the target until prompt lookup finds text to copy: the update names the
+    lookup sizes for the caller's Decode stream, and the next call, from wherever the
+    stretch ended, learns from it."""
+    ms = 1_000_000
+    slow_link = MeasuredCosts(one_token_ns=10 * ms, per_token_ns=1 * ms, overhead_ns=20 * ms, solo_token_ns=10 * ms,
+                              stream_start_ns=20 * ms, draft_token_ns=0.0, acceptance=0.9, one_token_measured=True)
+    prompt = list(range(10))  # nothing to copy yet
+    entry = SessionEntry("s", "ngram", NgramDrafter(2, 3).open(prompt, SamplingParams()))
+    params = SamplingParams(max_new_tokens=16)
+    plan = SpeculatePlan(DraftSettings(params, 32, 2, 3), AdaptiveK(4, costs=slow_link), "ngram", "target:1", "t")
+    [update] = run_rounds(entry, _NoRoundTrips(), plan, len(prompt), 1000, cancelled=lambda: False)
+    assert (update.committed_len, update.handoff_tokens, list(update.token_ids)) == (10, 16, [])
+    assert (update.handoff_until_lookup.min_ngram, update.handoff_until_lookup.max_ngram) == (2, 3)
+    handoff = entry.handoff
+    assert handoff.until_lookup and [handoff.decoded(n) for n in (10, 13, 26, 27)] == [0, 3, 16, 0]
+
+
 def _entry(session_id: str, num_tokens: int) -> SessionEntry:
     return SessionEntry(session_id, "ngram", NgramDrafter().open(list(range(num_tokens)), SamplingParams()))
 
@@ -506,7 +533,7 @@ def slow_target_address(target_address):
 def speculate_with_handoffs(pair: Pair, target, max_new_tokens: int, **speculation):
     """Speculate as the orchestrator does: when a stream hands off, the target decodes
     that many tokens alone (Decode), the draft is extended with them, Speculate again.
-    Returns (tokens, Speculate updates with tokens, hand-offs)."""
+    Returns (tokens, Speculate updates with tokens, tokens decoded in each hand-off)."""
     tokens, updates, handoffs, token_ns = [], [], [], 0
     while len(tokens) < max_new_tokens:
         sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens - len(tokens))
@@ -522,13 +549,15 @@ def speculate_with_handoffs(pair: Pair, target, max_new_tokens: int, **speculati
             break
         handoff = stream[-1]
         assert not handoff.token_ids and not handoff.finished and handoff is stream[-1]
-        handoffs.append(handoff.handoff_tokens)
         decoded, arrivals = [], []
         for token in target.Decode(target_pb2.DecodeRequest(
                 session_id=pair.target_handle.session_id, base_len=pair.committed_len,
-                max_tokens=min(handoff.handoff_tokens, max_new_tokens - len(tokens))), timeout=TIMEOUT_S):
+                max_tokens=min(handoff.handoff_tokens, max_new_tokens - len(tokens)),
+                until_lookup=handoff.handoff_until_lookup if handoff.HasField("handoff_until_lookup") else None),
+                timeout=TIMEOUT_S):
             decoded.append(token.token_id)
             arrivals.append(time.perf_counter_ns())
+        handoffs.append(len(decoded))
         token_ns = (arrivals[-1] - arrivals[0]) // (len(arrivals) - 1) if len(arrivals) > 1 else 0
         pair.draft.Extend(common_pb2.ExtendRequest(session_id=pair.draft_handle.session_id,
                                                    base_len=pair.committed_len, token_ids=decoded), timeout=TIMEOUT_S)

@@ -42,8 +42,9 @@ def test_ngram_session_follows_verdicts():
 
 
 def test_bad_ngram_sizes():
-    with pytest.raises(InvalidArgument, match="min_ngram <= max_ngram"):
-        NgramDrafter(min_ngram=3, max_ngram=2)
+    for sizes in [(3, 2), (0, 2), (2, 33)]:
+        with pytest.raises(InvalidArgument, match="1 <= prompt_lookup_min <= prompt_lookup_max <= 32"):
+            NgramDrafter(*sizes)
 
 
 def test_model_draft_lag_runs_pending_tokens_together(tiny_target, prompt_ids):

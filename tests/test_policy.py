@@ -9,7 +9,7 @@ import pytest
 
 from speculative.drafters import DraftSession, NgramDrafter
 from speculative.generator import SpeculativeGenerator
-from speculative.policy import AdaptiveK, SpeculationPolicy, expected_tokens
+from speculative.policy import AdaptiveK, MeasuredCosts, SpeculationPolicy, expected_tokens
 from speculative.rejection import NextTokenKind
 from speculative.sampling import SamplingParams
 from speculative.stats import RoundStats
@@ -207,6 +207,87 @@ def test_an_empty_turn_near_the_end_of_the_call_decodes_to_the_end():
         == [32, 32, 39, 33, 5]
 
 
+def test_a_lookup_drafters_stretch_runs_until_it_would_propose_again():
+    """c(1) = 10 ms, R = 5 ms: an empty round costs 15 ms for its token, decoding alone
+    10 ms a token, starting a stretch 20 ms. A stretch that ends by itself where prompt
+    lookup finds text to copy costs 10 + 20 / gap a token over the gap of 1 / f tokens
+    until the drafter proposes again: with a proposal every other turn (gap 2: 20 ms) the
+    empty rounds are cheaper; with one every fifth turn (gap 5: 14 ms) the stretch,
+    which then runs to the end of the call unless text to copy ends it first."""
+    def settled():
+        policy = _settled(AdaptiveK(4), [_round(4, 3, 14.0, overhead_ms=5.0), _streamed(10.0)], times=30)
+        policy.observe_stretch(20, (20 * 10 + 20) * MS, 10 * MS)
+        return policy
+    often, rarely = settled(), settled()
+    for _ in range(30):
+        often.observe(*_round(4, 3, 14.0, overhead_ms=5.0))
+        assert often.tokens_instead_of_empty_round(100, ends_at_match=True) == 0
+    for _ in range(30):
+        rarely.observe(*_round(4, 3, 14.0, overhead_ms=5.0))
+        decisions = [rarely.tokens_instead_of_empty_round(100, ends_at_match=True) for _ in range(4)]
+    assert decisions[-1] == 100
+    assert 0.15 < rarely.proposal_rate() < 0.25 and 0.4 < often.proposal_rate() < 0.6
+
+
+def test_a_stretch_that_ended_at_text_to_copy_counts_its_empty_turns():
+    """Its tokens but the last were turns in which the drafter would have found nothing:
+    f falls as if they had been empty rounds, and the expected gap grows with it."""
+    counted, stretched = AdaptiveK(4), AdaptiveK(4)
+    for _ in range(9):
+        counted.tokens_instead_of_empty_round()
+    stretched.tokens_instead_of_empty_round()
+    stretched.observe_stretch(9, 100 * MS, 10 * MS, empty_turns=8)
+    assert stretched.proposal_rate() == pytest.approx(counted.proposal_rate())
+    assert stretched.proposal_rate() < 0.1
+
+
+class _StretchesToCopies(AdaptiveK):
+    """AdaptiveK deciding as over a slow link (each call starts from SLOW_LINK, which
+    what it measures in process moves only slowly), recording each stretch it asked
+    for at an empty turn with what it decoded."""
+
+    def __init__(self):
+        super().__init__(4, decay=0.99, costs=SLOW_LINK)
+        self.asked = None  # the stretch last asked for at an empty turn (None: by solo_tokens)
+        self.stretches = []  # (asked, decoded)
+
+    def solo_tokens(self, remaining=None):
+        tokens = super().solo_tokens(remaining)
+        self.asked = None if tokens else self.asked
+        return tokens
+
+    def tokens_instead_of_empty_round(self, remaining=None, ends_at_match=False):
+        assert ends_at_match  # an n-gram drafter's stretches end at text to copy
+        self.asked = super().tokens_instead_of_empty_round(remaining, ends_at_match)
+        return self.asked
+
+    def observe_stretch(self, num_tokens, elapsed_ns, token_ns, empty_turns=0):
+        if self.asked:
+            self.stretches.append((self.asked, num_tokens))
+        assert empty_turns == (num_tokens - 1 if self.asked else 0)
+        super().observe_stretch(num_tokens, elapsed_ns, token_ns, empty_turns)
+
+
+# Rounds that propose win (k = 4 at a = 0.93: 4.6 tokens for 14 + 20 ms, against 10 ms a
+# token alone); an empty round (30 ms) loses to a stretch until text to copy (10 ms a
+# token and 20 ms to start, over the 2 tokens f = 0.5 expects).
+SLOW_LINK = MeasuredCosts(one_token_ns=10 * MS, per_token_ns=1 * MS, overhead_ns=20 * MS, solo_token_ns=10 * MS,
+                          stream_start_ns=20 * MS, draft_token_ns=0.0, acceptance=0.9, one_token_measured=True)
+
+
+def test_in_process_stretches_end_at_text_to_copy_and_the_output_stays_exact(tiny_target, prompt_ids):
+    plain = SpeculativeGenerator(tiny_target)
+    lookup = SpeculativeGenerator(tiny_target, NgramDrafter(min_ngram=1, max_ngram=2))
+    params = SamplingParams(max_new_tokens=24)
+    ended_at_copies = 0
+    for ids in prompt_ids:
+        policy = _StretchesToCopies()
+        assert lookup.generate(ids, params, k=policy).token_ids == plain.generate(ids, params, k=0).token_ids
+        # Each runs to the end of the call unless text to copy ends it first (9 of 20 here).
+        ended_at_copies += sum(decoded < asked for asked, decoded in policy.stretches)
+    assert ended_at_copies >= 5
+
+
 def test_in_process_an_empty_round_costs_next_to_nothing():
     """With R = 0.1 ms, an empty round costs what a solo token does, so even a drafter
     proposing every fifth turn keeps the rounds (its proposals pay)."""
@@ -318,7 +399,7 @@ class _StretchLog(_Alternating):
         super().__init__(k, solo)
         self.stretches = []
 
-    def observe_stretch(self, num_tokens, elapsed_ns, token_ns):
+    def observe_stretch(self, num_tokens, elapsed_ns, token_ns, empty_turns=0):
         self.stretches.append((num_tokens, elapsed_ns, token_ns))
 
 

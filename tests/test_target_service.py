@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from speculative.drafters import LookupStop
 from speculative.generator import SpeculativeGenerator
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.target import TargetSession
@@ -178,6 +179,19 @@ def test_decode_streams_exactly_the_greedy_reference(stub, greedy, prompt_ids):
     assert all(t.compute_ns > 0 for t in tokens)
 
 
+def test_decode_until_lookup_ends_where_the_core_does(stub, tiny_target, prompt_ids):
+    """until_lookup (a hand-off from the n-gram drafter) ends the stream where
+    TargetSession.decode does: after the first token that gives prompt lookup text to copy."""
+    ids = prompt_ids[3]
+    core = TargetSession(tiny_target, ids, SamplingParams(max_new_tokens=20))
+    expected = [r.token_ids[0] for r in core.decode(len(ids), 20, until=LookupStop(1, 2))]
+    session_id = _open(stub, ids, max_new_tokens=20).session_id
+    request = target_pb2.DecodeRequest(session_id=session_id, base_len=len(ids), max_tokens=20,
+                                       until_lookup=common_pb2.LookupStop(min_ngram=1, max_ngram=2))
+    tokens = [t.token_id for t in stub.Decode(request, timeout=DEADLINE_S)]
+    assert tokens == expected and len(tokens) < 20
+
+
 def test_extend_reuses_the_session_like_a_fresh_concatenated_prompt(stub, greedy, prompt_ids):
     first, turn = prompt_ids[5], prompt_ids[6]
     session_id = _open(stub, first).session_id
@@ -245,6 +259,9 @@ def test_bad_requests_get_precise_statuses_and_the_server_keeps_serving(stub, ti
         (lambda: _open(stub, ids, session_id="errors"), code.ALREADY_EXISTS, "'errors' already exists"),
         (lambda: stub.Extend(extend_stale, timeout=DEADLINE_S), code.FAILED_PRECONDITION, f"has {n} committed tokens"),
         (lambda: _decode(stub, session_id, n - 1), code.FAILED_PRECONDITION, f"has {n} committed tokens"),
+        (lambda: list(stub.Decode(target_pb2.DecodeRequest(
+            session_id=session_id, base_len=n, until_lookup=common_pb2.LookupStop(min_ngram=3, max_ngram=2)),
+            timeout=DEADLINE_S)), code.INVALID_ARGUMENT, "prompt_lookup_min <= prompt_lookup_max"),
     ]
     for call, status, message in cases:
         error = _status(call)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from speculative.drafters import LookupStop, lookup_continuation
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.generator import SpeculativeGenerator
 from speculative.rejection import NextTokenKind
@@ -59,3 +60,26 @@ def test_proposal_past_the_context_is_refused(tiny_target):
     target = TargetSession(tiny_target, [7] * (tiny_target.context_length - 3), GREEDY)
     with pytest.raises(InvalidArgument, match="would pass the context length"):
         target.verify(target.length, [1, 2, 3])
+
+
+@pytest.mark.parametrize("sizes", [(1, 1), (1, 3)])
+def test_decoding_alone_ends_where_prompt_lookup_finds_text_to_copy(tiny_target, prompt_ids, sizes):
+    """A stretch handed off from the n-gram drafter ends after the first token at which
+    the drafter would propose again: not before, not after; the tokens are the target's."""
+    params = SamplingParams(max_new_tokens=32)
+    ended_early = 0
+    for ids in prompt_ids[:8]:
+        reference = SpeculativeGenerator(tiny_target).generate(ids, params, k=0).token_ids
+        copyable = [n for n in range(1, len(reference)) if lookup_continuation([*ids, *reference[:n]], 1, *sizes)]
+        expected = reference[: copyable[0]] if copyable else reference
+        target = TargetSession(tiny_target, ids, params)
+        tokens = [r.token_ids[0] for r in target.decode(len(ids), 32, until=LookupStop(*sizes))]
+        assert tokens == expected
+        ended_early += len(tokens) < len(reference)
+    assert ended_early >= 2  # the stop was really exercised
+
+
+def test_prompt_lookup_sizes_are_bounded():
+    for sizes in [(0, 2), (3, 2), (1, 33)]:
+        with pytest.raises(InvalidArgument, match="prompt_lookup_min <= prompt_lookup_max <= 32"):
+            LookupStop(*sizes)

@@ -61,6 +61,14 @@ class SpeculationParams(_message.Message):
     draft_top_k: int
     def __init__(self, num_speculative_tokens: _Optional[int] = ..., drafter: _Optional[str] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., adaptive: _Optional[bool] = ..., draft_top_k: _Optional[int] = ...) -> None: ...
 
+class LookupStop(_message.Message):
+    __slots__ = ("min_ngram", "max_ngram")
+    MIN_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    min_ngram: int
+    max_ngram: int
+    def __init__(self, min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ...) -> None: ...
+
 class KvHandle(_message.Message):
     __slots__ = ("worker_id", "worker_address", "session_id", "committed_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

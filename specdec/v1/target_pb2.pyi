@@ -70,16 +70,18 @@ class Verdict(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., discarded: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "sampling", "max_tokens")
+    __slots__ = ("session_id", "base_len", "sampling", "max_tokens", "until_lookup")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     sampling: _common_pb2.SamplingParams
     max_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    until_lookup: _common_pb2.LookupStop
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., until_lookup: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ...) -> None: ...
 
 class DecodeToken(_message.Message):
     __slots__ = ("token_id", "committed_len", "compute_ns")
