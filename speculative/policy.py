@@ -228,7 +228,9 @@ class AdaptiveK(SpeculationPolicy):
         first_solo tokens would remain after it, it runs to the end of the call: asking
         the drafter again there costs a stretch's start for too few tokens to win it
         back (SmolLM2 at 20 ms: a 32-token stretch left one token, which a round trip
-        to the target then cost twice over)."""
+        to the target then cost twice over). A stretch that ends by itself where the
+        drafter would propose again (ends_at_match) needs none of this sizing:
+        `_stretch_to_match` decides."""
         self._count_turn(proposed=False)
         if not self.measured:
             return 0
