@@ -18,6 +18,10 @@ from dataclasses import dataclass
 
 from speculative.compute_thread import ComputeThread
 from speculative.drafters import (
+    DRAFTER_NAMES,
+    MODEL,
+    NGRAM,
+    NGRAM_THEN_MODEL,
     Drafter,
     DraftSession,
     LookupStop,
@@ -33,10 +37,6 @@ from speculative.errors import InvalidArgument
 from speculative.loading import LoadedModel
 from speculative.sampling import SamplingParams
 
-MODEL = "model"
-NGRAM = "ngram"
-NGRAM_THEN_MODEL = "ngram+model"
-DRAFTER_NAMES = (MODEL, NGRAM, NGRAM_THEN_MODEL)
 WITH_MODEL = (MODEL, NGRAM_THEN_MODEL)  # the drafters that run the worker's model
 
 

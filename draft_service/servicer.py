@@ -13,7 +13,7 @@ import grpc
 from opentelemetry import trace
 
 from draft_service.config import DraftConfig
-from draft_service.drafting import MODEL, Drafters, apply_settings, prefill
+from draft_service.drafting import Drafters, apply_settings, prefill
 from draft_service.remote_verifier import RemoteVerifier, TargetConnections
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
@@ -21,6 +21,7 @@ from service_common import telemetry
 from service_common.convert import model_info
 from service_common.status import Unavailable, rpc_errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from speculative.drafters import MODEL
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.fingerprint import ANY_VOCABULARY
 from speculative.policy import AdaptiveK

@@ -26,6 +26,7 @@ from service_common.registry import WorkerRegistry
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, target_pb2_grpc
+from speculative.drafters import NGRAM
 from speculative.errors import SpeculativeError
 from speculative.fingerprint import check_compatible
 
@@ -197,7 +198,7 @@ class WorkerPool:
         drafts = self.live(DRAFT)
         if not drafts:
             return None
-        if drafter != "ngram":
+        if drafter != NGRAM:
             compatible = [d for d in drafts if _compatible(target, d)]
             if not compatible:
                 check_compatible(target.model_id, target.fingerprint, drafts[0].model_id, drafts[0].fingerprint)

@@ -24,6 +24,11 @@ from speculative.loading import LoadedModel
 from speculative.model_session import ModelSession
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
 
+# The drafters a draft worker offers, by the names of the API (SpeculationParams.drafter).
+MODEL = "model"  # the worker's small model
+NGRAM = "ngram"  # prompt lookup, no model
+NGRAM_THEN_MODEL = "ngram+model"  # prompt lookup where it finds text to copy, the model elsewhere
+DRAFTER_NAMES = (MODEL, NGRAM, NGRAM_THEN_MODEL)
 # Longest suffix prompt lookup will search for, in tokens: each size is one scan of the
 # context (the target runs one per token of a stretch that ends at text to copy), and
 # suffixes this long find nothing shorter ones do not (common settings are 2 to 5).
