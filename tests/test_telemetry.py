@@ -74,6 +74,19 @@ def _spans(installed, trace_file: Path) -> list[dict]:
     return [json.loads(line) for line in trace_file.read_text().splitlines()]
 
 
+def _spans_with(installed, trace_file: Path, trace_id: str, name: str, kind: str) -> list[dict]:
+    """The spans once trace_id holds a `kind` span called `name`. The draft's client
+    span of its Verify stream ends when a thread of its own reads the target's end of
+    the stream, which may come after the Speculate call has returned to the test."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        spans = _spans(installed, trace_file)
+        if any(s["trace_id"] == trace_id and s["name"] == name and s["kind"] == kind for s in spans):
+            return spans
+        assert time.monotonic() < deadline, f"no {kind} span {name} in trace {trace_id}"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def workers(traced, tiny_target):
     """A target and a draft worker in process, both behind the tracing interceptors; the
@@ -133,7 +146,8 @@ def test_a_speculation_is_one_trace_from_client_to_target(traced, workers, promp
     with trace.get_tracer("test").start_as_current_span("test.request") as root:
         updates = list(draft_stub.Speculate(request, timeout=DEADLINE_S))
     trace_id = f"{root.get_span_context().trace_id:032x}"
-    by_id, children = _tree(_spans(installed, trace_file), trace_id)
+    spans = _spans_with(installed, trace_file, trace_id, "/specdec.v1.TargetService/Verify", "CLIENT")
+    by_id, children = _tree(spans, trace_id)
     root_span = by_id[f"{root.get_span_context().span_id:016x}"]
 
     # client Speculate -> draft's server span -> rounds, and the Verify stream -> target.
