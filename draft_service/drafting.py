@@ -24,7 +24,6 @@ from speculative.drafters import (
     NGRAM_THEN_MODEL,
     Drafter,
     DraftSession,
-    LookupStop,
     LookupThenModelDrafter,
     LookupThenModelSession,
     ModelDrafter,
@@ -166,7 +165,3 @@ def apply_settings(draft: DraftSession, settings: DraftSettings) -> None:
 def prefill(draft: DraftSession) -> None:
     """Runs new input tokens through the draft model now rather than in the next round."""
     draft.prefill()
-
-
-def check_ngram_sizes(min_ngram: int, max_ngram: int) -> None:
-    LookupStop(min_ngram, max_ngram)  # raises InvalidArgument naming the fields

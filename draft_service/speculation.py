@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from draft_service.config import DraftConfig
-from draft_service.drafting import Drafters, DraftSettings, check_ngram_sizes
+from draft_service.drafting import Drafters, DraftSettings
 from draft_service.remote_verifier import RemoteVerifier, TargetInfo
 from draft_service.sessions import Handoff, SessionEntry
 from service_common import telemetry
-from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
-from specdec.v1 import common_pb2, draft_pb2
+from service_common.convert import FINISH_REASON_TO_PROTO, lookup_stop_to_proto, round_stats_to_proto, sampling_from_proto
+from specdec.v1 import draft_pb2
+from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, ResourceExhausted, StaleProposal
 from speculative.fingerprint import check_compatible
 from speculative.generator import RoundResult, speculation_rounds
@@ -60,7 +61,7 @@ def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> Specu
         raise InvalidArgument(f"draft_top_k must be >= 0 (0 = server default), got {speculation.draft_top_k}")
     min_ngram = speculation.prompt_lookup_min or config.prompt_lookup_min
     max_ngram = speculation.prompt_lookup_max or config.prompt_lookup_max
-    check_ngram_sizes(min_ngram, max_ngram)
+    LookupStop(min_ngram, max_ngram)  # raises InvalidArgument for sizes prompt lookup refuses
     return SpeculatePlan(
         settings=DraftSettings(params, speculation.draft_top_k or config.draft_top_k, min_ngram, max_ngram),
         policy=AdaptiveK(k) if speculation.adaptive else FixedK(k),
@@ -124,8 +125,7 @@ def run_rounds(
                     entry.handoff = Handoff(time.perf_counter_ns(), committed_len, result.handoff_tokens, until is not None)
                     yield draft_pb2.SpeculateUpdate(
                         committed_len=committed_len, handoff_tokens=result.handoff_tokens,
-                        handoff_until_lookup=common_pb2.LookupStop(min_ngram=until.min_ngram, max_ngram=until.max_ngram)
-                        if until else None)
+                        handoff_until_lookup=lookup_stop_to_proto(until) if until else None)
                     return
                 round_end_ns = time.time_ns()
                 committed_len += len(result.token_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec.v1 import common_pb2
+from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument
 from speculative.generator import FinishReason
 from speculative.rejection import NextTokenKind
@@ -45,6 +46,15 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.seed is not None:
         message.seed = params.seed
     return message
+
+
+def lookup_stop_from_proto(message: common_pb2.LookupStop) -> LookupStop:
+    """InvalidArgument for sizes prompt lookup refuses."""
+    return LookupStop(message.min_ngram, message.max_ngram)
+
+
+def lookup_stop_to_proto(stop: LookupStop) -> common_pb2.LookupStop:
+    return common_pb2.LookupStop(min_ngram=stop.min_ngram, max_ngram=stop.max_ngram)
 
 
 def sparse_from_proto(message: common_pb2.SparseDistribution) -> SparseProbs:

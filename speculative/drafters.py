@@ -202,7 +202,7 @@ class NgramDrafter(Drafter):
         LookupStop(min_ngram, max_ngram)  # checks the sizes
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
-        self.name = "ngram"
+        self.name = NGRAM
         self.fingerprint = ANY_VOCABULARY
 
     def open(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> DraftSession:

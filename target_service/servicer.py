@@ -24,7 +24,7 @@ from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.sampling import SamplingParams
 from speculative.target import TargetSession, VerifyResult
-from service_common.convert import NEXT_TOKEN_KIND_TO_PROTO, sampling_from_proto, sparse_from_proto
+from service_common.convert import NEXT_TOKEN_KIND_TO_PROTO, lookup_stop_from_proto, sampling_from_proto, sparse_from_proto
 from service_common import telemetry
 from service_common.status import rpc_errors
 from target_service.sessions import SessionCache
@@ -173,7 +173,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         """Checks base_len, applies the call's sampling; returns (base_len, tokens to
         decode, where text to copy ends the stream)."""
         sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
-        until = _lookup_stop(request)  # checked before the session is touched
+        until = lookup_stop_from_proto(request.until_lookup) if request.HasField("until_lookup") else None
         if request.max_tokens < 0:  # checked before the session is touched
             raise InvalidArgument(f"max_tokens must be >= 0 (0 = up to max_new_tokens), got {request.max_tokens}")
         with self.sessions.use(request.session_id) as target:
@@ -188,13 +188,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _sampling(self, message: common_pb2.SamplingParams) -> SamplingParams:
         return sampling_from_proto(message, self.default_max_new_tokens)
-
-
-def _lookup_stop(request: target_pb2.DecodeRequest) -> LookupStop | None:
-    """DecodeRequest.until_lookup; InvalidArgument for sizes prompt lookup refuses."""
-    if not request.HasField("until_lookup"):
-        return None
-    return LookupStop(request.until_lookup.min_ngram, request.until_lookup.max_ngram)
 
 
 def _decode_one(target: TargetSession, base_len: int, until: LookupStop | None) -> tuple[VerifyResult, bool]:
