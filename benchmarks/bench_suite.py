@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import math
 import os
 import platform
@@ -280,6 +281,38 @@ def table(title: str, results: dict, baseline: str, reference: str) -> tuple[lis
     return lines, ratios
 
 
+HF_ASSISTED = "HF assisted (assistant_model)"
+
+
+def against_reference(title: str, reference: dict, reference_baseline: str, services: dict,
+                      services_baseline: str, method: str = HF_ASSISTED) -> list[str]:
+    """Markdown rows setting each service method beside an in-process reference method
+    (HF assisted generation), per prompt, two ways. Raw: tok/s over the reference's tok/s.
+    By speedup: each over the target-only of its own phase, so drift between the phases
+    (measured tens of minutes apart) cancels; the reference's target-only is HF `generate`,
+    the path HF assisted generation takes without an assistant."""
+    methods = [m for m in next(iter(services.values())) if m != services_baseline]
+    lines = [f"### {title}", "", "| prompt | " + method + " | " + " | ".join(methods) + " |",
+             "|---" * (len(methods) + 2) + "|"]
+    behind = {m: [] for m in methods}
+    for prompt, runs in services.items():
+        ref_runs = reference[prompt]
+        ref_rate, ref_speedup = _rate(ref_runs[method]), _rate(ref_runs[method]) / _rate(ref_runs[reference_baseline])
+        cells = [f"{ref_rate:.2f} tok/s ({ref_speedup:.2f}x)"]
+        for name in methods:
+            rate = _rate(runs[name])
+            raw, by_speedup = rate / ref_rate, rate / _rate(runs[services_baseline]) / ref_speedup
+            cells.append(f"{raw:.2f}x raw, {by_speedup:.2f}x by speedup")
+            if raw < 1.0 or by_speedup < 1.0:
+                behind[name].append(f"{prompt} ({raw:.2f}x raw, {by_speedup:.2f}x by speedup)")
+        lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"- {name}: behind {method} on {', '.join(prompts) if prompts else 'no prompt, either way'}"
+              for name, prompts in behind.items()]
+    lines.append("")
+    return lines
+
+
 def paired_ratio(method_runs: list[Run], baseline_runs: list[Run], confidence: float = 0.95):
     """(ratio, low, high): the geometric mean over repeats of method / baseline tok/s, each
     repeat's two runs paired (measured in the same round, minutes apart at most), and the
@@ -320,6 +353,15 @@ def _equal_runs(runs: dict[str, list[Run]], reference: str) -> tuple[int, int]:
     expected = runs[reference][0].token_ids
     every = [run for method_runs in runs.values() for run in method_runs]
     return sum(run.token_ids == expected for run in every), len(every)
+
+
+def runs_as_json(measured: dict) -> dict:
+    """{phase: {prompt: {method: [[tokens, seconds], ...]}}}: every run's size and time,
+    so that tables other than the printed ones can be drawn from a run later."""
+    return {phase: {prompt: {method: [[len(run.token_ids), round(run.seconds, 4)] for run in runs]
+                             for method, runs in methods.items()}
+                    for prompt, methods in results.items()}
+            for phase, results in measured.items()}
 
 
 def plot_ratios(path: Path, sections: dict[str, dict[str, list[float]]], prompts: list[str]) -> None:
@@ -388,12 +430,13 @@ def main(argv: list[str] | None = None) -> int:
              "", f"Hardware: {hardware()}; {args.threads} torch threads in process and in each worker process "
              f"(draft and target share the cores). Greedy, {args.max_new_tokens} new tokens (fewer when the model "
              f"ends its answer), chat template, median of {args.repeats} interleaved repeats.", ""]
-    sections = {}
+    sections, measured = {}, {}
     for dtype in [d for d in args.dtypes.split(",") if d]:  # "" = services only
         results = run_in_process(pair, dtype, args)
         rows, ratios = table(f"In process, {dtype} (ratios against target-only, ours)", results,
                              "target-only (ours)", "target-only (ours)")
         lines += rows
+        measured[f"in process, {dtype}"] = results
         if dtype == "float32":
             sections["in process"] = {m: v for m, v in ratios.items() if m.startswith(("ours", "HF"))}
     delays = [] if args.in_process_only else [0.0, *(float(d) for d in args.delays_ms.split(",") if d)]
@@ -403,7 +446,14 @@ def main(argv: list[str] | None = None) -> int:
         rows, ratios = table(f"Services, float32, {label} (ratios against target-only through the same services)",
                              results, "target-only (Decode)", "target-only (Decode)")
         lines += rows
+        measured[f"services, {label}"] = results
         sections[label] = {m: v for m, v in ratios.items() if not m.startswith("target-only")}
+        in_process = measured.get("in process, float32")
+        if in_process is not None and HF_ASSISTED in next(iter(in_process.values())):
+            lines += against_reference(
+                f"Services, float32, {label}, against {HF_ASSISTED} in process, float32 (cell: the {HF_ASSISTED} "
+                f"tok/s (its speedup over HF generate); the services' tok/s over it, and their speedup over Decode "
+                f"over its speedup)", in_process, "target-only (HF generate)", results, "target-only (Decode)")
     if sections:
         plot_ratios(plots / "speedups.png", sections, list(pair.prompts))
 
@@ -417,8 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"Plots in `plots/{args.pair}/`: {written or 'none'}. Total time {time.monotonic() - started:.0f} s.", ""]
     result_file = out / f"results_suite_{args.pair}.md"
     result_file.write_text("\n".join(lines))
+    runs_file = out / f"runs_suite_{args.pair}.json"
+    runs_file.write_text(json.dumps(runs_as_json(measured), indent=1))
     print("\n".join(lines))
-    print(f"wrote {result_file} and {plots}/")
+    print(f"wrote {result_file}, {runs_file} and {plots}/")
     return 0
 
 

@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.bench_suite import Run, measure, paired_ratio, round_order, table
+from benchmarks.bench_suite import (
+    HF_ASSISTED, Run, against_reference, measure, paired_ratio, round_order, runs_as_json, table)
 
 
 def test_repeats_are_interleaved_rotated_and_reversed():
@@ -65,3 +66,20 @@ def test_table_names_prompts_slower_beyond_the_noise_and_only_those():
     assert "slower than target-only beyond the 95% interval of paired repeats: steady 0.91x" in summary
     assert "noisy" not in summary
     assert summary.endswith("faster: none")
+
+
+def test_services_are_set_against_hf_assisted_raw_and_by_speedup():
+    # HF assisted: 20 tok/s, 2x over HF generate. Services: adaptive 25 tok/s raw (1.25x)
+    # but only 1.25x over a fast Decode (0.62x by speedup): behind, and named.
+    reference = {"p": {"target-only (HF generate)": _runs([1.0]), HF_ASSISTED: _runs([0.5])}}
+    services = {"p": {"target-only (Decode)": _runs([0.5]), "adaptive": _runs([0.4]), "k=4": _runs([0.2])}}
+    lines = against_reference("t", reference, "target-only (HF generate)", services, "target-only (Decode)")
+    row = next(line for line in lines if line.startswith("| p |"))
+    assert row == "| p | 20.00 tok/s (2.00x) | 1.25x raw, 0.62x by speedup | 2.50x raw, 1.25x by speedup |"
+    assert "- adaptive: behind HF assisted (assistant_model) on p (1.25x raw, 0.62x by speedup)" in lines
+    assert "- k=4: behind HF assisted (assistant_model) on no prompt, either way" in lines
+
+
+def test_every_run_is_kept_for_later_tables():
+    measured = {"services, loopback": {"p": {"k=4": [Run([1, 2, 3], 0.123456)]}}}
+    assert runs_as_json(measured) == {"services, loopback": {"p": {"k=4": [[3, 0.1235]]}}}
