@@ -169,6 +169,11 @@ def measure(methods: dict, inputs: dict, repeats: int) -> dict[str, dict[str, li
     return results
 
 
+def service_delays(delays_ms: str, loopback: bool = True) -> list[float]:
+    """The services phases' added one-way delays, in ms: loopback (0) first, then the list."""
+    return [0.0] * loopback + [float(d) for d in delays_ms.split(",") if d]
+
+
 def round_order(names: list[str], repeat: int) -> list[str]:
     """The methods' order in round `repeat`: rotated by repeat // 2, reversed in odd
     rounds. Rotation alone moves each method through every position but keeps who runs
@@ -410,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="in-process dtypes (services run float32)")
     parser.add_argument("--delays-ms", default="1,5,20", help="added one-way draft<->target delays, besides loopback")
     parser.add_argument("--in-process-only", action="store_true", help="no services phases (and no trace report)")
+    parser.add_argument("--no-loopback", action="store_true",
+                        help="services at the added delays only (loopback measured in an earlier run)")
     parser.add_argument("--out", default=None, help="directory for results and plots (default: benchmarks/; "
                                                    "a temporary directory with --quick)")
     args = parser.parse_args(argv)
@@ -439,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         measured[f"in process, {dtype}"] = results
         if dtype == "float32":
             sections["in process"] = {m: v for m, v in ratios.items() if m.startswith(("ours", "HF"))}
-    delays = [] if args.in_process_only else [0.0, *(float(d) for d in args.delays_ms.split(",") if d)]
+    delays = [] if args.in_process_only else service_delays(args.delays_ms, loopback=not args.no_loopback)
     for delay in delays:
         results = run_services(pair, delay, trace_dir, args)
         label = "loopback" if not delay else f"+{delay:g} ms one-way"

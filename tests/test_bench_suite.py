@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from benchmarks.bench_suite import (
-    HF_ASSISTED, Run, against_reference, measure, paired_ratio, round_order, runs_as_json, table)
+    HF_ASSISTED, Run, against_reference, measure, paired_ratio, round_order, runs_as_json, service_delays, table)
 
 
 def test_repeats_are_interleaved_rotated_and_reversed():
@@ -83,3 +83,9 @@ def test_services_are_set_against_hf_assisted_raw_and_by_speedup():
 def test_every_run_is_kept_for_later_tables():
     measured = {"services, loopback": {"p": {"k=4": [Run([1, 2, 3], 0.123456)]}}}
     assert runs_as_json(measured) == {"services, loopback": {"p": {"k=4": [[3, 0.1235]]}}}
+
+
+def test_services_phases_run_loopback_first_unless_told_not_to():
+    assert service_delays("1,5,20") == [0.0, 1.0, 5.0, 20.0]
+    assert service_delays("1,5", loopback=False) == [1.0, 5.0]
+    assert service_delays("") == [0.0]
