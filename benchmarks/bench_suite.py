@@ -18,9 +18,11 @@ Phases, each measuring its own baseline, methods interleaved within a prompt (me
 
 Ratios: in-process methods against in-process target-only (ours); service methods
 against the same system's target-only (`Decode`), so each delay is compared with
-target-only decoding measured minutes apart at most. Writes `results_suite_<pair>.md`
-(the table, the command, the hardware, the report of the traces) and plots under
-`plots/<pair>/` in --out.
+target-only decoding measured minutes apart at most; with a draft model, each services
+phase is also set beside HF assisted generation from the in-process fp32 phase
+(`against_reference`). Writes `results_suite_<pair>.md` (the tables, the command, the
+hardware, the report of the traces), every run's tokens and seconds to
+`runs_suite_<pair>.json`, and plots under `plots/<pair>/` in --out.
 """
 
 from __future__ import annotations
