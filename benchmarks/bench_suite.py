@@ -303,12 +303,13 @@ def against_reference(title: str, reference: dict, reference_baseline: str, serv
              "|---" * (len(methods) + 2) + "|"]
     behind = {m: [] for m in methods}
     for prompt, runs in services.items():
-        ref_runs = reference[prompt]
-        ref_rate, ref_speedup = _rate(ref_runs[method]), _rate(ref_runs[method]) / _rate(ref_runs[reference_baseline])
+        ref_rate = _rate(reference[prompt][method])
+        ref_speedup = ref_rate / _rate(reference[prompt][reference_baseline])
+        base_rate = _rate(runs[services_baseline])
         cells = [f"{ref_rate:.2f} tok/s ({ref_speedup:.2f}x)"]
         for name in methods:
             rate = _rate(runs[name])
-            raw, by_speedup = rate / ref_rate, rate / _rate(runs[services_baseline]) / ref_speedup
+            raw, by_speedup = rate / ref_rate, rate / base_rate / ref_speedup
             cells.append(f"{raw:.2f}x raw, {by_speedup:.2f}x by speedup")
             if raw < 1.0 or by_speedup < 1.0:
                 behind[name].append(f"{prompt} ({raw:.2f}x raw, {by_speedup:.2f}x by speedup)")

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from speculative.compute_thread import ComputeThread
 from speculative.drafters import (
-    DRAFTER_NAMES,
     MODEL,
     NGRAM,
     NGRAM_THEN_MODEL,
@@ -31,6 +30,7 @@ from speculative.drafters import (
     NgramDrafter,
     NgramDraftSession,
     Proposal,
+    check_drafter_name,
 )
 from speculative.errors import InvalidArgument
 from speculative.loading import LoadedModel
@@ -67,10 +67,9 @@ class Drafters:
     def resolve(self, name: str) -> str:
         """The drafter's name (empty = the worker's default); InvalidArgument if unknown
         or not available on this worker."""
+        check_drafter_name(name)
         if not name:
             return self.default
-        if name not in DRAFTER_NAMES:
-            raise InvalidArgument(f"unknown drafter {name!r}: choose one of {list(DRAFTER_NAMES)} (empty = default)")
         if name not in self.by_name:
             raise InvalidArgument(
                 f"drafter {name!r} needs a draft model, and this draft worker was started without "

@@ -22,7 +22,7 @@ from service_common.convert import (
 )
 from service_common.telemetry import instruments
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
-from speculative.drafters import DRAFTER_NAMES
+from speculative.drafters import check_drafter_name
 from speculative.errors import InvalidArgument
 from speculative.generator import FinishReason
 from speculative.rejection import NextTokenKind
@@ -129,9 +129,7 @@ class Generation:
             message.ParseFromString(record.speculation)
         if self.request.HasField("speculation"):
             message = self.request.speculation
-        if message.drafter and message.drafter not in DRAFTER_NAMES:
-            names = ", ".join(repr(name) for name in DRAFTER_NAMES)
-            raise InvalidArgument(f"drafter must be one of {names} or empty, got {message.drafter!r}")
+        check_drafter_name(message.drafter)
         return message
 
     def _tokens(self, record: SessionRecord) -> tuple[list[int], int]:

@@ -29,6 +29,13 @@ MODEL = "model"  # the worker's small model
 NGRAM = "ngram"  # prompt lookup, no model
 NGRAM_THEN_MODEL = "ngram+model"  # prompt lookup where it finds text to copy, the model elsewhere
 DRAFTER_NAMES = (MODEL, NGRAM, NGRAM_THEN_MODEL)
+
+
+def check_drafter_name(name: str) -> None:
+    """InvalidArgument unless `name` is a drafter of the API or empty (the worker's default)."""
+    if name and name not in DRAFTER_NAMES:
+        names = ", ".join(repr(known) for known in DRAFTER_NAMES)
+        raise InvalidArgument(f"unknown drafter {name!r}: drafter must be one of {names} or empty (the worker's default)")
 # Longest suffix prompt lookup will search for, in tokens: each size is one scan of the
 # context (the target runs one per token of a stretch that ends at text to copy), and
 # suffixes this long find nothing shorter ones do not (common settings are 2 to 5).
