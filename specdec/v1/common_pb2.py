@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\x8f\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x42\x07\n\x05_seed\"\xc1\x01\n\x11SpeculationParams\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x19\n\x11prompt_lookup_min\x18\x03 \x01(\x05\x12\x19\n\x11prompt_lookup_max\x18\x04 \x01(\x05\x12\x10\n\x08\x61\x64\x61ptive\x18\x05 \x01(\x08\x12\x13\n\x0b\x64raft_top_k\x18\x06 \x01(\x05\x42\x19\n\x17_num_speculative_tokens\"2\n\nLookupStop\x12\x11\n\tmin_ngram\x18\x01 \x01(\x05\x12\x11\n\tmax_ngram\x18\x02 \x01(\x05\"`\n\x08KvHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rcommitted_len\x18\x04 \x01(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xff\x01\n\nRoundStats\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x05\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\x05\x12\x32\n\x0fnext_token_kind\x18\x05 \x01(\x0e\x32\x19.specdec.v1.NextTokenKind\x12\x10\n\x08\x64raft_ns\x18\x06 \x01(\x03\x12\x15\n\rverify_rtt_ns\x18\x07 \x01(\x03\x12\x19\n\x11target_compute_ns\x18\x08 \x01(\x03\x12\x16\n\x0eproposal_bytes\x18\t \x01(\x03\x12\x15\n\rverdict_bytes\x18\n \x01(\x03\"\xc8\x03\n\x0fGenerationStats\x12\x1c\n\x14num_generated_tokens\x18\x01 \x01(\x03\x12\x12\n\nnum_rounds\x18\x02 \x01(\x03\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\x03\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1f\n\x17mean_accepted_per_round\x18\x06 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\x03\x12\x1c\n\x14\x64rafted_per_position\x18\x08 \x03(\x03\x12\x12\n\nprefill_ns\x18\t \x01(\x03\x12\x10\n\x08\x64raft_ns\x18\n \x01(\x03\x12\x11\n\tverify_ns\x18\x0b \x01(\x03\x12\x19\n\x11target_compute_ns\x18\x0c \x01(\x03\x12\x12\n\nnetwork_ns\x18\r \x01(\x03\x12\x17\n\x0forchestrator_ns\x18\x0e \x01(\x03\x12\x10\n\x08total_ns\x18\x0f \x01(\x03\x12\x1a\n\x12num_prefill_tokens\x18\x10 \x01(\x03\x12\x15\n\rnum_failovers\x18\x11 \x01(\x03\x12\x1b\n\x13num_streamed_tokens\x18\x12 \x01(\x03\"\x87\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\"m\n\nWorkerLoad\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12\x19\n\x11max_cached_tokens\x18\x04 \x01(\x03\"H\n\rExtendRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\";\n\x0e\x45xtendResponse\x12\x15\n\rcommitted_len\x18\x01 \x01(\x05\x12\x12\n\nprefill_ns\x18\x02 \x01(\x03\"5\n\x0fTruncateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\")\n\x10TruncateResponse\x12\x15\n\rcommitted_len\x18\x01 \x01(\x05\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\r\n\x0bInfoRequest\"m\n\x0cInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x05model\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.specdec.v1.WorkerLoad*j\n\rNextTokenKind\x12\x1f\n\x1bNEXT_TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19NEXT_TOKEN_KIND_RECOVERED\x10\x01\x12\x19\n\x15NEXT_TOKEN_KIND_BONUS\x10\x02*\xa1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\x8f\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x42\x07\n\x05_seed\"\xc1\x01\n\x11SpeculationParams\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x19\n\x11prompt_lookup_min\x18\x03 \x01(\x05\x12\x19\n\x11prompt_lookup_max\x18\x04 \x01(\x05\x12\x10\n\x08\x61\x64\x61ptive\x18\x05 \x01(\x08\x12\x13\n\x0b\x64raft_top_k\x18\x06 \x01(\x05\x42\x19\n\x17_num_speculative_tokens\"2\n\nLookupStop\x12\x11\n\tmin_ngram\x18\x01 \x01(\x05\x12\x11\n\tmax_ngram\x18\x02 \x01(\x05\"`\n\x08KvHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rcommitted_len\x18\x04 \x01(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xbf\x02\n\nRoundStats\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x05\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\x05\x12\x32\n\x0fnext_token_kind\x18\x05 \x01(\x0e\x32\x19.specdec.v1.NextTokenKind\x12\x10\n\x08\x64raft_ns\x18\x06 \x01(\x03\x12\x15\n\rverify_rtt_ns\x18\x07 \x01(\x03\x12\x19\n\x11target_compute_ns\x18\x08 \x01(\x03\x12\x16\n\x0eproposal_bytes\x18\t \x01(\x03\x12\x15\n\rverdict_bytes\x18\n \x01(\x03\x12\x10\n\x08queue_ns\x18\x0b \x01(\x03\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0c \x01(\x05\x12\x16\n\x0e\x62\x61tch_sessions\x18\r \x01(\x05\"u\n\x08StepLoad\x12\x10\n\x08queue_ns\x18\x01 \x01(\x03\x12\x0f\n\x07step_ns\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61tch_tokens\x18\x03 \x01(\x05\x12\x16\n\x0e\x62\x61tch_sessions\x18\x04 \x01(\x05\x12\x18\n\x10waiting_sessions\x18\x05 \x01(\x05\"\xda\x03\n\x0fGenerationStats\x12\x1c\n\x14num_generated_tokens\x18\x01 \x01(\x03\x12\x12\n\nnum_rounds\x18\x02 \x01(\x03\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\x03\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1f\n\x17mean_accepted_per_round\x18\x06 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\x03\x12\x1c\n\x14\x64rafted_per_position\x18\x08 \x03(\x03\x12\x12\n\nprefill_ns\x18\t \x01(\x03\x12\x10\n\x08\x64raft_ns\x18\n \x01(\x03\x12\x11\n\tverify_ns\x18\x0b \x01(\x03\x12\x19\n\x11target_compute_ns\x18\x0c \x01(\x03\x12\x12\n\nnetwork_ns\x18\r \x01(\x03\x12\x17\n\x0forchestrator_ns\x18\x0e \x01(\x03\x12\x10\n\x08total_ns\x18\x0f \x01(\x03\x12\x1a\n\x12num_prefill_tokens\x18\x10 \x01(\x03\x12\x15\n\rnum_failovers\x18\x11 \x01(\x03\x12\x1b\n\x13num_streamed_tokens\x18\x12 \x01(\x03\x12\x10\n\x08queue_ns\x18\x13 \x01(\x03\"\x87\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\xe4\x01\n\nWorkerLoad\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12\x19\n\x11max_cached_tokens\x18\x04 \x01(\x03\x12\x14\n\x0cqueued_calls\x18\x05 \x01(\x05\x12\x15\n\rrunning_calls\x18\x06 \x01(\x05\x12\x13\n\x0bmax_running\x18\x07 \x01(\x05\x12\x19\n\x11mean_batch_tokens\x18\x08 \x01(\x01\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x05\"H\n\rExtendRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\";\n\x0e\x45xtendResponse\x12\x15\n\rcommitted_len\x18\x01 \x01(\x05\x12\x12\n\nprefill_ns\x18\x02 \x01(\x03\"5\n\x0fTruncateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\")\n\x10TruncateResponse\x12\x15\n\rcommitted_len\x18\x01 \x01(\x05\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\r\n\x0bInfoRequest\"m\n\x0cInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x05model\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.specdec.v1.WorkerLoad*j\n\rNextTokenKind\x12\x1f\n\x1bNEXT_TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19NEXT_TOKEN_KIND_RECOVERED\x10\x01\x12\x19\n\x15NEXT_TOKEN_KIND_BONUS\x10\x02*\xa1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NEXTTOKENKIND']._serialized_start=1979
-  _globals['_NEXTTOKENKIND']._serialized_end=2085
-  _globals['_FINISHREASON']._serialized_start=2088
-  _globals['_FINISHREASON']._serialized_end=2249
+  _globals['_NEXTTOKENKIND']._serialized_start=2300
+  _globals['_NEXTTOKENKIND']._serialized_end=2406
+  _globals['_FINISHREASON']._serialized_start=2409
+  _globals['_FINISHREASON']._serialized_end=2570
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=183
   _globals['_SPECULATIONPARAMS']._serialized_start=186
@@ -46,27 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEDISTRIBUTION']._serialized_start=531
   _globals['_SPARSEDISTRIBUTION']._serialized_end=585
   _globals['_ROUNDSTATS']._serialized_start=588
-  _globals['_ROUNDSTATS']._serialized_end=843
-  _globals['_GENERATIONSTATS']._serialized_start=846
-  _globals['_GENERATIONSTATS']._serialized_end=1302
-  _globals['_MODELINFO']._serialized_start=1305
-  _globals['_MODELINFO']._serialized_end=1440
-  _globals['_WORKERLOAD']._serialized_start=1442
-  _globals['_WORKERLOAD']._serialized_end=1551
-  _globals['_EXTENDREQUEST']._serialized_start=1553
-  _globals['_EXTENDREQUEST']._serialized_end=1625
-  _globals['_EXTENDRESPONSE']._serialized_start=1627
-  _globals['_EXTENDRESPONSE']._serialized_end=1686
-  _globals['_TRUNCATEREQUEST']._serialized_start=1688
-  _globals['_TRUNCATEREQUEST']._serialized_end=1741
-  _globals['_TRUNCATERESPONSE']._serialized_start=1743
-  _globals['_TRUNCATERESPONSE']._serialized_end=1784
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1786
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1827
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1829
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1851
-  _globals['_INFOREQUEST']._serialized_start=1853
-  _globals['_INFOREQUEST']._serialized_end=1866
-  _globals['_INFORESPONSE']._serialized_start=1868
-  _globals['_INFORESPONSE']._serialized_end=1977
+  _globals['_ROUNDSTATS']._serialized_end=907
+  _globals['_STEPLOAD']._serialized_start=909
+  _globals['_STEPLOAD']._serialized_end=1026
+  _globals['_GENERATIONSTATS']._serialized_start=1029
+  _globals['_GENERATIONSTATS']._serialized_end=1503
+  _globals['_MODELINFO']._serialized_start=1506
+  _globals['_MODELINFO']._serialized_end=1641
+  _globals['_WORKERLOAD']._serialized_start=1644
+  _globals['_WORKERLOAD']._serialized_end=1872
+  _globals['_EXTENDREQUEST']._serialized_start=1874
+  _globals['_EXTENDREQUEST']._serialized_end=1946
+  _globals['_EXTENDRESPONSE']._serialized_start=1948
+  _globals['_EXTENDRESPONSE']._serialized_end=2007
+  _globals['_TRUNCATEREQUEST']._serialized_start=2009
+  _globals['_TRUNCATEREQUEST']._serialized_end=2062
+  _globals['_TRUNCATERESPONSE']._serialized_start=2064
+  _globals['_TRUNCATERESPONSE']._serialized_end=2105
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2107
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2148
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2150
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2172
+  _globals['_INFOREQUEST']._serialized_start=2174
+  _globals['_INFOREQUEST']._serialized_end=2187
+  _globals['_INFORESPONSE']._serialized_start=2189
+  _globals['_INFORESPONSE']._serialized_end=2298
 # @@protoc_insertion_point(module_scope)

@@ -90,7 +90,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("round", "base_len", "num_drafted", "num_accepted", "next_token_kind", "draft_ns", "verify_rtt_ns", "target_compute_ns", "proposal_bytes", "verdict_bytes")
+    __slots__ = ("round", "base_len", "num_drafted", "num_accepted", "next_token_kind", "draft_ns", "verify_rtt_ns", "target_compute_ns", "proposal_bytes", "verdict_bytes", "queue_ns", "batch_tokens", "batch_sessions")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,9 @@ class RoundStats(_message.Message):
     TARGET_COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERDICT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     round: int
     base_len: int
     num_drafted: int
@@ -111,10 +114,27 @@ class RoundStats(_message.Message):
     target_compute_ns: int
     proposal_bytes: int
     verdict_bytes: int
-    def __init__(self, round: _Optional[int] = ..., base_len: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., draft_ns: _Optional[int] = ..., verify_rtt_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., verdict_bytes: _Optional[int] = ...) -> None: ...
+    queue_ns: int
+    batch_tokens: int
+    batch_sessions: int
+    def __init__(self, round: _Optional[int] = ..., base_len: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., draft_ns: _Optional[int] = ..., verify_rtt_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., verdict_bytes: _Optional[int] = ..., queue_ns: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., batch_sessions: _Optional[int] = ...) -> None: ...
+
+class StepLoad(_message.Message):
+    __slots__ = ("queue_ns", "step_ns", "batch_tokens", "batch_sessions", "waiting_sessions")
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    queue_ns: int
+    step_ns: int
+    batch_tokens: int
+    batch_sessions: int
+    waiting_sessions: int
+    def __init__(self, queue_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("num_generated_tokens", "num_rounds", "num_drafted", "num_accepted", "acceptance_rate", "mean_accepted_per_round", "accepted_per_position", "drafted_per_position", "prefill_ns", "draft_ns", "verify_ns", "target_compute_ns", "network_ns", "orchestrator_ns", "total_ns", "num_prefill_tokens", "num_failovers", "num_streamed_tokens")
+    __slots__ = ("num_generated_tokens", "num_rounds", "num_drafted", "num_accepted", "acceptance_rate", "mean_accepted_per_round", "accepted_per_position", "drafted_per_position", "prefill_ns", "draft_ns", "verify_ns", "target_compute_ns", "network_ns", "orchestrator_ns", "total_ns", "num_prefill_tokens", "num_failovers", "num_streamed_tokens", "queue_ns")
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +153,7 @@ class GenerationStats(_message.Message):
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     NUM_STREAMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     num_generated_tokens: int
     num_rounds: int
     num_drafted: int
@@ -151,7 +172,8 @@ class GenerationStats(_message.Message):
     num_prefill_tokens: int
     num_failovers: int
     num_streamed_tokens: int
-    def __init__(self, num_generated_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., prefill_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., network_ns: _Optional[int] = ..., orchestrator_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_failovers: _Optional[int] = ..., num_streamed_tokens: _Optional[int] = ...) -> None: ...
+    queue_ns: int
+    def __init__(self, num_generated_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., prefill_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., network_ns: _Optional[int] = ..., orchestrator_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_failovers: _Optional[int] = ..., num_streamed_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "tokenizer_fingerprint", "vocab_size", "context_length", "device", "dtype")
@@ -170,16 +192,26 @@ class ModelInfo(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("active_sessions", "max_sessions", "cached_tokens", "max_cached_tokens")
+    __slots__ = ("active_sessions", "max_sessions", "cached_tokens", "max_cached_tokens", "queued_calls", "running_calls", "max_running", "mean_batch_tokens", "max_batch_tokens")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_CALLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     max_sessions: int
     cached_tokens: int
     max_cached_tokens: int
-    def __init__(self, active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
+    queued_calls: int
+    running_calls: int
+    max_running: int
+    mean_batch_tokens: float
+    max_batch_tokens: int
+    def __init__(self, active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., queued_calls: _Optional[int] = ..., running_calls: _Optional[int] = ..., max_running: _Optional[int] = ..., mean_batch_tokens: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
     __slots__ = ("session_id", "base_len", "token_ids")

@@ -44,7 +44,7 @@ class Proposal(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., expected_last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("session_id", "round", "base_len", "discarded", "num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finished", "finish_reason")
+    __slots__ = ("session_id", "round", "base_len", "discarded", "num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finished", "finish_reason", "step")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class Verdict(_message.Message):
     TARGET_COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     base_len: int
@@ -67,7 +68,8 @@ class Verdict(_message.Message):
     target_compute_ns: int
     finished: bool
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., discarded: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    step: _common_pb2.StepLoad
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., discarded: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "base_len", "sampling", "max_tokens", "until_lookup")
@@ -84,11 +86,13 @@ class DecodeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., until_lookup: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ...) -> None: ...
 
 class DecodeToken(_message.Message):
-    __slots__ = ("token_id", "committed_len", "compute_ns")
+    __slots__ = ("token_id", "committed_len", "compute_ns", "step")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     committed_len: int
     compute_ns: int
-    def __init__(self, token_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., compute_ns: _Optional[int] = ...) -> None: ...
+    step: _common_pb2.StepLoad
+    def __init__(self, token_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., compute_ns: _Optional[int] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ...) -> None: ...
