@@ -51,10 +51,16 @@ class DraftConfig(RegistryConfig, TelemetryConfig):
     # single-token matches propose mostly wrong tokens).
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    # Deadline of one Verify stream, i.e. of one Speculate call's rounds against the
-    # target, in seconds (a shorter deadline of the Speculate caller wins). Bounds a
-    # hung target; raise it for long generations on a slow target.
-    verify_timeout_s: float = 60.0
+    # The longest the draft waits for ONE verdict (or Info answer) from a target, in
+    # seconds, before it gives up on it with UNAVAILABLE: a hung target is let go, while
+    # a Speculate call as a whole (its Verify stream) lives as long as its caller's
+    # deadline. Generous: a target that batches many sessions under load is slow, not hung.
+    verdict_stall_timeout_s: float = 120.0
+    # The longest a call waits for another call to let go of its session (e.g. a
+    # Truncate behind a cancelled Speculate's last round), in seconds, within the
+    # caller's deadline; then ABORTED. As long as a verdict may take: that round ends
+    # when its verdict comes.
+    session_wait_timeout_s: float = 120.0
     # Used when a request leaves max_new_tokens at 0; the same default as the target's.
     default_max_new_tokens: int = 256
     # torch intra-op threads; 0 = torch's default (all cores), which suits a worker
@@ -72,8 +78,9 @@ class DraftConfig(RegistryConfig, TelemetryConfig):
         for name in ("max_sessions", "max_cached_tokens", "draft_top_k", "default_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.verify_timeout_s > 0:
-            raise InvalidArgument(f"verify_timeout_s must be > 0, got {self.verify_timeout_s}")
+        for name in ("verdict_stall_timeout_s", "session_wait_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
         return self
 
     def resolved_worker_id(self) -> str:

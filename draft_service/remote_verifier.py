@@ -2,8 +2,10 @@
 
 `RemoteVerifier` implements the loop's `Verifier` protocol (speculative.generator) over
 one open bidirectional `TargetService.Verify` stream: each `verify` call sends one
-Proposal and reads one Verdict, one round trip per round. `TargetConnections` keeps one
-gRPC channel per target address, and what each target serves.
+Proposal and reads one Verdict, one round trip per round. The stream lives as long as
+the Speculate caller's deadline; each verdict is waited for at most a stall timeout.
+`TargetConnections` keeps one gRPC channel per target address, and what each target
+serves.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from service_common.convert import NEXT_TOKEN_KIND_FROM_PROTO, sampling_to_proto, sparse_to_proto
+from service_common.deadlines import Deadline
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -29,7 +31,8 @@ from speculative.target import VerifyResult
 
 log = logging.getLogger(__name__)
 
-_END_OF_STREAM = None  # put on the request queue to half-close the Verify stream
+# On the request queue: half-closes the Verify stream; on the verdict queue: the target ended it.
+_END_OF_STREAM = None
 
 
 class TargetRpcError(grpc.RpcError):
@@ -152,7 +155,13 @@ class RemoteVerifier:
     The stream opens with the first proposal and closes without waiting for the
     target's end of it: a call that hands its first tokens to the target alone never
     opens one, and one that hands off later does not wait a round trip to the target
-    before its caller can ask the target to decode."""
+    before its caller can ask the target to decode.
+
+    Two limits, so that a call under load is not cut while its caller still waits: the
+    stream's deadline is the caller's (`deadline`, whenever the stream opens), and
+    each verdict is waited for at most `stall_timeout_s` seconds (a hung target), then
+    UNAVAILABLE. A thread reads the verdicts into a queue: a gRPC response iterator's
+    next() cannot time out, a queue's get() can."""
 
     def __init__(
         self,
@@ -161,7 +170,8 @@ class RemoteVerifier:
         target_session_id: str,
         params: SamplingParams,
         first_round: int,
-        timeout_s: float,
+        deadline: Deadline,
+        stall_timeout_s: float,
     ):
         self.address = address
         self.session_id = target_session_id
@@ -170,11 +180,13 @@ class RemoteVerifier:
         self.verdict_bytes = 0  # serialized size of the last Verdict, in bytes
         self._sampling = sampling_to_proto(params)  # sent with the first proposal only
         self._stub = stub
-        self._deadline = time.monotonic() + timeout_s  # bounds the stream, whenever it opens
+        self._deadline = deadline  # bounds the stream, whenever it opens
+        self._stall_timeout_s = stall_timeout_s
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._verdicts: queue.SimpleQueue = queue.SimpleQueue()  # filled by _read_verdicts
         self._responses = None  # the Verify call, once the first proposal opens it
         self._in_flight = False  # a proposal was sent and its verdict not read
-        self._closed = False
+        self._closed = threading.Event()  # set by close(); the reader then only logs
 
     def verify(
         self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None
@@ -183,9 +195,7 @@ class RemoteVerifier:
         proposal = self._proposal(base_len, draft_token_ids, draft_probs)
         self.proposal_bytes = proposal.ByteSize()
         if self._responses is None:
-            # gRPC reads the request iterator on its own thread.
-            self._responses = self._stub.Verify(iter(self._requests.get, _END_OF_STREAM),
-                                                timeout=max(0.0, self._deadline - time.monotonic()))
+            self._open()
         self._requests.put(proposal)
         self._in_flight = True
         verdict = self._next_verdict()
@@ -193,6 +203,14 @@ class RemoteVerifier:
         self.verdict_bytes = verdict.ByteSize()
         self.round += 1
         return self._result(proposal, verdict)
+
+    def _open(self) -> None:
+        """Opens the stream; gRPC reads the request queue on its own thread, and our
+        reader thread moves the verdicts into _verdicts."""
+        self._responses = self._stub.Verify(iter(self._requests.get, _END_OF_STREAM),
+                                            timeout=self._deadline.remaining())
+        threading.Thread(target=_read_verdicts, args=(self._responses, self._verdicts, self._closed, self.address),
+                         name="verify-read", daemon=True).start()
 
     def _proposal(self, base_len, draft_token_ids, draft_probs) -> target_pb2.Proposal:
         proposal = target_pb2.Proposal(
@@ -207,13 +225,18 @@ class RemoteVerifier:
 
     def _next_verdict(self) -> target_pb2.Verdict:
         try:
-            return next(self._responses)
-        except grpc.RpcError as error:
-            raise as_target_error(self.address, error) from None
-        except StopIteration:
+            item = self._verdicts.get(timeout=self._stall_timeout_s)
+        except queue.Empty:
+            self._responses.cancel()  # gives up on the target: frees its end of the stream
             raise Unavailable(
-                f"target worker at {self.address} ended the Verify stream without a verdict"
+                f"target worker at {self.address} sent no verdict for {self._stall_timeout_s:g} s "
+                "(verdict_stall_timeout_s): giving up on it"
             ) from None
+        if isinstance(item, grpc.RpcError):
+            raise as_target_error(self.address, item)
+        if item is _END_OF_STREAM:
+            raise Unavailable(f"target worker at {self.address} ended the Verify stream without a verdict")
+        return item
 
     def _result(self, proposal: target_pb2.Proposal, verdict: target_pb2.Verdict) -> VerifyResult:
         """Verdict -> VerifyResult, as speculative.target.TargetSession.verify returns it."""
@@ -250,29 +273,31 @@ class RemoteVerifier:
         )
 
     def close(self) -> None:
-        """Ends the stream: half-closes it, the target's end read on another thread, or
-        cancels it when a verdict is still outstanding (after an error). Idempotent."""
-        if self._closed:
+        """Ends the stream: half-closes it (the reader thread waits for the target's
+        end), or cancels it when a verdict is still outstanding (after an error).
+        Idempotent."""
+        if self._closed.is_set():
             return
-        self._closed = True
+        self._closed.set()
         self._requests.put(_END_OF_STREAM)  # also frees gRPC's request-reading thread
-        if self._responses is None:
-            return
-        if self._in_flight:
+        if self._responses is not None and self._in_flight:
             self._responses.cancel()
-            return
-        threading.Thread(target=_read_to_end, args=(self._responses, self.address),
-                         name="verify-close", daemon=True).start()
 
 
-def _read_to_end(responses, address: str) -> None:
-    """Waits for the target to end a half-closed Verify stream; logs what should not be."""
+def _read_verdicts(responses, verdicts: queue.SimpleQueue, closed: threading.Event, address: str) -> None:
+    """Moves a Verify stream's verdicts into `verdicts`, then how it ended: _END_OF_STREAM,
+    or its grpc.RpcError. Once the verifier is closed nobody reads them: what should
+    not come is logged."""
     try:
-        for extra in responses:
-            log.warning("unexpected verdict after the last proposal",
-                        extra={"fields": {"target": address, "round": extra.round}})
+        for verdict in responses:
+            if closed.is_set():
+                log.warning("unexpected verdict after the last proposal",
+                            extra={"fields": {"target": address, "round": verdict.round}})
+            verdicts.put(verdict)
+        verdicts.put(_END_OF_STREAM)
     except grpc.RpcError as error:
-        if error.code() != grpc.StatusCode.CANCELLED:
+        if closed.is_set() and error.code() != grpc.StatusCode.CANCELLED:
             log.warning("Verify stream ended with an error",
                         extra={"fields": {"target": address, "code": error.code().name,
                                           "details": error.details()}})
+        verdicts.put(error)

@@ -19,6 +19,7 @@ from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
 from service_common import telemetry
 from service_common.convert import model_info
+from service_common.deadlines import Deadline, bounded, time_remaining
 from service_common.status import Unavailable, rpc_errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from speculative.drafters import MODEL
@@ -91,7 +92,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @rpc_errors
     def CloseSession(self, request, context):
         try:
-            self.sessions.close(request.session_id, self._wait_s(context))
+            self.sessions.close(request.session_id, self._session_wait_s(context))
         except SessionBusy as error:
             context.abort(grpc.StatusCode.ABORTED, str(error))
         return common_pb2.CloseSessionResponse()
@@ -116,14 +117,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         context.add_callback(cancelled.set)  # the caller cancelled, or its deadline passed
         plan = plan_call(request, self.config)
         with self._locked(request.session_id, context) as entry:
-            timeout_s = self._wait_s(context)
-            target = self.targets.info(plan.target_address, timeout_s)
+            # One answer from the target: within the stall timeout and the caller's deadline.
+            info_timeout_s = bounded(time_remaining(context), self.config.verdict_stall_timeout_s)
+            target = self.targets.info(plan.target_address, info_timeout_s)
             context_length = check_start(entry, request, plan, self.drafters, target)
             apply_settings(entry.draft, plan.settings)
             adaptive = self._adaptive_policy(entry, plan, request)
+            # The rounds run as long as the caller waits for them (no cap on the whole
+            # call: under load, a long generation is slow, not hung).
             verifier = RemoteVerifier(
                 self.targets.stub(plan.target_address), plan.target_address, plan.target_session_id,
-                plan.settings.params, entry.next_round, timeout_s,
+                plan.settings.params, entry.next_round, Deadline.of_caller(context),
+                self.config.verdict_stall_timeout_s,
             )
             try:
                 yield from run_rounds(
@@ -177,15 +182,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             session_id=session_id, committed_len=committed_len,
         )
 
-    def _wait_s(self, context) -> float:
-        """How long a call may wait (for its session, for the target): the caller's
-        deadline, at most verify_timeout_s."""
-        remaining = context.time_remaining()
-        return self.config.verify_timeout_s if remaining is None else min(remaining, self.config.verify_timeout_s)
+    def _session_wait_s(self, context) -> float:
+        """How long a call may wait for its session: the caller's deadline, at most
+        session_wait_timeout_s."""
+        return bounded(time_remaining(context), self.config.session_wait_timeout_s)
 
     def _locked(self, session_id: str, context):
         """The session, held for the block; ABORTED if another call holds it too long."""
-        return _AbortWhenBusy(self.sessions.locked(session_id, self._wait_s(context)), context)
+        return _AbortWhenBusy(self.sessions.locked(session_id, self._session_wait_s(context)), context)
 
 
 def _prefill_span(session_id: str, base_len: int, num_tokens: int):

@@ -22,10 +22,14 @@ class OrchestratorConfig(TelemetryConfig):
     tokenizer: str = ""
     default_k: int = 4  # draft tokens per round when a request does not say
     default_max_new_tokens: int = 256
-    # A Generate that outlives this is cancelled on the workers (seconds); a client
-    # deadline, when shorter, wins.
+    # Deadline of a Generate whose client set none, in seconds (0 = none): then it is
+    # cancelled on the workers. A client's own deadline, longer or shorter, always wins:
+    # a call slow under load must not fail while its client still waits.
     generate_timeout_s: float = 600.0
-    rpc_timeout_s: float = 30.0  # deadline of each unary call to a worker
+    # Deadline of each bookkeeping call to a worker (Truncate, CloseSession, Info):
+    # quick at any load. Calls that do model work and may queue behind other sessions
+    # (OpenSession, Extend: prefills) get what is left of the Generate's deadline.
+    rpc_timeout_s: float = 30.0
     worker_refresh_s: float = 1.0  # how often the pools (and their load) are re-read
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256

@@ -20,6 +20,7 @@ from service_common.convert import (
     sampling_from_proto,
     sampling_to_proto,
 )
+from service_common.deadlines import Deadline
 from service_common.telemetry import instruments
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
 from speculative.drafters import check_drafter_name
@@ -80,6 +81,8 @@ class Generation:
         self.num_prefill_tokens = 0  # tokens the target prefilled for this call
         self.num_failovers = 0
         self.start_ns = time.perf_counter_ns()
+        # The client's deadline, passed on to every worker call that may queue under load.
+        self.deadline = Deadline.of_caller(context, config.generate_timeout_s or None)
         self.call = None  # the streaming call to a worker, cancelled with the client's
         self.session_id = request.session_id or uuid.uuid4().hex  # a new session if none
         self.is_new = not request.session_id
@@ -222,7 +225,8 @@ class Generation:
 
     def _sync(self, worker: Worker, handle: WorkerHandle | None, tokens: list[int], keep: int, plan: Plan) -> WorkerHandle:
         """Rolls the worker's session back to what it shares with tokens, then extends
-        it; opens (prefills) a new one where it has none, lost it, or shares nothing."""
+        it; opens (prefills) a new one where it has none, lost it, or shares nothing.
+        Truncate is bookkeeping (rpc_timeout_s); Extend prefills, under the call's deadline."""
         timeout = self.config.rpc_timeout_s
         if handle and handle.address == worker.address:
             keep = min(keep, handle.committed_len)
@@ -234,7 +238,8 @@ class Generation:
                 # flight when the previous call stopped); rollback is absolute.
                 worker.stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=keep), timeout=timeout)
                 response = worker.stub.Extend(common_pb2.ExtendRequest(
-                    session_id=handle.session_id, base_len=keep, token_ids=tokens[keep:]), timeout=timeout)
+                    session_id=handle.session_id, base_len=keep, token_ids=tokens[keep:]),
+                    timeout=self.deadline.remaining())
                 self._count_prefill(worker, response.prefill_ns, len(tokens) - keep)
                 return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(tokens))
             except grpc.RpcError as error:
@@ -244,7 +249,7 @@ class Generation:
         return self._open(worker, tokens, plan)
 
     def _open(self, worker: Worker, tokens: list[int], plan: Plan) -> WorkerHandle:
-        timeout = self.config.rpc_timeout_s
+        timeout = self.deadline.remaining()  # a prefill: it may queue behind other sessions'
         if worker.pool == TARGET:
             response = worker.stub.OpenSession(target_pb2.OpenSessionRequest(
                 prompt_token_ids=tokens, sampling=sampling_to_proto(plan.params)), timeout=timeout)
@@ -378,7 +383,7 @@ class Generation:
                                        session_id=record.target.session_id, committed_len=base_len),
             sampling=sampling_to_proto(params), speculation=speculation,
             handoff_token_ns=self._handoff_token_ns),
-            timeout=self._deadline())
+            timeout=self.deadline.remaining())
         self.context.add_callback(self.call.cancel)
         for update in self.call:
             if update.handoff_tokens:
@@ -409,7 +414,7 @@ class Generation:
         """Yields the tokens of one target Decode stream; returns whether the call
         finished. A hand-off's tokens are timed: the draft sizes its next stretches by
         them."""
-        self.call = self.target.stub.Decode(request, timeout=self._deadline())
+        self.call = self.target.stub.Decode(request, timeout=self.deadline.remaining())
         self.context.add_callback(self.call.cancel)
         intervals, last_ns = [], time.perf_counter_ns()
         for token in self.call:
@@ -434,7 +439,7 @@ class Generation:
         tokens = self._committed(plan)
         response = self.draft.stub.Extend(common_pb2.ExtendRequest(
             session_id=plan.record.draft.session_id, base_len=base_len, token_ids=tokens[base_len:]),
-            timeout=self.config.rpc_timeout_s)
+            timeout=self.deadline.remaining())  # the draft's prefill of them
         self._count_prefill(self.draft, response.prefill_ns, 0)
         plan.record.draft.committed_len = len(tokens)
         self.synced_len = len(tokens)
@@ -455,10 +460,6 @@ class Generation:
         if token in params.stop_token_ids:
             return FINISH_REASON_TO_PROTO[FinishReason.STOP_TOKEN]
         return FINISH_REASON_TO_PROTO[FinishReason.LENGTH] if count == params.max_new_tokens else 0
-
-    def _deadline(self) -> float:
-        remaining = self.context.time_remaining()
-        return min(self.config.generate_timeout_s, remaining) if remaining is not None else self.config.generate_timeout_s
 
     def _commit(self, plan: Plan, assembler: TextAssembler, lease: Lease) -> None:
         """Saves the committed tokens and rolls both workers back to exactly them; a

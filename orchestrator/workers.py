@@ -158,12 +158,17 @@ class WorkerPool:
     # Placement.
 
     def load(self, worker: Worker) -> float:
-        """Fraction of the worker's session capacity in use, counting this replica's
-        calls in flight on it (they may not show in its last heartbeat yet)."""
+        """How full the worker is, in [0, 1+]: the larger of its session capacity in use
+        and, for a worker that admits calls (a target), its running slots in use with
+        the queued calls counted as running (they wait for one). Both count this
+        replica's calls in flight on it, which may not show in its last heartbeat yet."""
         load = worker.record.load
         with self._lock:
             placed = self._placed[worker.address]
-        return (load.active_sessions + placed) / max(1, load.max_sessions)
+        sessions = (load.active_sessions + placed) / max(1, load.max_sessions)
+        if not load.max_running:
+            return sessions
+        return max(sessions, (load.running_calls + load.queued_calls + placed) / load.max_running)
 
     def least_loaded(self, workers: list[Worker]) -> Worker:
         loads = [self.load(w) for w in workers]

@@ -10,7 +10,7 @@ from speculative.errors import InvalidArgument
 from speculative.generator import FinishReason
 from speculative.rejection import NextTokenKind
 from speculative.sampling import SamplingParams, SparseProbs
-from speculative.stats import GenerationStats, RoundStats
+from speculative.stats import GenerationStats, RoundStats, StepLoad
 
 NEXT_TOKEN_KIND_TO_PROTO = {
     NextTokenKind.RECOVERED: common_pb2.NEXT_TOKEN_KIND_RECOVERED,
@@ -76,6 +76,9 @@ def round_stats_to_proto(stats: RoundStats, proposal_bytes: int = 0, verdict_byt
         num_accepted=stats.num_accepted, next_token_kind=NEXT_TOKEN_KIND_TO_PROTO[stats.next_token_kind],
         draft_ns=stats.draft_ns, verify_rtt_ns=stats.verify_ns, target_compute_ns=stats.target_compute_ns,
         proposal_bytes=proposal_bytes, verdict_bytes=verdict_bytes,
+        queue_ns=stats.step.queue_ns if stats.step else 0,
+        batch_tokens=stats.step.batch_tokens if stats.step else 0,
+        batch_sessions=stats.step.batch_sessions if stats.step else 0,
     )
 
 
@@ -85,7 +88,17 @@ def round_stats_from_proto(message: common_pb2.RoundStats, num_committed: int) -
         num_accepted=message.num_accepted, num_committed=num_committed,
         next_token_kind=NEXT_TOKEN_KIND_FROM_PROTO.get(message.next_token_kind, NextTokenKind.BONUS),
         draft_ns=message.draft_ns, verify_ns=message.verify_rtt_ns, target_compute_ns=message.target_compute_ns,
+        step=StepLoad(message.queue_ns, 0, message.batch_tokens, message.batch_sessions, 0)
+        if message.batch_sessions else None,
     )
+
+
+def step_load_from_proto(message: common_pb2.StepLoad) -> StepLoad | None:
+    """None for a step the target did not report (an older target, a discarded proposal)."""
+    if not message.batch_sessions and not message.queue_ns:
+        return None
+    return StepLoad(message.queue_ns, message.step_ns, message.batch_tokens, message.batch_sessions,
+                    message.waiting_sessions)
 
 
 def generation_stats_to_proto(stats: GenerationStats, orchestrator_ns: int = 0, num_prefill_tokens: int = 0) -> common_pb2.GenerationStats:
@@ -97,7 +110,7 @@ def generation_stats_to_proto(stats: GenerationStats, orchestrator_ns: int = 0, 
         prefill_ns=stats.prefill_ns, draft_ns=stats.draft_ns, verify_ns=stats.verify_ns,
         target_compute_ns=stats.target_compute_ns, network_ns=stats.network_ns,
         orchestrator_ns=orchestrator_ns, total_ns=stats.total_ns, num_prefill_tokens=num_prefill_tokens,
-        num_streamed_tokens=stats.num_streamed,
+        num_streamed_tokens=stats.num_streamed, queue_ns=stats.queue_ns,
     )
 
 

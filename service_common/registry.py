@@ -123,15 +123,16 @@ def worker_record(pool: int, address: str, info: common_pb2.InfoResponse) -> orc
 
 
 def create_worker_service(config, register: Callable[[grpc.Server], None], service_name: str, pool: int,
-                          info: Callable[[], common_pb2.InfoResponse]) -> Service:
+                          info: Callable[[], common_pb2.InfoResponse], max_calls: int | None = None) -> Service:
     """Builds (does not start) a worker's Service: its gRPC server, and, when
     config.redis_url (a RegistryConfig) is set, its membership of `pool` while it serves
-    (without Redis the orchestrator is given worker addresses instead)."""
+    (without Redis the orchestrator is given worker addresses instead). max_calls: the
+    long calls it holds at once (default: one per session)."""
     server, port, health = create_server(
         config.address, register, [service_name],
         # Each Verify, Decode or Speculate stream holds a thread for its rounds (about one
         # per session), plus headroom for unary calls and health checks.
-        max_workers=config.max_sessions + 16,
+        max_workers=(max_calls or config.max_sessions) + 16,
         interceptors=telemetry.current().server_interceptors(),
     )
     service = Service(server, port, health)

@@ -137,7 +137,7 @@ def _round(verifier: Verifier, draft: DraftSession | None, base_len: int, propos
     _apply_to_draft(draft, base_len, result)
     stats = RoundStats(
         0, base_len, len(proposal), result.verdict.num_accepted, len(result.token_ids),
-        result.verdict.next_token_kind, draft_ns, verify_ns, result.target_compute_ns,
+        result.verdict.next_token_kind, draft_ns, verify_ns, result.target_compute_ns, step=result.step,
     )
     return stats, result
 

@@ -5,25 +5,41 @@ through the model are "pending". Logits are computed lazily, for the pending tok
 one forward pass. This makes the draft-lag case free: when every draft token is
 accepted the draft never ran its own last token, which simply stays pending and runs
 with the bonus token in the next pass.
+
+A pass is a `Segment` (speculative.batched_forward): the session hands out what it
+needs run (`pending_segment`, `prefill_segment`) and is told when it ran
+(`segment_done`), so that a scheduler can run the segments of many sessions in one
+batched pass; `logits` and `prefill` run the session's own segment alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Generator, Sequence
+from typing import TypeVar
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from speculative.batched_forward import Segment, SequenceKV, forward_segments, use_ragged_attention
 from speculative.errors import InvalidArgument
+
+T = TypeVar("T")
+
+# Work on a session that needs forward passes: a generator that yields the segments to
+# run, one at a time, is sent each one's logits `[num_logits, vocab_size]` and the
+# pass's time in nanoseconds as (logits, forward_ns), and returns its result.
+ForwardSteps = Generator[Segment, "tuple[torch.Tensor, int]", T]
 
 
 class ModelSession:
     """Token ids and KV cache of one sequence. Not thread-safe: one owner at a time."""
 
     def __init__(self, model: PreTrainedModel, context_length: int):
+        use_ragged_attention(model)
         self._model = model
         self._context_length = context_length  # tokens; the model's positional limit
-        self._cache = DynamicCache(config=model.config)
+        self._kv = SequenceKV()
         self._token_ids: list[int] = []
         self._cached_len = 0  # tokens whose keys and values are in the cache
         self.num_forward_passes = 0
@@ -57,8 +73,8 @@ class ModelSession:
 
     def prefill(self) -> None:
         """Runs all tokens but the last, which stays pending for the first logits call."""
-        if self.length - 1 > self._cached_len:
-            self._forward(self._token_ids[self._cached_len : -1], num_logits=1)
+        while (segment := self.prefill_segment()) is not None:
+            self._run_alone(segment)
 
     def logits(self, num_positions: int) -> torch.Tensor:
         """Logits for the last `num_positions` tokens: [num_positions, vocab_size].
@@ -66,9 +82,29 @@ class ModelSession:
         Runs every pending token through the model in one pass. If fewer tokens are
         pending (e.g. right after a rollback), cached ones are re-run.
         """
+        return self._run_alone(self.pending_segment(num_positions))
+
+    def pending_segment(self, num_positions: int) -> Segment:
+        """The pass that gives logits for the last `num_positions` tokens: every
+        pending token (cached ones re-run if fewer are pending)."""
         assert 1 <= num_positions <= self.length, (num_positions, self.length)
         self._crop_cache(min(self._cached_len, self.length - num_positions))
-        return self._forward(self._token_ids[self._cached_len :], num_logits=num_positions)
+        return Segment(self._kv, self._cached_len, self._token_ids[self._cached_len :], num_positions)
+
+    def prefill_segment(self) -> Segment | None:
+        """The pass that caches every token but the last (no logits), or None when
+        they are cached. A scheduler may run fewer of its tokens (`Segment.trim`): the
+        session then hands out the rest next time."""
+        if self.length - 1 <= self._cached_len:
+            return None
+        return Segment(self._kv, self._cached_len, self._token_ids[self._cached_len : -1], 0)
+
+    def segment_done(self, segment: Segment) -> None:
+        """Records that `segment` (from this session, as last handed out) ran."""
+        assert segment.start == self._cached_len, (segment.start, self._cached_len)
+        self._cached_len += segment.num_tokens
+        self.num_forward_passes += 1
+        self.num_forward_tokens += segment.num_tokens
 
     def truncate_to(self, length: int) -> None:
         """Rolls back to the first `length` tokens (absolute, so a repeat is harmless)."""
@@ -79,25 +115,26 @@ class ModelSession:
 
     def release(self) -> None:
         """Frees the KV cache; the session keeps its tokens and can be re-prefilled."""
-        self._cache = DynamicCache(config=self._model.config)
+        self._kv.clear()
         self._cached_len = 0
 
     def _crop_cache(self, length: int) -> None:
-        if length < self._cached_len:
-            # transformers 5.x: crop takes the negative number of tokens to remove.
-            self._cache.crop(length - self._cached_len)
-            self._cached_len = length
+        # Positions past the cached length are never read: a crop is a new length.
+        self._cached_len = min(self._cached_len, length)
 
-    @torch.inference_mode()
-    def _forward(self, token_ids: list[int], num_logits: int) -> torch.Tensor:
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self._model.device)
-        output = self._model(
-            input_ids=input_ids,
-            cache=self._cache,
-            use_cache=True,
-            logits_to_keep=num_logits,
-        )
-        self._cached_len += len(token_ids)
-        self.num_forward_passes += 1
-        self.num_forward_tokens += len(token_ids)
-        return output.logits[0, -num_logits:]
+    def _run_alone(self, segment: Segment) -> torch.Tensor:
+        logits = forward_segments(self._model, [segment])[0]
+        self.segment_done(segment)
+        return logits
+
+
+def run_alone(model: PreTrainedModel, steps: ForwardSteps[T]) -> T:
+    """Drives `steps` one unbatched forward pass at a time; returns their result."""
+    try:
+        segment = next(steps)
+        while True:
+            start = time.perf_counter_ns()
+            logits = forward_segments(model, [segment])[0]
+            segment = steps.send((logits, time.perf_counter_ns() - start))
+    except StopIteration as done:
+        return done.value

@@ -12,6 +12,18 @@ from speculative.rejection import NextTokenKind
 
 
 @dataclass(frozen=True)
+class StepLoad:
+    """The target's batched step that ran a piece of work, as the work saw it (times in
+    nanoseconds)."""
+
+    queue_ns: int  # waited before its step(s) began: behind other steps, for admission
+    step_ns: int  # wall clock of the step: the whole batch's pass and decisions
+    batch_tokens: int  # tokens in the step, over every session in it
+    batch_sessions: int  # sessions in the step
+    waiting_sessions: int  # sessions with work on the worker when the step began
+
+
+@dataclass(frozen=True)
 class RoundStats:
     index: int  # 0-based round number within the request
     base_len: int  # committed length the proposal extended, in tokens
@@ -25,6 +37,7 @@ class RoundStats:
     # The target decoded this token alone, streamed (the adaptive policy found that
     # faster than drafting): no proposal, and verify_ns is the time since the last token.
     streamed: bool = False
+    step: StepLoad | None = None  # the target's batched step (None: not reported)
 
 
 @dataclass
@@ -42,6 +55,7 @@ class GenerationStats:
     verify_ns: int = 0  # round trips to the target, in nanoseconds
     target_compute_ns: int = 0  # the target's own compute within verify_ns, in nanoseconds
     total_ns: int = 0  # wall time of the whole request, in nanoseconds
+    queue_ns: int = 0  # waited on the target before its steps began, in nanoseconds
 
     def record_round(self, round_stats: RoundStats) -> None:
         self.num_rounds += 1
@@ -58,6 +72,8 @@ class GenerationStats:
         self.draft_ns += round_stats.draft_ns
         self.verify_ns += round_stats.verify_ns
         self.target_compute_ns += round_stats.target_compute_ns
+        if round_stats.step is not None:
+            self.queue_ns += round_stats.step.queue_ns
 
     @property
     def acceptance_rate(self) -> float:

@@ -2,6 +2,11 @@
 
 `TargetSession` is what the target service holds per session and what the in-process
 generator calls directly. Target-only decoding is the same call with no draft tokens.
+
+Each call that needs the model comes in two forms: `verify(...)` runs its pass alone;
+`verify_steps(...)` is the same work as ForwardSteps (speculative.model_session), so
+that the target worker's step scheduler runs its pass batched with other sessions'.
+The session's decision, sampling generator and rollback are the same either way.
 """
 
 from __future__ import annotations
@@ -10,12 +15,15 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.loading import LoadedModel
-from speculative.model_session import ModelSession
+from speculative.model_session import ForwardSteps, ModelSession, run_alone
 from speculative.rejection import Verdict, check_draft_probs, check_draft_tokens, verify_greedy, verify_sampled
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
+from speculative.stats import StepLoad
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,7 @@ class VerifyResult:
     committed_len: int  # the session's committed length afterwards, in tokens
     stopped: bool  # a stop token ended the round
     target_compute_ns: int  # forward pass and decision, in nanoseconds
+    step: StepLoad | None = None  # the batched step that ran it (None: run alone)
 
 
 def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int, context_length: int) -> None:
@@ -54,17 +63,29 @@ def check_vocabulary(token_ids: Sequence[int], vocab_size: int) -> None:
 class TargetSession:
     """One sequence on the target model and the request's sampling state."""
 
-    def __init__(self, loaded: LoadedModel, prompt_token_ids: Sequence[int], params: SamplingParams):
+    def __init__(self, loaded: LoadedModel, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 prefill: bool = True):
+        """prefill=False leaves the prompt to `prefill_steps` (a scheduler runs it)."""
         check_prompt(prompt_token_ids, loaded.vocab_size, loaded.context_length)
+        self.model = loaded.model
         self.vocab_size = loaded.vocab_size
         self.context_length = loaded.context_length
         self.params = params.validate()
         self.generator = make_generator(params.seed)
         self.session = ModelSession(loaded.model, loaded.context_length)
         self.session.append(prompt_token_ids)
-        start = time.perf_counter_ns()
-        self.session.prefill()
-        self.prefill_ns = time.perf_counter_ns() - start
+        self.prefill_ns = 0  # time of the prompt's prefill, in nanoseconds
+        if prefill:
+            start = time.perf_counter_ns()
+            self.session.prefill()
+            self.prefill_ns = time.perf_counter_ns() - start
+
+    def prefill_steps(self) -> ForwardSteps[None]:
+        """Caches every token but the last, in as many passes as the scheduler cuts it
+        into."""
+        while (segment := self.session.prefill_segment()) is not None:
+            yield segment
+            self.session.segment_done(segment)
 
     @property
     def length(self) -> int:
@@ -82,19 +103,36 @@ class TargetSession:
         base_len must equal the committed length: a stale or repeated proposal raises
         StaleProposal and changes nothing.
         """
+        return run_alone(self.model, self.verify_steps(base_len, draft_token_ids, draft_probs))
+
+    def verify_steps(
+        self,
+        base_len: int,
+        draft_token_ids: Sequence[int],
+        draft_probs: Sequence[SparseProbs] | None = None,
+    ) -> ForwardSteps[VerifyResult]:
+        """`verify` as one forward pass for a scheduler to run."""
         if base_len != self.length:
             raise StaleProposal(
                 f"proposal extends length {base_len} but the session has {self.length} "
                 "committed tokens"
             )
         self._check_proposal(draft_token_ids, draft_probs)
-        start = time.perf_counter_ns()
         self.session.append(draft_token_ids)
-        verdict = self._decide(draft_token_ids, draft_probs)
+        segment = self.session.pending_segment(len(draft_token_ids) + 1)
+        try:
+            logits, forward_ns = yield segment  # logits: [k + 1, vocab_size]
+        except BaseException:  # the pass failed: the proposal was never applied
+            self.session.truncate_to(base_len)
+            raise
+        start = time.perf_counter_ns()
+        self.session.segment_done(segment)
+        verdict = self._decide(draft_token_ids, draft_probs, logits)
         token_ids, stopped = self._cut_at_stop(verdict.committed_tokens(draft_token_ids))
         self.session.truncate_to(base_len + min(verdict.num_accepted, len(token_ids)))
         self.session.append(token_ids[verdict.num_accepted :])
-        return VerifyResult(verdict, token_ids, self.length, stopped, time.perf_counter_ns() - start)
+        compute_ns = forward_ns + time.perf_counter_ns() - start
+        return VerifyResult(verdict, token_ids, self.length, stopped, compute_ns)
 
     def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
         """Target-only decoding: up to max_tokens one-token passes from base_len,
@@ -115,8 +153,7 @@ class TargetSession:
             return True
         return until is not None and until.matches(self.session.token_ids)
 
-    def _decide(self, draft_token_ids, draft_probs) -> Verdict:
-        logits = self.session.logits(len(draft_token_ids) + 1)  # [k + 1, vocab_size]
+    def _decide(self, draft_token_ids, draft_probs, logits: torch.Tensor) -> Verdict:
         if self.params.greedy:
             return verify_greedy(draft_token_ids, logits)
         if draft_probs is None:  # a deterministic proposal: one-hot distributions
@@ -153,6 +190,10 @@ class TargetSession:
 
     def extend(self, base_len: int, token_ids: Sequence[int]) -> None:
         """Appends new input (the next turn) and prefills it, reusing the KV cache."""
+        run_alone(self.model, self.extend_steps(base_len, token_ids))
+
+    def extend_steps(self, base_len: int, token_ids: Sequence[int]) -> ForwardSteps[None]:
+        """`extend` as forward passes for a scheduler to run."""
         if base_len != self.length:
             raise StaleProposal(
                 f"extend at length {base_len} but the session has {self.length} committed tokens"
@@ -160,7 +201,7 @@ class TargetSession:
         check_room(self.length + len(token_ids), self.context_length)
         check_vocabulary(token_ids, self.vocab_size)  # the committed tokens were checked
         self.session.append(token_ids)
-        self.session.prefill()
+        yield from self.prefill_steps()
 
     def set_sampling(self, params: SamplingParams) -> None:
         """New sampling params from now on; a seed restarts the generator."""

@@ -43,6 +43,18 @@ class TargetConfig(RegistryConfig, TelemetryConfig):
     # SmolLM2-135M in fp32 that is 256 Ki * (30 layers * 2 * 3 kv heads * 64 * 4 bytes)
     # = 11.25 GiB; size it to the host's memory for other models.
     max_cached_tokens: int = _option(262144, "KV cache budget over all sessions, in tokens")
+    # Calls doing model work at once (prefills, Verify and Decode streams): the sessions
+    # that share each batched step. A step's time grows with its batch, so this bounds
+    # every running session's time per token; 32 keeps SmolLM2-135M on 2 CPU cores
+    # under a second per step.
+    max_running: int = _option(32, "calls doing model work at once; more wait in a queue")
+    # Calls that wait for a running slot (each within its own deadline); past this a
+    # call gets RESOURCE_EXHAUSTED at once, so its client can go elsewhere.
+    max_queued: int = _option(64, "calls waiting for a running slot; more are refused")
+    # Tokens one batched forward pass runs, over all its sessions: room for every
+    # running session's largest proposal (32 x (16 + 1) = 544 rounds down to 512 with
+    # typical k), prefill chunks filling the rest.
+    max_batch_tokens: int = _option(512, "tokens per batched forward pass (prefill is chunked to fit)")
     # Used when a request leaves max_new_tokens at 0: long enough for a paragraph,
     # short enough that a forgotten limit does not hold a worker for minutes.
     default_max_new_tokens: int = _option(256, "max_new_tokens of requests that leave it at 0")

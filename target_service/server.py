@@ -6,7 +6,7 @@ import logging
 
 from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import SpeculativeError
-from speculative.compute_thread import ComputeThread
+from speculative.step_scheduler import StepScheduler
 from speculative.loading import LoadedModel, configure_threads, load_model
 from speculative.warmup import warm_up
 from service_common import server as common_server
@@ -15,6 +15,7 @@ from service_common.config import parse
 from service_common.convert import model_info
 from service_common.logs import configure_logging
 from service_common.registry import create_worker_service
+from target_service.admission import Admission
 from target_service.config import ENV_PREFIX, TargetConfig
 from target_service.servicer import TargetServicer
 from target_service.sessions import SessionCache
@@ -27,22 +28,29 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None) -> common_server.Service:
     """Builds (does not start) the server; loads config.model unless a model is given.
     With config.redis_url the worker joins the target pool once it serves."""
-    # The model is loaded, and every forward pass run, on one thread (see ComputeThread).
-    compute = ComputeThread("target-compute")
+    # The model is loaded, and every forward pass run, on one thread: the step
+    # scheduler, which batches the work of all sessions (speculative/step_scheduler.py).
+    admission = Admission(config.max_running, config.max_queued)
+    compute = StepScheduler(max_batch_tokens=config.max_batch_tokens, name="target-compute",
+                            expected_jobs=lambda: admission.load().running)
     compute.run(configure_threads, config.threads)
     loaded = loaded_model or compute.run(
         load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None
     )
+    compute.model = loaded.model
     log.info("warmed up in %.2f s", compute.run(warm_up, loaded) * 1e-9)
     servicer = TargetServicer(
         SessionCache(loaded, config.max_sessions, config.max_cached_tokens, compute),
         worker_id=config.resolved_worker_id(),
         model_info=model_info(loaded, describe_device(loaded)),
         default_max_new_tokens=config.default_max_new_tokens,
+        admission=admission,
     )
     service = create_worker_service(
         config, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s), SERVICE_NAME,
         orchestrator_pb2.WORKER_POOL_TARGET, lambda: servicer.Info(common_pb2.InfoRequest(), None),
+        # A thread per call running or queued, besides the sessions' other calls.
+        max_calls=max(config.max_sessions, config.max_running + config.max_queued),
     )
     servicer.worker_address = config.resolved_advertise_address(service.port)
     return service

@@ -1,8 +1,10 @@
 """`specdec.v1.TargetService`: protos in, core calls, protos out.
 
-The logic lives in `speculative.target.TargetSession` (verification, rollback) and
-`target_service.sessions.SessionCache` (budget, eviction, locks); every handler maps the
-core's errors to gRPC statuses through `rpc_errors`.
+The logic lives in `speculative.target.TargetSession` (verification, rollback),
+`target_service.sessions.SessionCache` (budget, eviction, locks), the step scheduler
+that batches every session's forward passes (speculative.step_scheduler) and
+`target_service.admission.Admission` (how many calls run at once); every handler maps
+the core's errors to gRPC statuses through `rpc_errors`.
 
 Spans (service_common.telemetry; no-ops when telemetry is off): `specdec.prefill` in
 OpenSession and Extend, `specdec.verify` per proposal (a child of the Verify server
@@ -22,11 +24,14 @@ from opentelemetry import trace
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, StaleProposal
+from speculative.model_session import ForwardSteps
 from speculative.sampling import SamplingParams
+from speculative.step_scheduler import StepLoad
 from speculative.target import TargetSession, VerifyResult
 from service_common.convert import NEXT_TOKEN_KIND_TO_PROTO, lookup_stop_from_proto, sampling_from_proto, sparse_from_proto
 from service_common import telemetry
 from service_common.status import rpc_errors
+from target_service.admission import Admission
 from target_service.sessions import SessionCache
 
 log = logging.getLogger(__name__)
@@ -41,8 +46,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         model_info: common_pb2.ModelInfo,
         default_max_new_tokens: int,
         worker_address: str = "",  # set once the server has bound its port
+        admission: Admission | None = None,
     ):
         self.sessions = sessions
+        self.admission = admission or Admission(max_running=sessions.max_sessions, max_queued=0)
         self.worker_id = worker_id
         self.worker_address = worker_address
         self.model_info = model_info
@@ -54,9 +61,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         params = self._sampling(request.sampling)
         session_id = request.session_id or uuid.uuid4().hex
         prompt_token_ids = list(request.prompt_token_ids)
-        with _prefill_span(session_id, 0, len(prompt_token_ids)) as span:
-            prefill_ns = self.sessions.open(session_id, prompt_token_ids, params)
-            span.set_attribute("specdec.prefill_ns", prefill_ns)
+        with (self._admitted(context) as waited_ns,
+              _prefill_span(session_id, 0, len(prompt_token_ids)) as span):
+            prefill_ns, _ = self.sessions.open(session_id, prompt_token_ids, params)
+            span.set_attributes({"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns})
         log.debug("opened session", extra={"fields": {"session_id": session_id, "prompt_len": len(prompt_token_ids)}})
         handle = common_pb2.KvHandle(
             worker_id=self.worker_id, worker_address=self.worker_address,
@@ -66,51 +74,58 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Extend(self, request, context):
-        with (self.sessions.use(request.session_id, growth=len(request.token_ids)) as target,
+        with (self._admitted(context) as waited_ns,
+              self.sessions.use(request.session_id, growth=len(request.token_ids)) as target,
               _prefill_span(request.session_id, request.base_len, len(request.token_ids)) as span):
             start = time.perf_counter_ns()
-            self.sessions.compute.run(target.extend, request.base_len, list(request.token_ids))
+            self.sessions.compute.submit(target.extend_steps(request.base_len, list(request.token_ids)))
             prefill_ns = time.perf_counter_ns() - start
-            span.set_attribute("specdec.prefill_ns", prefill_ns)
+            span.set_attributes({"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns})
             return common_pb2.ExtendResponse(committed_len=target.length, prefill_ns=prefill_ns)
 
     @rpc_errors
     def Verify(self, request_iterator, context):
-        for proposal in request_iterator:
-            with tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
-                verdict = self._verify(proposal)
-                if span.is_recording():
-                    span.set_attributes(_verify_attributes(proposal, verdict))
-            yield verdict
+        with contextlib.ExitStack() as admitted:
+            for index, proposal in enumerate(request_iterator):
+                # The stream takes its running slot with its first proposal.
+                waited_ns = admitted.enter_context(self._admitted(context)) if index == 0 else 0
+                with tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
+                    verdict = self._verify(proposal, waited_ns)
+                    if span.is_recording():
+                        span.set_attributes(_verify_attributes(proposal, verdict))
+                yield verdict
 
     @rpc_errors
     def Decode(self, request, context):
         length, max_new_tokens, until = self._start_decode(request)
         timing = _DecodeTiming()
-        try:
-            for _ in range(max_new_tokens):
-                if not context.is_active():  # the client cancelled: stop computing for it
-                    return
-                with tracer.start_as_current_span(telemetry.DECODE_SPAN) as span:
-                    start_ns = time.perf_counter_ns()
-                    with self.sessions.use(request.session_id, growth=1) as target:
-                        if length >= target.context_length:
-                            return
-                        result, ends = self.sessions.compute.run(_decode_one, target, length, until)
-                    timing.add(time.perf_counter_ns() - start_ns)
-                    if span.is_recording():
-                        span.set_attributes({
-                            "specdec.session_id": request.session_id, "specdec.base_len": length,
-                            "specdec.target_compute_ns": result.target_compute_ns,
-                        })
-                length = result.committed_len
-                yield target_pb2.DecodeToken(
-                    token_id=result.token_ids[0], committed_len=length, compute_ns=result.target_compute_ns
-                )
-                if ends:
-                    return
-        finally:
-            timing.record()
+        with self._admitted(context) as waited_ns:
+            try:
+                for _ in range(max_new_tokens):
+                    if not context.is_active():  # the client cancelled: stop computing for it
+                        return
+                    with tracer.start_as_current_span(telemetry.DECODE_SPAN) as span:
+                        start_ns = time.perf_counter_ns()
+                        with self.sessions.use(request.session_id, growth=1) as target:
+                            if length >= target.context_length:
+                                return
+                            (result, ends), load = self.sessions.compute.submit(_decode_one(target, length, until))
+                        timing.add(time.perf_counter_ns() - start_ns)
+                        if span.is_recording():
+                            span.set_attributes({
+                                "specdec.session_id": request.session_id, "specdec.base_len": length,
+                                "specdec.target_compute_ns": result.target_compute_ns, **_load_attributes(load),
+                            })
+                    length = result.committed_len
+                    yield target_pb2.DecodeToken(
+                        token_id=result.token_ids[0], committed_len=length, compute_ns=result.target_compute_ns,
+                        step=_step_proto(load, waited_ns),
+                    )
+                    waited_ns = 0
+                    if ends:
+                        return
+            finally:
+                timing.record()
 
     @rpc_errors
     def Truncate(self, request, context):
@@ -133,12 +148,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @rpc_errors
     def Info(self, request, context):
         load = self._load()
+        admission = self.admission.load()
         return common_pb2.InfoResponse(
             worker_id=self.worker_id,
             model=self.model_info,
             load=common_pb2.WorkerLoad(
                 active_sessions=load.active_sessions, max_sessions=load.max_sessions,
                 cached_tokens=load.cached_tokens, max_cached_tokens=load.max_cached_tokens,
+                queued_calls=admission.queued, running_calls=admission.running,
+                max_running=self.admission.max_running,
+                mean_batch_tokens=self.sessions.compute.occupancy(),
+                max_batch_tokens=self.sessions.compute.max_batch_tokens,
             ),
         )
 
@@ -149,9 +169,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             cached_tokens=load.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
         )
 
+    @contextlib.contextmanager
+    def _admitted(self, context) -> Iterator[int]:
+        """A running slot for the call (see Admission); yields how long it waited for
+        it, in nanoseconds."""
+        remaining = context.time_remaining() if context is not None else None
+        waited_ns = self.admission.acquire(remaining)
+        try:
+            yield waited_ns
+        finally:
+            self.admission.release()
+
     # Verify: one proposal -> one verdict.
 
-    def _verify(self, proposal: target_pb2.Proposal) -> target_pb2.Verdict:
+    def _verify(self, proposal: target_pb2.Proposal, waited_ns: int = 0) -> target_pb2.Verdict:
         # 1. Parse and validate what needs no session.
         sampling = self._sampling(proposal.sampling) if proposal.HasField("sampling") else None
         draft_probs = [sparse_from_proto(d) for d in proposal.draft_distributions] or None
@@ -164,10 +195,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     "base_len": proposal.base_len, "committed_len": target.length,
                 }})
                 return _echo(proposal, discarded=True, committed_len=target.length)
-            # 3. One forward pass, the acceptance rule and the rollback, in the core.
+            # 3. One forward pass (batched with other sessions'), the acceptance rule and
+            #    the rollback, in the core.
             with _sampling_applied(target, sampling):
-                result = self.sessions.compute.run(target.verify, proposal.base_len, draft_token_ids, draft_probs)
-            return _verdict(proposal, result, target.context_length)
+                result, load = self.sessions.compute.submit(
+                    target.verify_steps(proposal.base_len, draft_token_ids, draft_probs))
+            verdict = _verdict(proposal, result, target.context_length)
+            verdict.step.CopyFrom(_step_proto(load, waited_ns))
+            return verdict
 
     def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int, LookupStop | None]:
         """Checks base_len, applies the call's sampling; returns (base_len, tokens to
@@ -190,11 +225,31 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return sampling_from_proto(message, self.default_max_new_tokens)
 
 
-def _decode_one(target: TargetSession, base_len: int, until: LookupStop | None) -> tuple[VerifyResult, bool]:
-    """One token decoded alone, and whether the stream ends after it (on the compute
-    thread, as the lookup scans a tensor)."""
-    result = target.verify(base_len, [])
+def _decode_one(target: TargetSession, base_len: int, until: LookupStop | None) -> ForwardSteps[tuple[VerifyResult, bool]]:
+    """One token decoded by the target alone, and whether the stream ends after it (on
+    the compute thread, as the lookup scans a tensor)."""
+    result = yield from target.verify_steps(base_len, [])
     return result, target.decoding_ends(result, until)
+
+
+def _step_proto(load: StepLoad | None, admission_wait_ns: int = 0) -> common_pb2.StepLoad:
+    """The step a call's work ran in; the call's wait for admission counts as queueing."""
+    if load is None:
+        return common_pb2.StepLoad(queue_ns=admission_wait_ns)
+    return common_pb2.StepLoad(
+        queue_ns=load.queue_ns + admission_wait_ns, step_ns=load.step_ns, batch_tokens=load.batch_tokens,
+        batch_sessions=load.batch_sessions, waiting_sessions=load.waiting_sessions,
+    )
+
+
+def _load_attributes(load: StepLoad | None) -> dict:
+    """Span attributes of the step that ran a call's work."""
+    if load is None:
+        return {}
+    return {
+        "specdec.queue_ns": load.queue_ns, "specdec.step_ns": load.step_ns,
+        "specdec.batch_tokens": load.batch_tokens, "specdec.batch_sessions": load.batch_sessions,
+    }
 
 
 def _prefill_span(session_id: str, base_len: int, num_tokens: int):
@@ -215,6 +270,10 @@ def _verify_attributes(proposal: target_pb2.Proposal, verdict: target_pb2.Verdic
         "specdec.accepted": verdict.num_accepted,
         "specdec.committed": max(0, verdict.committed_len - proposal.base_len) if not verdict.discarded else 0,
         "specdec.target_compute_ns": verdict.target_compute_ns,
+        "specdec.queue_ns": verdict.step.queue_ns,
+        "specdec.step_ns": verdict.step.step_ns,
+        "specdec.batch_tokens": verdict.step.batch_tokens,
+        "specdec.batch_sessions": verdict.step.batch_sessions,
     }
 
 

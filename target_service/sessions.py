@@ -14,13 +14,10 @@ Locks, always taken in this order, never the other way:
    never released under a forward pass. A caller waits for victims' locks while holding
    no session lock, except `open`, whose victims are all older than its new session:
    such waits cannot form a cycle.
-3. The model's `ComputeThread` (speculative/compute_thread.py): every forward pass runs
-   on it, one at a time. On a CPU, torch already
-   spreads one forward over every core, so two concurrent forwards only contend for them
-   (both get slower, and target_compute_ns would measure the contention); on a GPU the
-   kernels of one process share the device anyway, and accelerate's device_map hooks are
-   not meant for concurrent forwards. Batching the proposals of many sessions into one
-   forward pass is the way to use the hardware better, not threads.
+3. The model's `StepScheduler` (speculative/step_scheduler.py): every forward pass runs
+   on its thread, the work of every session that has some batched into one pass per
+   step. A caller holds its session's lock while its work waits for and runs in a
+   step, so a session has at most one job in the scheduler.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 from collections.abc import Iterator, Sequence
@@ -35,11 +33,10 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from speculative.compute_thread import ComputeThread
-
 from speculative.errors import InvalidArgument, NotFound, ResourceExhausted
 from speculative.loading import LoadedModel
 from speculative.sampling import SamplingParams
+from speculative.step_scheduler import StepLoad, StepScheduler
 from speculative.target import TargetSession, check_prompt
 from service_common.status import AlreadyExists
 
@@ -69,7 +66,7 @@ class SessionCache:
     """Thread-safe table of TargetSessions keyed by session id, with LRU eviction."""
 
     def __init__(self, loaded: LoadedModel, max_sessions: int, max_cached_tokens: int,
-                 compute: ComputeThread | None = None):
+                 compute: StepScheduler | None = None):
         if max_sessions < 1 or max_cached_tokens < 1:
             raise InvalidArgument(
                 f"max_sessions and max_cached_tokens must be >= 1, got {max_sessions} and {max_cached_tokens}"
@@ -77,20 +74,26 @@ class SessionCache:
         self.loaded = loaded
         self.max_sessions = max_sessions
         self.max_cached_tokens = max_cached_tokens
-        self.compute = compute or ComputeThread()
+        self.compute = compute or StepScheduler(loaded.model)
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._evicted: OrderedDict[str, None] = OrderedDict()
 
-    def open(self, session_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
-        """Creates and prefills a session; returns the prefill time in nanoseconds."""
+    def open(self, session_id: str, prompt_token_ids: Sequence[int],
+             params: SamplingParams) -> tuple[int, StepLoad | None]:
+        """Creates and prefills a session (in the scheduler's steps); returns the
+        prefill's wall time in nanoseconds and its steps' load."""
         check_prompt(prompt_token_ids, self.loaded.vocab_size, self.loaded.context_length)
         growth = len(prompt_token_ids)
         entry, victims = self._insert(session_id, growth)  # entry comes locked
         try:
             self._release(victims)
-            entry.target = self.compute.run(TargetSession, self.loaded, prompt_token_ids, params)
-            return entry.target.prefill_ns
+            start = time.perf_counter_ns()
+            target = TargetSession(self.loaded, prompt_token_ids, params, prefill=False)
+            _, load = self.compute.submit(target.prefill_steps())
+            target.prefill_ns = time.perf_counter_ns() - start
+            entry.target = target
+            return target.prefill_ns, load
         except BaseException:
             self._forget(entry)
             raise
@@ -101,7 +104,7 @@ class SessionCache:
     @contextlib.contextmanager
     def use(self, session_id: str, growth: int = 0) -> Iterator[TargetSession]:
         """The session, locked for the caller, with room reserved for `growth` more
-        tokens. Run forward passes through `compute`."""
+        tokens. Submit its forward passes to `compute`."""
         entry, victims = self._reserve(session_id, growth)
         try:
             self._release(victims)

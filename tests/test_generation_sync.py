@@ -52,6 +52,9 @@ class Context:
     def is_active(self):
         return True
 
+    def time_remaining(self):
+        return None  # no client deadline
+
 
 def _worker(pool: str, stub: FakeWorker) -> Worker:
     return Worker(pool, orchestrator_pb2.Worker(worker_id=pool, address=f"{pool}:1"), stub)

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from draft_service.remote_verifier import RemoteVerifier
+from service_common.deadlines import Deadline
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.sampling import SamplingParams
 
@@ -60,7 +61,8 @@ def scripted_target():
 
 
 def _verifier(stub, address: str) -> RemoteVerifier:
-    return RemoteVerifier(stub, address, "session-1", SamplingParams(), first_round=0, timeout_s=WAIT_S)
+    return RemoteVerifier(stub, address, "session-1", SamplingParams(), first_round=0,
+                          deadline=Deadline(WAIT_S), stall_timeout_s=WAIT_S)
 
 
 def test_no_stream_is_opened_without_a_proposal(scripted_target):

@@ -290,8 +290,11 @@ def test_info_reports_model_and_load(stub, tiny_target, prompt_ids):
     after = _info(stub).load
     assert after.active_sessions == before.load.active_sessions + 1
     assert after.cached_tokens == before.load.cached_tokens + len(ids)
+    assert (after.max_running, after.max_batch_tokens) == (32, 512)
+    assert after.mean_batch_tokens > 0  # the prefill ran as a step
     _close(stub, session_id)
-    assert _info(stub).load == before.load
+    closed = _info(stub).load
+    assert (closed.active_sessions, closed.cached_tokens) == (before.load.active_sessions, before.load.cached_tokens)
 
 
 def test_decode_stops_when_the_client_cancels(stub, prompt_ids):

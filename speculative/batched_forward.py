@@ -1,0 +1,175 @@
+"""One forward pass over the new tokens of many sequences: ragged rows, own KV caches.
+
+Layout (the "why" of docs/architecture.md, Batching):
+- The new tokens of every sequence in a step are concatenated into ONE row,
+  `[1, total_tokens]`, with each token's own absolute position. The linears, which
+  are nearly all of a forward pass's cost on a CPU and most of it on a GPU at small
+  batch, run once over all of them with no padding.
+- Each sequence keeps its keys and values in its own contiguous tensors per layer
+  (`SequenceKV`), grown by chunks. Attention runs per sequence, its queries against
+  views of its own cache: no gather of every sequence's cache into one padded tensor
+  per step (what a slot-copy or an sdpa-over-paged design pays in memory traffic),
+  and rollback is setting a length, never copying.
+- The per-sequence attention loop is the price: a few small kernels per sequence per
+  layer, cheap next to the linears at the batch sizes one worker runs.
+
+The attention function is registered with transformers (`AttentionInterface`) under
+RAGGED_ATTENTION and installed on the model (`use_ragged_attention`); called without a
+ragged batch (e.g. by `generate`), it is plain sdpa, so the model stays usable as
+before. Works for every decoder whose attention layers call the attention interface
+with post-rotary keys (Llama, Qwen2, Mistral, ...), on any device, with device_map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+RAGGED_ATTENTION = "specdec_ragged"
+KV_GROWTH_TOKENS = 256  # a cache grows by at least this many tokens: few reallocations
+# Mask creation sees this 4D "mask" and passes it through untouched; the ragged
+# attention builds each sequence's causal mask itself.
+_NO_MASK = torch.empty(1, 1, 0, 0, dtype=torch.bool)
+
+
+class SequenceKV:
+    """Keys and values of one sequence, per layer: `[num_kv_heads, capacity, head_dim]`
+    tensors on the layer's device. The owner tracks how many positions are valid;
+    truncation is the owner lowering that number."""
+
+    def __init__(self):
+        self._keys: dict[int, torch.Tensor] = {}
+        self._values: dict[int, torch.Tensor] = {}
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores `[num_kv_heads, t, head_dim]` keys and values at positions
+        start..start+t; returns views of positions 0..start+t."""
+        end = start + keys.shape[1]
+        cached_keys = self._room(self._keys, layer, keys, end)
+        cached_values = self._room(self._values, layer, values, end)
+        cached_keys[:, start:end] = keys
+        cached_values[:, start:end] = values
+        return cached_keys[:, :end], cached_values[:, :end]
+
+    @staticmethod
+    def _room(store: dict[int, torch.Tensor], layer: int, like: torch.Tensor, end: int) -> torch.Tensor:
+        current = store.get(layer)
+        if current is not None and current.shape[1] >= end:
+            return current
+        capacity = max(end, (current.shape[1] * 2 if current is not None else 0), KV_GROWTH_TOKENS)
+        grown = like.new_empty(like.shape[0], capacity, like.shape[2])
+        if current is not None:
+            grown[:, : current.shape[1]] = current
+        store[layer] = grown
+        return grown
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._values.clear()
+
+    def capacity(self) -> int:
+        """Positions allocated (in the first layer), in tokens."""
+        return next(iter(self._keys.values())).shape[1] if self._keys else 0
+
+
+@dataclass
+class Segment:
+    """One sequence's part of a batched step: its new tokens, where they start, and
+    how many of the last positions need logits."""
+
+    kv: SequenceKV
+    start: int  # position of the first new token = tokens already cached
+    token_ids: list[int]  # [t] the new tokens
+    num_logits: int  # logits for the last num_logits new tokens; 0 = none (prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def trim(self, num_tokens: int) -> None:
+        """Keeps the first `num_tokens` new tokens (a prefill chunk; in place, so the
+        session that handed the segment out sees what ran)."""
+        assert self.num_logits == 0 and 1 <= num_tokens, (self.num_logits, num_tokens)
+        del self.token_ids[num_tokens:]
+
+
+@dataclass
+class _RaggedBatch:
+    segments: Sequence[Segment]
+    offsets: list[int]  # [num_segments + 1] row offsets of each segment's tokens
+    masks: list[torch.Tensor | None]  # [num_segments] causal masks [t, start + t]
+
+
+def use_ragged_attention(model: PreTrainedModel) -> None:
+    """Installs the ragged attention on a loaded model (idempotent)."""
+    AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
+    AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
+    if model.config._attn_implementation != RAGGED_ATTENTION:
+        model.set_attn_implementation(RAGGED_ATTENTION)
+
+
+@torch.inference_mode()
+def forward_segments(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.Tensor]:
+    """Runs every segment's new tokens in one forward pass, writing their keys and
+    values into each segment's cache; returns each segment's logits,
+    `[num_logits, vocab_size]` (empty for num_logits 0)."""
+    if model.config._attn_implementation != RAGGED_ATTENTION:
+        use_ragged_attention(model)
+    device = model.device
+    offsets = [0]
+    for segment in segments:
+        offsets.append(offsets[-1] + segment.num_tokens)
+    input_ids = torch.tensor([[t for s in segments for t in s.token_ids]], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in segments]).to(device)
+    keep = [offsets[i + 1] - s.num_logits + j for i, s in enumerate(segments) for j in range(s.num_logits)]
+    masks = [_causal_mask(s.start, s.num_tokens, device) for s in segments]
+    output = model(
+        input_ids=input_ids,
+        position_ids=positions.unsqueeze(0),
+        attention_mask=_NO_MASK.to(device),
+        use_cache=False,
+        logits_to_keep=torch.tensor(keep or [0], device=device),
+        ragged_batch=_RaggedBatch(segments, offsets, masks),
+    )
+    logits = output.logits[0]  # [len(keep), vocab_size]
+    results, row = [], 0
+    for segment in segments:
+        results.append(logits[row : row + segment.num_logits])
+        row += segment.num_logits
+    return results
+
+
+def _causal_mask(start: int, num_tokens: int, device: torch.device) -> torch.Tensor | None:
+    """[t, start + t] booleans: new token j sees positions 0..start + j. None for one
+    token, which sees everything."""
+    if num_tokens == 1:
+        return None
+    keys = torch.arange(start + num_tokens, device=device)
+    queries = torch.arange(start, start + num_tokens, device=device)
+    return keys[None, :] <= queries[:, None]
+
+
+def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      ragged_batch: _RaggedBatch | None = None, **kwargs):
+    """query `[1, num_heads, T, head_dim]`, key and value `[1, num_kv_heads, T, head_dim]`
+    for the step's new tokens -> `[1, T, num_heads, head_dim]`, as sdpa_attention_forward."""
+    if ragged_batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    output = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+    gqa = query.shape[1] != key.shape[1]
+    offsets = ragged_batch.offsets
+    for i, segment in enumerate(ragged_batch.segments):
+        a, b = offsets[i], offsets[i + 1]
+        keys, values = segment.kv.write(module.layer_idx, segment.start, key[0, :, a:b], value[0, :, a:b])
+        attended = F.scaled_dot_product_attention(
+            query[:, :, a:b], keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=ragged_batch.masks[i], scale=scaling, enable_gqa=gqa,
+        )  # [1, num_heads, t, head_dim]
+        output[0, a:b] = attended[0].transpose(0, 1)
+    return output, None

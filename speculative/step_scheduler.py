@@ -1,0 +1,224 @@
+"""The target worker's compute thread as a step scheduler: continuous batching.
+
+Every call that needs the model hands its work in as ForwardSteps
+(speculative.model_session): a generator that yields one Segment per forward pass and
+decides on the logits it is sent. Each step, the scheduler gathers the next segment of
+every job that has one, up to `max_batch_tokens`, runs them in ONE forward pass
+(speculative.batched_forward), and resumes each job with its logits; a job that
+yields again joins a later step. Steps follow one another with no waiting for a batch
+to fill: whatever arrived during a step joins the next.
+
+Rules:
+- Running sessions first: segments that need logits (proposals, decode steps) are
+  taken oldest first; prefill chunks fill the rest of the budget, cut to fit (a
+  prompt's prefill is spread over steps and never stalls the sessions decoding).
+- The oldest job always gets into a step, whatever its size: nothing starves.
+- A step waits for stragglers, briefly: it starts once every running call has work
+  (`expected_jobs`), or GATHER_SHARE of the last step's time after the previous step
+  ended, whichever comes first. A call's next work arrives a little after its last
+  result (the stream's next message, a draft's next proposal); without the wait it
+  would just miss each step and run in every other one.
+- A job's own state (its session, sampling generator, rollback) is touched only by its
+  generator, on this thread; batching changes which pass computes a segment, never
+  what the job decides.
+
+Also runs plain functions between steps (`run`): loading, warm-up. Why one thread at
+all: see speculative/compute_thread.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from transformers import PreTrainedModel
+
+from speculative.batched_forward import Segment, forward_segments
+from speculative.errors import InvalidArgument
+from speculative.model_session import ForwardSteps
+from speculative.stats import StepLoad
+
+T = TypeVar("T")
+
+# Steps remembered for the batch occupancy a worker reports (WorkerLoad).
+RECENT_STEPS = 64
+# The longest a step waits for calls that have no work yet, as a share of the last
+# step's time: what everyone in the step may lose, against a whole step lost by each
+# straggler that arrives within it.
+GATHER_SHARE = 0.1
+
+
+class _Job:
+    def __init__(self, steps: ForwardSteps):
+        self.steps = steps
+        self.future: Future = Future()
+        self.segment: Segment | None = None  # the pass it waits for
+        self.ready_ns = time.perf_counter_ns()  # since when it waits for a step
+        self.queue_ns = 0
+        self.load: StepLoad | None = None
+
+    @property
+    def prefill(self) -> bool:
+        return self.segment is not None and self.segment.num_logits == 0
+
+    def advance(self, value=None) -> bool:
+        """Resumes the generator (first call: value None); False once it is done, its
+        outcome kept for `finish`."""
+        try:
+            self.segment = self.steps.send(value) if value is not None else next(self.steps)
+        except StopIteration as done:
+            self._outcome = (True, done.value)
+            return False
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            self._outcome = (False, error)
+            return False
+        self.ready_ns = time.perf_counter_ns()
+        return True
+
+    def finish(self) -> None:
+        """Hands the outcome to the caller."""
+        succeeded, value = self._outcome
+        if succeeded:
+            self.future.set_result((value, self.load))
+        else:
+            self.future.set_exception(value)
+
+    def fail(self, error: BaseException) -> None:
+        """The step's pass failed: the generator rolls back (it sees the error)."""
+        try:
+            self.steps.throw(error)
+        except BaseException:  # noqa: BLE001 - the error itself, or what rollback raised
+            pass
+        self.future.set_exception(error)
+
+
+class StepScheduler:
+    def __init__(self, model: PreTrainedModel | None = None, max_batch_tokens: int = 512,
+                 name: str = "model-compute", expected_jobs: Callable[[], int] | None = None):
+        """expected_jobs: how many calls may bring work for the next step (e.g. the
+        calls running on the worker); None = do not wait for any."""
+        if max_batch_tokens < 1:
+            raise InvalidArgument(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.model = model  # may be set after loading it on this thread
+        self.max_batch_tokens = max_batch_tokens
+        self.expected_jobs = expected_jobs
+        self._last_step_ns = 0
+        self._last_end_ns = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: list[_Job] = []  # waiting for a step, oldest first
+        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_STEPS)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, steps: ForwardSteps[T]) -> tuple[T, StepLoad | None]:
+        """Runs `steps` batched with other jobs; returns its result and what its steps
+        were like (None if it needed no pass), or raises its error."""
+        job = _Job(steps)
+        self._queue.put(job)
+        return job.future.result()
+
+    def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """Runs fn on the compute thread, between steps; returns its result."""
+        if threading.current_thread() is self._thread:
+            return fn(*args, **kwargs)
+        future: Future = Future()
+        self._queue.put((fn, args, kwargs, future))
+        return future.result()
+
+    def occupancy(self) -> float:
+        """Mean tokens per step over the recent steps (0 before any)."""
+        recent = list(self._recent)
+        return sum(tokens for tokens, _ in recent) / len(recent) if recent else 0.0
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    # On the compute thread.
+
+    def _loop(self) -> None:
+        while self._take_arrivals(block=not self._jobs) and self._gather():
+            if self._jobs:
+                self._step(self._pick())
+
+    def _gather(self) -> bool:
+        """Waits, within the gather window, for every expected job; False on stop."""
+        if self.expected_jobs is None:
+            return True
+        window_end = self._last_end_ns + GATHER_SHARE * self._last_step_ns
+        while len(self._jobs) < self.expected_jobs():
+            left_s = (window_end - time.perf_counter_ns()) * 1e-9
+            if left_s <= 0:
+                return True
+            if not self._take_arrivals(block=True, timeout_s=left_s):
+                return False
+        return True
+
+    def _take_arrivals(self, block: bool, timeout_s: float | None = None) -> bool:
+        """Starts newly submitted jobs and runs plain functions; False on stop."""
+        while True:
+            try:
+                item = self._queue.get(block=block, timeout=timeout_s)
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, _Job):
+                if item.advance():  # runs its checks; may finish with no pass at all
+                    self._jobs.append(item)
+                else:
+                    item.finish()
+            else:
+                _run_call(*item)
+
+    def _pick(self) -> list[_Job]:
+        """This step's jobs: those needing logits oldest first, then prefill chunks cut
+        to the budget left; the oldest job always."""
+        budget = self.max_batch_tokens
+        picked: list[_Job] = []
+        for job in sorted(self._jobs, key=lambda j: j.prefill):  # stable: oldest first
+            room = budget - sum(j.segment.num_tokens for j in picked)
+            size = job.segment.num_tokens
+            if not picked or size <= room:
+                picked.append(job)
+            elif job.prefill and room > 0:
+                job.segment.trim(room)
+                picked.append(job)
+        return picked
+
+    def _step(self, jobs: list[_Job]) -> None:
+        start = time.perf_counter_ns()
+        waiting = len(self._jobs)
+        for job in jobs:
+            job.queue_ns += start - job.ready_ns
+            self._jobs.remove(job)
+        try:
+            outputs = forward_segments(self.model, [job.segment for job in jobs])
+        except BaseException as error:  # noqa: BLE001 - every job of the step gets it
+            for job in jobs:
+                job.fail(error)
+            return
+        forward_ns = time.perf_counter_ns() - start
+        tokens = sum(job.segment.num_tokens for job in jobs)
+        finished = [job for job, logits in zip(jobs, outputs) if not job.advance((logits, forward_ns))]
+        self._jobs.extend(job for job in jobs if job not in finished)
+        self._last_end_ns = time.perf_counter_ns()
+        step_ns = self._last_end_ns - start  # the pass and every job's decision
+        self._last_step_ns = step_ns
+        self._recent.append((tokens, step_ns))
+        for job in jobs:
+            job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting)
+        for job in finished:
+            job.finish()
+
+
+def _run_call(fn, args, kwargs, future: Future) -> None:
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as error:  # noqa: BLE001 - handed to the caller
+        future.set_exception(error)

@@ -1,0 +1,208 @@
+"""Batched forward passes and the step scheduler against the unbatched path.
+
+The contract: batching changes which pass computes a session's tokens, never what the
+session decides. Greedy tokens are equal exactly, logits within float rounding (the
+bound is asserted and printed), and a seeded sampling session draws the same tokens
+whatever shares its steps.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from speculative.batched_forward import Segment, SequenceKV, forward_segments
+from speculative.errors import StaleProposal
+from speculative.model_session import ModelSession
+from speculative.sampling import SamplingParams, SparseProbs
+from speculative.step_scheduler import StepScheduler
+from speculative.target import TargetSession
+
+GREEDY = SamplingParams(max_new_tokens=64)
+# fp32 logits of one row computed in a pass of other rows differ from the row alone by
+# summation order only (the linears' blocking changes with the row count).
+LOGIT_TOLERANCE = 1e-4
+
+
+def _ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def _alone_logits(model, prompt: list[int], new: list[int]) -> torch.Tensor:
+    session = ModelSession(model, 1024)
+    session.append(prompt)
+    session.prefill()
+    session.append(new)
+    return session.logits(len(new) + 1)
+
+
+def test_batched_pass_equals_each_sequence_alone(tiny_target):
+    model = tiny_target.model
+    prompts = [_ids(p) for p in ("The quick brown fox", "def f(x):\n  return", "z", "abcabcabcabcabcabc", "1, 2, 3,")]
+    drafts = [[1, 2, 3, 4], [], [7], [97, 98, 99], [50] * 8]  # k of 4, 0, 1, 3, 8
+    kvs = [SequenceKV() for _ in prompts]
+    forward_segments(model, [Segment(kv, 0, p[:-1], 0) for kv, p in zip(kvs, prompts) if len(p) > 1])
+    segments = [Segment(kv, len(p) - 1, [p[-1], *d], len(d) + 1) for kv, p, d in zip(kvs, prompts, drafts)]
+    batched = forward_segments(model, segments)
+    worst = 0.0
+    for prompt, draft, logits in zip(prompts, drafts, batched):
+        alone = _alone_logits(model, prompt, draft)
+        assert logits.shape == alone.shape == (len(draft) + 1, tiny_target.vocab_size)
+        assert torch.equal(logits.argmax(-1), alone.argmax(-1))
+        worst = max(worst, float((logits - alone).abs().max()))
+    print(f"largest logit difference batched vs alone: {worst:.2e}")
+    assert worst <= LOGIT_TOLERANCE
+
+
+def test_cache_grows_past_its_first_allocation(tiny_target):
+    prompt = [i % 250 for i in range(700)]  # past the first 256-token allocation, twice
+    kv = SequenceKV()
+    for start in range(0, 699, 100):  # prefill in uneven chunks
+        chunk = prompt[start : min(start + 100, 699)]
+        forward_segments(tiny_target.model, [Segment(kv, start, chunk, 0)])
+    logits = forward_segments(tiny_target.model, [Segment(kv, 699, prompt[699:], 1)])[0]
+    assert kv.capacity() >= 700
+    reference = ModelSession(tiny_target.model, 1024)
+    reference.append(prompt)
+    assert torch.allclose(logits, reference.logits(1), atol=LOGIT_TOLERANCE)
+
+
+def _greedy_alone(loaded, prompt: list[int], num_tokens: int) -> list[int]:
+    target = TargetSession(loaded, prompt, GREEDY)
+    return [r.token_ids[0] for r in target.decode(len(prompt), num_tokens)]
+
+
+def _speculate_batched(scheduler: StepScheduler, loaded, prompt: list[int], num_tokens: int,
+                       drafts: list[list[int]], params: SamplingParams = GREEDY) -> list[int]:
+    """Verifies scripted proposals (cycled) through the scheduler until num_tokens."""
+    target = TargetSession(loaded, prompt, params, prefill=False)
+    scheduler.submit(target.prefill_steps())
+    out: list[int] = []
+    round_index = 0
+    while len(out) < num_tokens:
+        draft = drafts[round_index % len(drafts)]
+        round_index += 1
+        result, load = scheduler.submit(target.verify_steps(target.length, draft))
+        assert load is not None and load.batch_tokens >= len(draft) + 1
+        out.extend(result.token_ids)
+    return out[:num_tokens]
+
+
+def _run_threads(functions) -> list:
+    results = [None] * len(functions)
+    errors = []
+
+    def run(index, fn):
+        try:
+            results[index] = fn()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(functions)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("max_batch_tokens", [512, 7])  # 7: prefills cut into chunks
+def test_concurrent_sessions_equal_target_only_greedy(tiny_target, max_batch_tokens):
+    """Sessions of different lengths, k and acceptance share steps; each one's greedy
+    output equals target-only greedy token for token."""
+    prompts = [_ids(p) for p in ("The quick brown fox jumps over the lazy dog.", "def add(a, b):\n", "z",
+                                  "to be or not to be, to be or not", "SELECT name FROM users WHERE id = 42;",
+                                  "red green blue red green blue red")]
+    references = [_greedy_alone(tiny_target, p, 24) for p in prompts]
+    # Per session: right drafts (the reference itself), wrong ones, none (k = 0), mixed.
+    scripts = [[[t] for t in references[0]], [[1, 2, 3, 4]], [[]], [references[3][:3], [5, 5]],
+               [[]], [[9] * 6, []]]
+    scheduler = StepScheduler(tiny_target.model, max_batch_tokens=max_batch_tokens)
+    try:
+        outputs = _run_threads([
+            (lambda p=p, s=s: _speculate_batched(scheduler, tiny_target, p, 24, s))
+            for p, s in zip(prompts, scripts)
+        ])
+    finally:
+        scheduler.stop()
+    assert outputs == references
+
+
+def test_seeded_sampling_reproduces_whatever_shares_the_steps(tiny_target):
+    """A seeded session draws the same tokens alone and batched with other sessions."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_new_tokens=64)
+    prompt = _ids("Once upon a time, in a land far away,")
+    drafts = [[_ids(" the")[0], 101], []]
+    alone = StepScheduler(tiny_target.model)
+    try:
+        reference = _speculate_batched(alone, tiny_target, prompt, 20, drafts, params)
+    finally:
+        alone.stop()
+    crowded = StepScheduler(tiny_target.model)
+    others = [SamplingParams(temperature=0.8, seed=s, max_new_tokens=64) for s in range(5)]
+    try:
+        outputs = _run_threads(
+            [lambda: _speculate_batched(crowded, tiny_target, prompt, 20, drafts, params)]
+            + [(lambda o=o: _speculate_batched(crowded, tiny_target, _ids("Hello there"), 30, [[3, 4, 5]], o))
+               for o in others]
+        )
+    finally:
+        crowded.stop()
+    assert outputs[0] == reference
+
+
+def test_a_failing_job_leaves_the_others_and_its_session_intact(tiny_target):
+    scheduler = StepScheduler(tiny_target.model)
+    try:
+        prompt = _ids("The capital of France is")
+        target = TargetSession(tiny_target, prompt, GREEDY, prefill=False)
+        scheduler.submit(target.prefill_steps())
+        with pytest.raises(StaleProposal):  # refused before any pass: nothing applied
+            scheduler.submit(target.verify_steps(target.length + 3, [1, 2]))
+        assert target.length == len(prompt)
+        result, _ = scheduler.submit(target.verify_steps(target.length, []))
+        assert result.token_ids == _greedy_alone(tiny_target, prompt, 1)
+    finally:
+        scheduler.stop()
+
+
+def test_a_failing_pass_rolls_every_job_of_the_step_back(tiny_target):
+    """A forward pass that raises (e.g. out of memory) fails each job in it; each
+    session is left at its committed length and serves the next call."""
+    scheduler = StepScheduler(tiny_target.model)
+    try:
+        prompt = _ids("abcabcabc")
+        target = TargetSession(tiny_target, prompt, GREEDY, prefill=False)
+        scheduler.submit(target.prefill_steps())
+        scheduler.model = None  # the next pass raises inside the model call
+        with pytest.raises(Exception):
+            scheduler.submit(target.verify_steps(target.length, [1, 2, 3]))
+        assert target.length == len(prompt)
+        scheduler.model = tiny_target.model
+        result, _ = scheduler.submit(target.verify_steps(target.length, []))
+        assert result.token_ids == _greedy_alone(tiny_target, prompt, 1)
+    finally:
+        scheduler.stop()
+
+
+def test_sampled_verification_with_draft_probs_batched(tiny_target):
+    """Sparse draft distributions travel through the batched path unchanged: with the
+    same seed, batched and alone verification commit the same tokens."""
+    params = SamplingParams(temperature=1.0, seed=7, max_new_tokens=64)
+    prompt = _ids("for (int i = 0; i < n; ++i) {")
+    draft = [32, 105]
+    probs = [SparseProbs(torch.tensor([32, 33]), torch.tensor([0.75, 0.25])),
+             SparseProbs(torch.tensor([105]), torch.tensor([1.0]))]
+    alone = TargetSession(tiny_target, prompt, params)
+    expected = alone.verify(len(prompt), draft, probs).token_ids
+    scheduler = StepScheduler(tiny_target.model)
+    try:
+        target = TargetSession(tiny_target, prompt, params, prefill=False)
+        scheduler.submit(target.prefill_steps())
+        result, _ = scheduler.submit(target.verify_steps(len(prompt), draft, probs))
+    finally:
+        scheduler.stop()
+    assert result.token_ids == expected

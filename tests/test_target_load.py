@@ -1,0 +1,163 @@
+"""The target worker under load, over real gRPC: batched steps, admission, queueing.
+
+More concurrent sessions than the worker admits: every call either completes with
+output equal to target-only greedy, or is refused at once with RESOURCE_EXHAUSTED
+naming the limit; none times out, and no session is corrupted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import grpc
+import pytest
+
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from speculative.generator import SpeculativeGenerator
+from speculative.sampling import SamplingParams
+from target_service.config import TargetConfig
+from target_service.server import create_server
+from tests.conftest import PROMPTS
+
+DEADLINE_S = 60
+NUM_TOKENS = 12
+
+
+def _ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_target):
+    generator = SpeculativeGenerator(tiny_target)
+    return lambda ids, n: generator.generate(ids, SamplingParams(max_new_tokens=n), k=0).token_ids
+
+
+def _start(loaded, **config):
+    service = create_server(TargetConfig(address="127.0.0.1:0", worker_id="target-load", **config), loaded)
+    service.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    return service, channel, target_pb2_grpc.TargetServiceStub(channel)
+
+
+def _generate_by_verify(stub, ids: list[int], drafts: list[int]) -> list[int]:
+    """Opens a session and runs NUM_TOKENS tokens through one Verify stream, proposing
+    `drafts` (a wrong guess) each round: a speculating session, one round at a time."""
+    handle = stub.OpenSession(target_pb2.OpenSessionRequest(
+        prompt_token_ids=ids, sampling=common_pb2.SamplingParams(max_new_tokens=64)), timeout=DEADLINE_S).handle
+    requests: list = []
+    ready = threading.Condition()
+    output: list[int] = []
+
+    def proposals():
+        base_len = len(ids)
+        while len(output) < NUM_TOKENS:
+            yield target_pb2.Proposal(session_id=handle.session_id, round=len(requests), base_len=base_len,
+                                      draft_token_ids=drafts)
+            requests.append(base_len)
+            with ready:
+                ready.wait_for(lambda: len(requests) == len(verdicts))
+            base_len = verdicts[-1].committed_len
+
+    verdicts: list = []
+    try:
+        for verdict in stub.Verify(proposals(), timeout=DEADLINE_S):
+            assert not verdict.discarded
+            assert verdict.step.batch_sessions >= 1 and verdict.step.batch_tokens >= len(drafts) + 1
+            output.extend([*drafts[: verdict.num_accepted], verdict.next_token_id])
+            with ready:
+                verdicts.append(verdict)
+                ready.notify_all()
+    finally:
+        stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=DEADLINE_S)
+    return output[:NUM_TOKENS]
+
+
+def test_sessions_share_steps_and_each_equals_target_only(tiny_target, greedy):
+    service, channel, stub = _start(tiny_target, max_running=8, max_queued=0)
+    prompts = [_ids(p) for p in PROMPTS[:8]]
+    drafts = [[], [1, 2], [200], [3, 3, 3, 3], [], [65], [9, 9], []]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            outputs = list(pool.map(lambda a: _generate_by_verify(stub, *a), zip(prompts, drafts)))
+        info = stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load
+    finally:
+        channel.close()
+        service.server.stop(None)
+    assert outputs == [greedy(p, NUM_TOKENS) for p in prompts]
+    assert info.mean_batch_tokens > 1.0  # steps ran more than one session's token
+    assert (info.running_calls, info.queued_calls) == (0, 0)
+
+
+def test_past_the_queue_calls_are_refused_at_once_and_the_rest_are_exact(tiny_target, greedy):
+    """2 running, 2 queued, 10 sessions at once: each is exact or RESOURCE_EXHAUSTED."""
+    service, channel, stub = _start(tiny_target, max_running=2, max_queued=2)
+    prompts = [_ids(p) for p in PROMPTS[:10]]
+    outcomes: list = [None] * len(prompts)
+
+    def run(index: int) -> None:
+        start = time.monotonic()
+        try:
+            outcomes[index] = _generate_by_verify(stub, prompts[index], [7, 7])
+        except grpc.RpcError as error:
+            outcomes[index] = (error.code(), error.details(), time.monotonic() - start)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            list(pool.map(run, range(len(prompts))))
+        # The worker still serves a normal request afterwards, exactly.
+        after = _generate_by_verify(stub, prompts[0], [])
+        load = stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load
+    finally:
+        channel.close()
+        service.server.stop(None)
+    refused = [o for o in outcomes if isinstance(o, tuple)]
+    completed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, list)]
+    assert refused and len(completed) >= 4
+    for code, details, seconds in refused:
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_queued=2" in details and "max_running=2" in details
+        assert seconds < 5.0  # at once, not after the others' work
+    for index, output in completed:
+        assert output == greedy(prompts[index], NUM_TOKENS)
+    assert after == greedy(prompts[0], NUM_TOKENS)
+    assert (load.running_calls, load.queued_calls, load.active_sessions) == (0, 0, 0)
+
+
+def test_a_queued_call_waits_and_its_wait_shows_in_the_verdict(tiny_target, greedy):
+    """One running slot: a second session's stream waits for the first to end, then
+    runs; its first verdict carries the wait as queueing."""
+    service, channel, stub = _start(tiny_target, max_running=1, max_queued=4)
+    first, second = _ids(PROMPTS[0]), _ids(PROMPTS[1])
+    try:
+        holder = stub.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=first), timeout=DEADLINE_S).handle
+        release = threading.Event()
+
+        def held_stream():
+            yield target_pb2.Proposal(session_id=holder.session_id, base_len=len(first))
+            release.wait(DEADLINE_S)
+
+        stream = stub.Verify(held_stream(), timeout=DEADLINE_S)
+        next(stream)  # the first stream holds the only slot
+        result: dict = {}
+
+        def second_session():
+            start = time.monotonic()
+            result["output"] = _generate_by_verify(stub, second, [])
+            result["seconds"] = time.monotonic() - start
+
+        waiter = threading.Thread(target=second_session)
+        waiter.start()
+        deadline = time.monotonic() + DEADLINE_S  # the second call's open waits in the queue
+        while stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load.queued_calls < 1:
+            assert time.monotonic() < deadline, "the second call never queued"
+            time.sleep(0.01)
+        release.set()
+        list(stream)
+        waiter.join(DEADLINE_S)
+    finally:
+        channel.close()
+        service.server.stop(None)
+    assert result["output"] == greedy(second, NUM_TOKENS)
