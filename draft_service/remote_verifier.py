@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from service_common.convert import NEXT_TOKEN_KIND_FROM_PROTO, sampling_to_proto, sparse_to_proto
+from service_common.convert import NEXT_TOKEN_KIND_FROM_PROTO, sampling_to_proto, sparse_to_proto, step_load_from_proto
 from service_common.deadlines import Deadline
 from service_common.server import channel
 from service_common.status import Unavailable
@@ -270,6 +270,7 @@ class RemoteVerifier:
             committed_len=verdict.committed_len,
             stopped=verdict.finished and verdict.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN,
             target_compute_ns=verdict.target_compute_ns,
+            step=step_load_from_proto(verdict.step),
         )
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from service_common.convert import (
     round_stats_from_proto,
     sampling_from_proto,
     sampling_to_proto,
+    step_load_from_proto,
 )
 from service_common.deadlines import Deadline
 from service_common.telemetry import instruments
@@ -423,7 +424,7 @@ class Generation:
             last_ns = now_ns
             self.stats.record_round(RoundStats(self.stats.num_rounds, token.committed_len - 1, 0, 0, 1,
                                                NextTokenKind.BONUS, 0, token.compute_ns, token.compute_ns,
-                                               streamed=handoff))
+                                               streamed=handoff, step=step_load_from_proto(token.step)))
             if handoff:
                 instruments().handoff_tokens.add(1)
             finish = self._finish_of_decode(plan.params, len(self.generated) + 1, token.token_id)
