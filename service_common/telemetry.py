@@ -27,8 +27,10 @@ call object unchanged.
 
 Metrics: the OpenTelemetry metrics API; a MeterProvider with a PrometheusMetricReader,
 served by prometheus_client on `metrics_port` (0 = no endpoint), and pushed over OTLP
-when the OTLP exporter is chosen. The names of the two load gauges are read by the
-Kubernetes HPA: `specdec_worker_sessions_active` and `specdec_worker_load`.
+when the OTLP exporter is chosen. The load gauges (`register_load_gauges`) are read by
+the Kubernetes HPAs: `specdec_worker_sessions_active` (both pools) and
+`specdec_worker_calls_utilization` (the target pool: running plus queued calls per
+running slot, so the pool grows when its calls queue); deploy/README.md explains each.
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ PREFILL_SPAN = "specdec.prefill"  # both workers: OpenSession / Extend
 SESSIONS_ACTIVE_GAUGE = "specdec.worker.sessions.active"  # -> specdec_worker_sessions_active
 LOAD_GAUGE = "specdec.worker.load"  # -> specdec_worker_load
 CACHED_TOKENS_GAUGE = "specdec.worker.cached_tokens"  # -> specdec_worker_cached_tokens
+# Admission and batching: exported only by workers that have admission (the target).
+CALLS_UTILIZATION_GAUGE = "specdec.worker.calls.utilization"  # -> specdec_worker_calls_utilization (HPA)
+CALLS_RUNNING_GAUGE = "specdec.worker.calls.running"  # -> specdec_worker_calls_running
+CALLS_QUEUED_GAUGE = "specdec.worker.calls.queued"  # -> specdec_worker_calls_queued
+MAX_RUNNING_GAUGE = "specdec.worker.calls.max_running"  # -> specdec_worker_calls_max_running
+BATCH_MEAN_TOKENS_GAUGE = "specdec.worker.batch.mean_tokens"  # -> specdec_worker_batch_mean_tokens
+BATCH_MAX_TOKENS_GAUGE = "specdec.worker.batch.max_tokens"  # -> specdec_worker_batch_max_tokens
 
 # Round phases are milliseconds to a second; tokens 10 ms to seconds on CPU.
 _ROUND_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -163,12 +172,19 @@ def _create_instruments(meter: metrics.Meter) -> Instruments:
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """What a worker holds against its capacity."""
+    """What a worker holds against its capacity. The admission and batch fields are
+    the target's (target_service.admission, the step scheduler); a worker without
+    admission (the draft) leaves max_running at 0 and exports no call or batch gauges."""
 
     active_sessions: int
     max_sessions: int
     cached_tokens: int  # tokens held in KV caches (or n-gram histories)
     max_cached_tokens: int  # tokens
+    running_calls: int = 0  # calls holding a running slot (doing model work)
+    queued_calls: int = 0  # calls waiting for a running slot
+    max_running: int = 0  # running slots; 0 = the worker has no admission control
+    mean_batch_tokens: float = 0.0  # tokens per batched forward pass, mean of the recent steps
+    max_batch_tokens: int = 0  # the step's token budget
 
     @property
     def fraction(self) -> float:
@@ -177,8 +193,24 @@ class WorkerLoad:
         tokens = self.cached_tokens / self.max_cached_tokens if self.max_cached_tokens else 0.0
         return min(1.0, max(sessions, tokens))
 
+    @property
+    def has_admission(self) -> bool:
+        return self.max_running > 0
+
+    @property
+    def calls_utilization(self) -> float:
+        """(running + queued) calls per running slot: up to 1 while every call runs,
+        above 1 while calls queue (refusals start past 1 + max_queued / max_running).
+        Not capped, so an HPA averaging it sees how far its pool is behind."""
+        return (self.running_calls + self.queued_calls) / self.max_running if self.max_running else 0.0
+
 
 LoadCallback = Callable[[], WorkerLoad]
+
+
+def _if_admitted(value: Callable[[WorkerLoad], float]) -> Callable[[WorkerLoad], float | None]:
+    """A call or batch gauge's value: None (not observed) for a worker without admission."""
+    return lambda load: value(load) if load.has_admission else None
 
 
 # --- the process's telemetry ------------------------------------------------------------
@@ -225,8 +257,10 @@ class Telemetry:
         return intercept_with_library(streaming, library)
 
     def register_load_gauges(self, callback: LoadCallback, attributes: dict | None = None) -> None:
-        """Observes `callback()` at each collection into the three load gauges
-        (several workers in one process: give each its own attributes)."""
+        """Observes `callback()` at each collection into the load gauges: sessions,
+        load and cached tokens always; calls and batch gauges when the load has
+        admission (max_running > 0). Several workers in one process: give each its own
+        attributes."""
         with self._lock:
             self._load_callbacks.append((callback, dict(attributes or {})))
 
@@ -255,15 +289,38 @@ class Telemetry:
         meter.create_observable_gauge(
             CACHED_TOKENS_GAUGE, [self._observe(lambda load: load.cached_tokens)], "{token}",
             "Tokens held in the worker's KV caches")
+        meter.create_observable_gauge(
+            CALLS_UTILIZATION_GAUGE, [self._observe(_if_admitted(lambda load: load.calls_utilization))], "{fraction}",
+            "Running plus queued calls per running slot (max_running): above 1 while calls queue")
+        meter.create_observable_gauge(
+            CALLS_RUNNING_GAUGE, [self._observe(_if_admitted(lambda load: load.running_calls))], "{call}",
+            "Calls holding a running slot (doing model work in the batched steps)")
+        meter.create_observable_gauge(
+            CALLS_QUEUED_GAUGE, [self._observe(_if_admitted(lambda load: load.queued_calls))], "{call}",
+            "Calls waiting for a running slot")
+        meter.create_observable_gauge(
+            MAX_RUNNING_GAUGE, [self._observe(_if_admitted(lambda load: load.max_running))], "{call}",
+            "Running slots: calls that may do model work at once (max_running)")
+        meter.create_observable_gauge(
+            BATCH_MEAN_TOKENS_GAUGE, [self._observe(_if_admitted(lambda load: load.mean_batch_tokens))], "{token}",
+            "Tokens per batched forward pass, mean of the recent steps")
+        meter.create_observable_gauge(
+            BATCH_MAX_TOKENS_GAUGE, [self._observe(_if_admitted(lambda load: load.max_batch_tokens))], "{token}",
+            "Token budget of one batched forward pass (max_batch_tokens)")
 
-    def _observe(self, value: Callable[[WorkerLoad], float]):
+    def _observe(self, value: Callable[[WorkerLoad], float | None]):
+        """A gauge callback: one observation per registered worker; a value of None
+        (a gauge that does not apply to the worker) is left out."""
+
         def callback(_options):
             with self._lock:
                 callbacks = list(self._load_callbacks)
             observations = []
             for load_of, attributes in callbacks:
                 try:
-                    observations.append(metrics.Observation(value(load_of()), attributes))
+                    observed = value(load_of())
+                    if observed is not None:
+                        observations.append(metrics.Observation(observed, attributes))
                 except Exception:  # a gauge must never break a scrape
                     log.exception("load callback failed")
             return observations

@@ -164,9 +164,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _load(self) -> telemetry.WorkerLoad:
         load = self.sessions.load()
+        admission = self.admission.load()
         return telemetry.WorkerLoad(
             active_sessions=load.active_sessions, max_sessions=self.sessions.max_sessions,
             cached_tokens=load.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
+            running_calls=admission.running, queued_calls=admission.queued,
+            max_running=self.admission.max_running,
+            mean_batch_tokens=self.sessions.compute.occupancy(),
+            max_batch_tokens=self.sessions.compute.max_batch_tokens,
         )
 
     @contextlib.contextmanager

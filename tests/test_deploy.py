@@ -7,7 +7,8 @@
   services' config dataclasses (imported, so the files cannot drift from the code);
 - the local launcher and the compose file start the same roles with the same settings;
 - the manifests have what the deployment guide promises (probes, headless worker
-  Services, HPAs on the sessions gauge, PDBs, drain time, AOF Redis, GPU requests).
+  Services, HPAs on the sessions gauge and, for the target, on calls per running slot,
+  PDBs, drain time, AOF Redis, GPU requests).
 """
 
 from __future__ import annotations
@@ -319,22 +320,81 @@ def test_workers_register_their_pod_in_redis(rendered, overlay):
     assert "ORCHESTRATOR_TARGET_ADDRESSES" not in orchestrator.env
 
 
+def pods_metrics(hpa: dict) -> dict[str, dict]:
+    """The HPA's Pods metrics: metric name -> its target."""
+    return {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+
+
+def quantity(value) -> float:
+    """A Kubernetes quantity as the HPA reads it ("800m" = 0.8)."""
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+# The Pods metric each pool's HPA scales on (the sessions gauge in both; calls per
+# running slot only in the target, the pool with admission control).
+POOL_METRICS = {
+    "target": {"specdec_worker_sessions_active", "specdec_worker_calls_utilization"},
+    "draft": {"specdec_worker_sessions_active"},
+}
+
+
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
-def test_each_pool_scales_on_its_own_sessions_gauge(rendered, overlay):
+def test_each_pool_scales_on_its_own_gauges(rendered, overlay):
     hpas = objects_of(rendered[overlay], "HorizontalPodAutoscaler")
     for role in ("target", "draft"):
         hpa = hpas[f"specdec-{role}"]
         assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"specdec-{role}"}
-        kinds = {m["type"]: m for m in hpa["spec"]["metrics"]}
-        assert kinds["Pods"]["pods"]["metric"]["name"] == "specdec_worker_sessions_active"
-        assert kinds["Resource"]["resource"]["name"] == "cpu"  # the fallback
+        assert set(pods_metrics(hpa)) == POOL_METRICS[role]
+        for target in pods_metrics(hpa).values():
+            assert target["type"] == "AverageValue" and quantity(target["averageValue"]) > 0
+        resources = [m["resource"] for m in hpa["spec"]["metrics"] if m["type"] == "Resource"]
+        assert [r["name"] for r in resources] == ["cpu"]  # the fallback
         # The Deployment leaves the count to the HPA.
         assert "replicas" not in objects_of(rendered[overlay], "Deployment")[f"specdec-{role}"]["spec"]
 
 
-def test_hpa_metric_is_the_gauge_the_workers_export():
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_target_pool_scales_out_before_its_calls_queue_or_are_refused(rendered, overlay):
+    """The calls metric aims at most at 1 call per running slot (no queue), below the
+    point where a pod refuses calls, 1 + max_queued / max_running, with the overlay's
+    settings (the TargetConfig defaults where it sets none); and the sessions target
+    stays below max_sessions (before the LRU evicts)."""
+    from target_service.config import TargetConfig
+
+    hpa = objects_of(rendered[overlay], "HorizontalPodAutoscaler")["specdec-target"]
+    env = role_settings(rendered[overlay], "target").env
+    defaults = TargetConfig()
+
+    def setting(name: str) -> int:
+        return int(env.get(f"TARGET_{name.upper()}") or getattr(defaults, name))
+
+    targets = {name: quantity(target["averageValue"]) for name, target in pods_metrics(hpa).items()}
+    refused_above = 1 + setting("max_queued") / setting("max_running")
+    assert 0 < targets["specdec_worker_calls_utilization"] <= 1 < refused_above
+    assert targets["specdec_worker_sessions_active"] < setting("max_sessions")
+    # A step has room for every running session's proposal at the default k (4 + 1 tokens).
+    assert setting("max_batch_tokens") >= setting("max_running") * 5
+    assert setting("max_running") <= setting("max_sessions")
+
+
+def test_hpa_metrics_are_gauges_the_workers_export(rendered):
     telemetry = pytest.importorskip("service_common.telemetry")
+    exported = {
+        "target": {name.replace(".", "_") for name in (
+            telemetry.SESSIONS_ACTIVE_GAUGE, telemetry.LOAD_GAUGE, telemetry.CACHED_TOKENS_GAUGE,
+            telemetry.CALLS_UTILIZATION_GAUGE, telemetry.CALLS_RUNNING_GAUGE, telemetry.CALLS_QUEUED_GAUGE,
+            telemetry.MAX_RUNNING_GAUGE, telemetry.BATCH_MEAN_TOKENS_GAUGE, telemetry.BATCH_MAX_TOKENS_GAUGE)},
+        # The draft has no admission: only the memory gauges.
+        "draft": {name.replace(".", "_") for name in (
+            telemetry.SESSIONS_ACTIVE_GAUGE, telemetry.LOAD_GAUGE, telemetry.CACHED_TOKENS_GAUGE)},
+    }
     assert telemetry.SESSIONS_ACTIVE_GAUGE.replace(".", "_") == "specdec_worker_sessions_active"
+    assert telemetry.CALLS_UTILIZATION_GAUGE.replace(".", "_") == "specdec_worker_calls_utilization"
+    for overlay, objects in rendered.items():
+        for role in ("target", "draft"):
+            hpa = objects_of(objects, "HorizontalPodAutoscaler")[f"specdec-{role}"]
+            assert set(pods_metrics(hpa)) <= exported[role], (overlay, role)
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
@@ -395,6 +455,14 @@ def test_compose_wiring(compose):
 
 
 # ---------------------------------------------------------------- the compose settings, run
+
+
+def gauge_value(text: str, name: str) -> float:
+    """The value of the one sample of a gauge on a worker's /metrics."""
+    values = [float(line.rpartition(" ")[2]) for line in text.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    assert len(values) == 1, f"{name}: {values}"
+    return values[0]
 
 
 def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp_path):
@@ -461,11 +529,23 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
         logs = "\n".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log")))
         assert run.returncode == 0, run.stderr + logs
         assert run.stdout.strip()
-        # The gauges the HPAs scale on, on each worker's /metrics.
+        # The gauges the HPAs scale on, on each worker's /metrics; the target's calls
+        # and batch gauges with its configured limits (compose leaves them at the defaults).
+        from target_service.config import TargetConfig
+
+        scraped = {}
         for worker in ("target", "draft"):
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_ports[worker]}/metrics", timeout=10) as reply:
-                text = reply.read().decode()
-            assert "specdec_worker_sessions_active" in text and "specdec_worker_load" in text, worker
+                scraped[worker] = reply.read().decode()
+            assert "specdec_worker_sessions_active" in scraped[worker] and "specdec_worker_load" in scraped[worker]
+        target_env = services["target"]["environment"]
+        limits = {name: int(target_env.get(f"TARGET_{name.upper()}", getattr(TargetConfig(), name)))
+                  for name in ("max_running", "max_batch_tokens")}
+        assert gauge_value(scraped["target"], "specdec_worker_calls_max_running") == limits["max_running"]
+        assert gauge_value(scraped["target"], "specdec_worker_batch_max_tokens") == limits["max_batch_tokens"]
+        assert gauge_value(scraped["target"], "specdec_worker_batch_mean_tokens") > 0  # the generation's steps
+        assert gauge_value(scraped["target"], "specdec_worker_calls_utilization") >= 0
+        assert "specdec_worker_calls_utilization" not in scraped["draft"]  # no admission on drafts
     finally:
         for process in processes.values():
             process.terminate()

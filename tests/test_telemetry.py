@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -38,6 +39,7 @@ from speculative.errors import InvalidArgument
 from speculative.rejection import NextTokenKind
 from speculative.stats import RoundStats
 from target_service import servicer as target_servicer_module
+from target_service.admission import Admission
 from target_service.servicer import TargetServicer
 from target_service.sessions import SessionCache as TargetSessions
 
@@ -259,6 +261,110 @@ def test_prometheus_names_of_the_hpa_contract(traced):
     assert _sample(text, "specdec_worker_cached_tokens", specdec_worker_id="gauge-test") == 500
     assert "# TYPE specdec_worker_sessions_active gauge" in text
     assert "# TYPE specdec_worker_load gauge" in text
+
+
+# The gauges of admission and batching, exported by a worker with admission (the target).
+ADMISSION_GAUGES = ("specdec_worker_calls_running", "specdec_worker_calls_queued", "specdec_worker_calls_max_running",
+                    "specdec_worker_calls_utilization", "specdec_worker_batch_mean_tokens",
+                    "specdec_worker_batch_max_tokens")
+
+
+def test_prometheus_names_of_the_admission_gauges(traced):
+    """The target HPA reads specdec_worker_calls_utilization: (running + queued) per
+    running slot, above 1 when calls queue. A worker without admission (the draft)
+    exports none of these gauges, only the session ones."""
+    installed, _ = traced
+    load = telemetry.WorkerLoad(active_sessions=5, max_sessions=32, cached_tokens=100, max_cached_tokens=1000,
+                                running_calls=4, queued_calls=2, max_running=4, mean_batch_tokens=17.5,
+                                max_batch_tokens=512)
+    installed.register_load_gauges(lambda: load, {"specdec.worker.id": "admission-test"})
+    no_admission = telemetry.WorkerLoad(active_sessions=1, max_sessions=8, cached_tokens=10, max_cached_tokens=100)
+    installed.register_load_gauges(lambda: no_admission, {"specdec.worker.id": "no-admission-test"})
+    text = _scrape(installed.metrics_port)
+    labels = {"specdec_worker_id": "admission-test"}
+    assert _sample(text, "specdec_worker_calls_utilization", **labels) == 1.5  # (4 + 2) / 4: queueing
+    assert _sample(text, "specdec_worker_calls_running", **labels) == 4
+    assert _sample(text, "specdec_worker_calls_queued", **labels) == 2
+    assert _sample(text, "specdec_worker_calls_max_running", **labels) == 4
+    assert _sample(text, "specdec_worker_batch_mean_tokens", **labels) == 17.5
+    assert _sample(text, "specdec_worker_batch_max_tokens", **labels) == 512
+    assert _sample(text, "specdec_worker_load", **labels) == 5 / 32  # memory only, as before
+    for name in ADMISSION_GAUGES:
+        assert f"# TYPE {name} gauge" in text
+        with pytest.raises(AssertionError, match="no sample"):
+            _sample(text, name, specdec_worker_id="no-admission-test")
+    assert _sample(text, "specdec_worker_sessions_active", specdec_worker_id="no-admission-test") == 1
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_target_exports_its_batched_steps_and_admission(traced, workers, prompt_ids):
+    """A real target's gauges: its running slots and step budget, the mean tokens of the
+    steps its calls ran in (equal to what Info reports), and the draft has none."""
+    installed, _ = traced
+    target = workers.target_servicer
+    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(workers.target))
+    prompt = prompt_ids[0]
+    handle = stub.OpenSession(target_pb2.OpenSessionRequest(
+        prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=8)), timeout=DEADLINE_S).handle
+    tokens = list(stub.Decode(target_pb2.DecodeRequest(session_id=handle.session_id, base_len=len(prompt)),
+                              timeout=DEADLINE_S))
+    assert tokens
+    _wait_for(lambda: target.admission.load().running == 0, "the Decode call kept its slot")
+    text = _scrape(installed.metrics_port)
+    info = stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load
+    labels = {"specdec_worker_id": "target-t"}
+    assert _sample(text, "specdec_worker_calls_max_running", **labels) == target.admission.max_running == \
+        info.max_running > 0
+    assert _sample(text, "specdec_worker_batch_max_tokens", **labels) == info.max_batch_tokens == \
+        target.sessions.compute.max_batch_tokens
+    mean = _sample(text, "specdec_worker_batch_mean_tokens", **labels)
+    assert mean > 0 and mean == pytest.approx(info.mean_batch_tokens)  # the prefill and decode steps ran
+    assert _sample(text, "specdec_worker_calls_running", **labels) == info.running_calls == 0
+    assert _sample(text, "specdec_worker_calls_queued", **labels) == info.queued_calls == 0
+    assert _sample(text, "specdec_worker_calls_utilization", **labels) == 0
+    assert _sample(text, "specdec_worker_sessions_active", **labels) >= 1
+    for name in ADMISSION_GAUGES:  # no admission on the draft worker
+        with pytest.raises(AssertionError, match="no sample"):
+            _sample(text, name, specdec_worker_id="draft-t")
+    assert _sample(text, "specdec_worker_sessions_active", specdec_worker_id="draft-t") >= 0
+    stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=DEADLINE_S)
+
+
+def test_target_gauges_show_running_and_queued_calls(traced, tiny_target):
+    """A target whose one running slot is taken and whose queue holds a call reports
+    2 calls per slot: the HPA's metric grows with the queue."""
+    installed, _ = traced
+    sessions = TargetSessions(tiny_target, 4, 10_000)
+    target = TargetServicer(sessions, "target-queue", model_info(tiny_target, "cpu"), 8,
+                            admission=Admission(max_running=1, max_queued=2))
+    labels = {"specdec_worker_id": "target-queue"}
+    queued_waited: list[int] = []
+    try:
+        assert target.admission.acquire(None) == 0  # the one running slot
+        waiter = threading.Thread(target=lambda: queued_waited.append(target.admission.acquire(DEADLINE_S)))
+        waiter.start()
+        _wait_for(lambda: target.admission.load().queued == 1, "the second call did not queue")
+        text = _scrape(installed.metrics_port)
+        assert _sample(text, "specdec_worker_calls_running", **labels) == 1
+        assert _sample(text, "specdec_worker_calls_queued", **labels) == 1
+        assert _sample(text, "specdec_worker_calls_max_running", **labels) == 1
+        assert _sample(text, "specdec_worker_calls_utilization", **labels) == 2.0
+        target.admission.release()  # hands the slot to the queued call
+        waiter.join(DEADLINE_S)
+        assert queued_waited and queued_waited[0] > 0
+        text = _scrape(installed.metrics_port)
+        assert _sample(text, "specdec_worker_calls_queued", **labels) == 0
+        assert _sample(text, "specdec_worker_calls_utilization", **labels) == 1.0
+        target.admission.release()
+        assert _sample(_scrape(installed.metrics_port), "specdec_worker_calls_utilization", **labels) == 0
+    finally:
+        sessions.compute.stop()
 
 
 def test_round_counters_and_histograms(traced):
