@@ -98,7 +98,7 @@ def step_load_from_proto(message: common_pb2.StepLoad) -> StepLoad | None:
     if not message.batch_sessions and not message.queue_ns:
         return None
     return StepLoad(message.queue_ns, message.step_ns, message.batch_tokens, message.batch_sessions,
-                    message.waiting_sessions)
+                    message.waiting_sessions, message.cost_base_ns, message.cost_per_token_ns)
 
 
 def generation_stats_to_proto(stats: GenerationStats, orchestrator_ns: int = 0, num_prefill_tokens: int = 0) -> common_pb2.GenerationStats:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch, for `python -m report`
-    from speculative.stats import RoundStats
+    from speculative.stats import RoundStats, StepLoad
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,15 @@ class AdaptiveK(SpeculationPolicy):
     `costs` seeds the cost averages with what earlier calls between the same draft and
     target measured, so a call over a slow link can decide before its first round trip,
     and the acceptance's prior with theirs (as light as the default: the text decides).
+
+    Under load (the target batches B sessions per step and reports its step cost
+    base + per_token * T for T tokens), k is also capped at `worker_k`: the k that
+    maximises this session's output per unit of the worker's time, E[tokens](a, k) /
+    (base / B + per_token * (k + 1)): the step's base cost is shared by the B sessions,
+    each draft token costs the whole batch per_token. Alone (B = 1) the cap is loose;
+    as B grows, draft tokens that are likely rejected stop paying, and at 0 the target
+    decodes alone (plain decode steps inside the batch), so speculation never makes
+    the worker slower than the same load without it.
     """
 
     def __init__(self, max_k: int, decay: float = 0.9, first_solo: int = 8, max_solo: int = 128,
@@ -158,6 +167,9 @@ class AdaptiveK(SpeculationPolicy):
         self.next_solo = first_solo
         self.next_empty_solo = first_solo  # after an empty turn; doubles while turns stay empty
         self.probe_due = False  # the round after a solo stretch re-measures
+        self.batch_sessions = 1.0  # B: decayed sessions per target step (1 = alone)
+        self.step_base_ns = 0.0  # the target's step cost: base + per_token * T (0: unknown)
+        self.step_token_ns = 0.0
         if costs is not None:
             self.seed(costs)
 
@@ -196,7 +208,19 @@ class AdaptiveK(SpeculationPolicy):
         return self.proposals / self.turns
 
     def next_k(self) -> int:
-        return max(range(1, self.max_k + 1), key=lambda k: (self.tokens_per_ns(k), -k))
+        largest = max(1, min(self.max_k, self.worker_k()))
+        return max(range(1, largest + 1), key=lambda k: (self.tokens_per_ns(k), -k))
+
+    def worker_k(self) -> int:
+        """The k (0 = none) that maximises this session's tokens per unit of the target
+        worker's time, from the step cost the target reports and the sessions sharing
+        its steps; max_k while the target reports no cost."""
+        if not self.step_base_ns and not self.step_token_ns:
+            return self.max_k
+        shared_ns = self.step_base_ns / max(self.batch_sessions, 1.0)
+        acceptance = self.hopeful_acceptance()
+        return max(range(self.max_k + 1),
+                   key=lambda k: (expected_tokens(acceptance, k) / (shared_ns + self.step_token_ns * (k + 1)), -k))
 
     def solo_tokens(self, remaining: int | None = None) -> int:
         if not self.measured or self.probe_due:
@@ -205,6 +229,8 @@ class AdaptiveK(SpeculationPolicy):
         k = self.next_k()
         solo_ns = self.solo_cost_ns()
         lead = self.tokens_per_ns(k) * solo_ns  # speculation's speed over decoding alone
+        if self.worker_k() == 0:  # drafting costs the loaded worker more than it yields
+            lead = 0.0
         if lead >= 1.0 and self.one_token_measured:
             self.next_solo = self.first_solo
             return 0
@@ -330,6 +356,7 @@ class AdaptiveK(SpeculationPolicy):
         return self.solo_token_ns if self.solo_token_ns is not None else self.one_token_ns
 
     def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
+        self._observe_load(round_stats.step)
         if round_stats.streamed:  # the stretch as a whole is observed by observe_stretch
             self._observe_compute(1, round_stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
             self.one_token_measured = True
@@ -369,6 +396,14 @@ class AdaptiveK(SpeculationPolicy):
         self.solo_token_ns = _blend(self.solo_token_ns, token_ns, self.decay ** (1 + self.rounds_since_solo))
         self.rounds_since_solo, self.rounds_since_solo_ns = 0, 0.0
         self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - num_tokens * token_ns), self.decay)
+
+    def _observe_load(self, step: StepLoad | None) -> None:
+        """The target's batching, as its last step reported it."""
+        if step is None or not step.batch_sessions:
+            return
+        self.batch_sessions = _blend(self.batch_sessions, step.batch_sessions, self.decay)
+        if step.cost_base_ns or step.cost_per_token_ns:  # already averaged over its recent steps
+            self.step_base_ns, self.step_token_ns = step.cost_base_ns, step.cost_per_token_ns
 
     def _count_turn(self, proposed: bool) -> None:
         self.proposals = self.decay * self.proposals + proposed

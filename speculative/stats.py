@@ -21,6 +21,10 @@ class StepLoad:
     batch_tokens: int  # tokens in the step, over every session in it
     batch_sessions: int  # sessions in the step
     waiting_sessions: int  # sessions with work on the worker when the step began
+    # The worker's step cost over its recent steps: a step of T tokens takes about
+    # cost_base_ns + T * cost_per_token_ns (0 and 0: not measured yet).
+    cost_base_ns: float = 0.0
+    cost_per_token_ns: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,12 @@ Rules:
   taken oldest first; prefill chunks fill the rest of the budget, cut to fit (a
   prompt's prefill is spread over steps and never stalls the sessions decoding).
 - The oldest job always gets into a step, whatever its size: nothing starves.
-- A step waits for stragglers, briefly: it starts once every running call has work
-  (`expected_jobs`), or GATHER_SHARE of the last step's time after the previous step
-  ended, whichever comes first. A call's next work arrives a little after its last
-  result (the stream's next message, a draft's next proposal); without the wait it
-  would just miss each step and run in every other one.
+- A step waits for stragglers while that costs less than it saves: a call's next work
+  arrives a little after its last result (the stream's next message, a draft's next
+  proposal), and a call that misses a step loses a whole step. So a step starts once
+  every running call has work (`expected_jobs`), or once it has waited the last step's
+  time times the share of calls still missing, whichever comes first: waiting t costs
+  the calls that are ready t each, missing costs the others a step each.
 - A job's own state (its session, sampling generator, rollback) is touched only by its
   generator, on this thread; batching changes which pass computes a segment, never
   what the job decides.
@@ -47,10 +48,6 @@ T = TypeVar("T")
 
 # Steps remembered for the batch occupancy a worker reports (WorkerLoad).
 RECENT_STEPS = 64
-# The longest a step waits for calls that have no work yet, as a share of the last
-# step's time: what everyone in the step may lose, against a whole step lost by each
-# straggler that arrives within it.
-GATHER_SHARE = 0.1
 
 
 class _Job:
@@ -135,6 +132,11 @@ class StepScheduler:
         recent = list(self._recent)
         return sum(tokens for tokens, _ in recent) / len(recent) if recent else 0.0
 
+    def step_cost(self) -> tuple[float, float]:
+        """(base, per token) in nanoseconds: a step of T tokens takes about base +
+        T * per_token, fitted over the recent steps (see fit_step_cost)."""
+        return fit_step_cost(list(self._recent))
+
     def stop(self) -> None:
         self._queue.put(None)
 
@@ -146,11 +148,13 @@ class StepScheduler:
                 self._step(self._pick())
 
     def _gather(self) -> bool:
-        """Waits, within the gather window, for every expected job; False on stop."""
+        """Waits for the expected jobs while waiting costs less than missing them (see
+        the module's rules); False on stop."""
         if self.expected_jobs is None:
             return True
-        window_end = self._last_end_ns + GATHER_SHARE * self._last_step_ns
-        while len(self._jobs) < self.expected_jobs():
+        while (expected := self.expected_jobs()) > len(self._jobs):
+            missing_share = (expected - len(self._jobs)) / expected
+            window_end = self._last_end_ns + missing_share * self._last_step_ns
             left_s = (window_end - time.perf_counter_ns()) * 1e-9
             if left_s <= 0:
                 return True
@@ -211,10 +215,29 @@ class StepScheduler:
         step_ns = self._last_end_ns - start  # the pass and every job's decision
         self._last_step_ns = step_ns
         self._recent.append((tokens, step_ns))
+        base_ns, per_token_ns = fit_step_cost(list(self._recent))
         for job in jobs:
-            job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting)
+            job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting, base_ns, per_token_ns)
         for job in finished:
             job.finish()
+
+
+def fit_step_cost(steps: list[tuple[int, int]]) -> tuple[float, float]:
+    """Least squares of step time on step tokens over (tokens, step_ns) pairs, as
+    (base_ns, per_token_ns), both kept >= 0. While the steps' sizes barely differ the
+    slope is unknown: it is then taken as 0 (every step costs about the same), which a
+    wider step corrects. (0, 0) before any step."""
+    if not steps:
+        return 0.0, 0.0
+    n = len(steps)
+    mean_t = sum(t for t, _ in steps) / n
+    mean_c = sum(c for _, c in steps) / n
+    var_t = sum((t - mean_t) ** 2 for t, _ in steps) / n
+    if var_t < 1.0:  # sizes within about a token of each other
+        return mean_c, 0.0
+    slope = sum((t - mean_t) * (c - mean_c) for t, c in steps) / n / var_t
+    slope = min(max(slope, 0.0), mean_c / max(mean_t, 1.0))
+    return max(mean_c - slope * mean_t, 0.0), slope
 
 
 def _run_call(fn, args, kwargs, future: Future) -> None:

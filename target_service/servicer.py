@@ -244,6 +244,7 @@ def _step_proto(load: StepLoad | None, admission_wait_ns: int = 0) -> common_pb2
     return common_pb2.StepLoad(
         queue_ns=load.queue_ns + admission_wait_ns, step_ns=load.step_ns, batch_tokens=load.batch_tokens,
         batch_sessions=load.batch_sessions, waiting_sessions=load.waiting_sessions,
+        cost_base_ns=load.cost_base_ns, cost_per_token_ns=load.cost_per_token_ns,
     )
 
 

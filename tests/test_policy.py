@@ -12,7 +12,7 @@ from speculative.generator import SpeculativeGenerator
 from speculative.policy import AdaptiveK, MeasuredCosts, SpeculationPolicy, expected_tokens
 from speculative.rejection import NextTokenKind
 from speculative.sampling import SamplingParams
-from speculative.stats import RoundStats
+from speculative.stats import RoundStats, StepLoad
 
 MS = 1_000_000  # nanoseconds
 
@@ -548,3 +548,44 @@ def test_a_stretch_that_came_out_slow_is_measured_again():
     policy.observe_stretch(8, (8 * 46 + 4) * MS, 46 * MS)
     assert policy.solo_cost_ns() == pytest.approx(46.5 * MS, rel=0.01)
     assert policy.tokens_instead_of_empty_round(1000) > 0
+
+
+# Under load: the target batches B sessions per step, a step of T tokens costing about
+# base + per_token * T (what SmolLM2-135M fp32 on 2 cores measured: 40 ms + 0.9 ms a token).
+
+
+def _loaded_round(num_drafted, num_accepted, sessions, base_ms=40.0, per_token_ms=0.9):
+    stats, elapsed = _round(num_drafted, num_accepted, base_ms + per_token_ms * sessions * (num_drafted + 1))
+    step = StepLoad(0, stats.target_compute_ns, sessions * (num_drafted + 1), sessions, sessions,
+                    base_ms * MS, per_token_ms * MS)
+    return dataclasses.replace(stats, step=step), elapsed
+
+
+def _worker_k(sessions, acceptance_per_4=2, base_ms=40.0, per_token_ms=0.9):
+    policy = _settled(AdaptiveK(4), [_loaded_round(4, acceptance_per_4, sessions, base_ms, per_token_ms)])
+    return policy.worker_k()
+
+
+def test_more_sessions_per_step_never_raise_k():
+    ks = [_worker_k(sessions) for sessions in (1, 2, 4, 8, 16, 32, 64)]
+    assert ks == sorted(ks, reverse=True)
+    assert ks[0] == 4 and ks[-1] < ks[0]  # alone the cap is loose; crowded it binds
+
+
+def test_higher_acceptance_never_lowers_k_under_load():
+    for sessions in (1, 8, 32):
+        ks = [_worker_k(sessions, accepted) for accepted in (0, 1, 2, 3, 4)]
+        assert ks == sorted(ks), (sessions, ks)
+
+
+def test_rejected_drafts_on_a_crowded_worker_hand_over_to_decoding_alone():
+    """Drafts that are never accepted cost the batch and yield nothing: the target
+    decodes alone, whatever the session's own round times would favour."""
+    policy = _settled(AdaptiveK(4), [_loaded_round(1, 0, 32)])
+    assert policy.worker_k() == 0
+    assert policy.solo_tokens(remaining=1000) > 0
+
+
+def test_without_a_reported_step_cost_the_policy_is_unchanged():
+    policy = _settled(AdaptiveK(4), [_round(4, 4, 50.0)])
+    assert policy.worker_k() == 4

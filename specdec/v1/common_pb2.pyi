@@ -120,18 +120,22 @@ class RoundStats(_message.Message):
     def __init__(self, round: _Optional[int] = ..., base_len: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., draft_ns: _Optional[int] = ..., verify_rtt_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., verdict_bytes: _Optional[int] = ..., queue_ns: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., batch_sessions: _Optional[int] = ...) -> None: ...
 
 class StepLoad(_message.Message):
-    __slots__ = ("queue_ns", "step_ns", "batch_tokens", "batch_sessions", "waiting_sessions")
+    __slots__ = ("queue_ns", "step_ns", "batch_tokens", "batch_sessions", "waiting_sessions", "cost_base_ns", "cost_per_token_ns")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     STEP_NS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     WAITING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    COST_BASE_NS_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     step_ns: int
     batch_tokens: int
     batch_sessions: int
     waiting_sessions: int
-    def __init__(self, queue_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ...) -> None: ...
+    cost_base_ns: float
+    cost_per_token_ns: float
+    def __init__(self, queue_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., cost_base_ns: _Optional[float] = ..., cost_per_token_ns: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("num_generated_tokens", "num_rounds", "num_drafted", "num_accepted", "acceptance_rate", "mean_accepted_per_round", "accepted_per_position", "drafted_per_position", "prefill_ns", "draft_ns", "verify_ns", "target_compute_ns", "network_ns", "orchestrator_ns", "total_ns", "num_prefill_tokens", "num_failovers", "num_streamed_tokens", "queue_ns")
