@@ -6,9 +6,8 @@ for one Speculate call.
 session keeps the drafter it was opened with; each Speculate call brings its own
 sampling params, draft truncation and n-gram sizes, applied here before its rounds.
 
-Forward passes of the draft model run one at a time on a ComputeThread, as on the target
-worker: on a CPU torch already spreads one pass over every core, so concurrent passes of
-many sessions would only contend for them (and inflate the measured draft time).
+Forward passes of the draft model run on a StepScheduler, as on the target worker: the
+drafting steps of every session that drafts at the same time share one forward pass.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from speculative.compute_thread import ComputeThread
+from speculative.step_scheduler import StepScheduler
 from speculative.drafters import (
     MODEL,
     NGRAM,
@@ -54,10 +53,11 @@ class Drafters:
     and the two together."""
 
     def __init__(self, loaded: LoadedModel | None, default_drafter: str, draft_top_k: int,
-                 min_ngram: int, max_ngram: int, compute: ComputeThread | None = None):
+                 min_ngram: int, max_ngram: int, compute: StepScheduler | None = None):
         self.loaded = loaded
-        # Every forward pass of the draft model runs here, one at a time (see ComputeThread).
-        self.compute = compute or ComputeThread("draft-compute")
+        # Every forward pass of the draft model runs here: the drafting steps of all
+        # sessions batched into one pass per step (speculative/step_scheduler.py).
+        self.compute = compute or StepScheduler(loaded.model if loaded else None, name="draft-compute")
         self.by_name: dict[str, Drafter] = {NGRAM: NgramDrafter(min_ngram, max_ngram)}
         if loaded is not None:
             self.by_name[MODEL] = ModelDrafter(loaded, draft_top_k)
@@ -115,9 +115,10 @@ class Drafters:
 
 
 class SerializedModelDraftSession(DraftSession):
-    """A model draft session whose forward passes run on the worker's compute thread."""
+    """A model draft session whose forward passes run on the worker's step scheduler,
+    batched with the other sessions' drafting steps."""
 
-    def __init__(self, inner: ModelDraftSession, compute: ComputeThread):
+    def __init__(self, inner: ModelDraftSession, compute: StepScheduler):
         self.inner = inner
         self.compute = compute
 
@@ -126,10 +127,10 @@ class SerializedModelDraftSession(DraftSession):
         return self.inner.length
 
     def propose(self, k: int) -> Proposal:
-        return self.compute.run(self.inner.propose, k)
+        return self.compute.submit(self.inner.propose_steps(k))[0]
 
     def prefill(self) -> None:
-        self.compute.run(self.inner.prefill)
+        self.compute.submit(self.inner.prefill_steps())
 
     def set_sampling(self, params: SamplingParams) -> None:
         self.inner.set_sampling(params)

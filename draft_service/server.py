@@ -16,7 +16,7 @@ from service_common.logs import configure_logging
 from service_common.registry import create_worker_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2
 from speculative.errors import SpeculativeError
-from speculative.compute_thread import ComputeThread
+from speculative.step_scheduler import StepScheduler
 from speculative.loading import LoadedModel, configure_threads, load_model
 from speculative.warmup import warm_up
 
@@ -33,12 +33,14 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
     load config.model, or serve the n-gram drafter only when that is empty.
     """
     config.validate()
-    # The model is loaded, and every forward pass run, on one thread (see ComputeThread).
-    compute = ComputeThread("draft-compute")
+    # The model is loaded, and every forward pass run, on one thread: the step scheduler,
+    # which batches the drafting steps of all sessions (speculative/step_scheduler.py).
+    compute = StepScheduler(name="draft-compute")
     compute.run(configure_threads, config.threads or None)
     if loaded_model is None and config.model:
         loaded_model = compute.run(load_model, config.model, device=config.device, dtype=config.dtype)
     if loaded_model is not None:
+        compute.model = loaded_model.model
         log.info("warmed up in %.2f s", compute.run(warm_up, loaded_model) * 1e-9)
     drafters = Drafters(loaded_model, config.default_drafter, config.draft_top_k,
                         config.prompt_lookup_min, config.prompt_lookup_max, compute)

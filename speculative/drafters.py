@@ -21,7 +21,7 @@ import torch
 from speculative.errors import InvalidArgument
 from speculative.fingerprint import ANY_VOCABULARY
 from speculative.loading import LoadedModel
-from speculative.model_session import ModelSession
+from speculative.model_session import ForwardSteps, ModelSession, run_alone
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
 
 # The drafters a draft worker offers, by the names of the API (SpeculationParams.drafter).
@@ -160,9 +160,16 @@ class ModelDraftSession(DraftSession):
         return self.session.length
 
     def propose(self, k: int) -> Proposal:
+        return run_alone(self.session.model, self.propose_steps(k))
+
+    def propose_steps(self, k: int) -> ForwardSteps[Proposal]:
+        """`propose` as k forward passes for a scheduler to batch with other sessions'."""
         token_ids, draft_probs = [], []
         for _ in range(k):
-            logits = self.session.logits(1)[0]  # runs the pending tokens: 1 or 2
+            segment = self.session.pending_segment(1)  # the pending tokens: 1 or 2
+            logits, _ = yield segment
+            self.session.segment_done(segment)
+            logits = logits[0]
             if self.params.greedy:
                 token_id = int(logits.argmax())
             else:
@@ -185,6 +192,12 @@ class ModelDraftSession(DraftSession):
 
     def prefill(self) -> None:
         self.session.prefill()
+
+    def prefill_steps(self) -> ForwardSteps[None]:
+        """`prefill` as forward passes for a scheduler."""
+        while (segment := self.session.prefill_segment()) is not None:
+            yield segment
+            self.session.segment_done(segment)
 
     def set_sampling(self, params: SamplingParams) -> None:
         self.params = params

@@ -46,6 +46,10 @@ class ModelSession:
         self.num_forward_tokens = 0  # tokens run through the model, prefill included
 
     @property
+    def model(self) -> PreTrainedModel:
+        return self._model
+
+    @property
     def length(self) -> int:
         """Committed plus pending tokens: the length the next proposal extends."""
         return len(self._token_ids)

@@ -23,8 +23,11 @@ Rules:
   generator, on this thread; batching changes which pass computes a segment, never
   what the job decides.
 
-Also runs plain functions between steps (`run`): loading, warm-up. Why one thread at
-all: see speculative/compute_thread.py.
+Also runs plain functions between steps (`run`): loading, warm-up. Why one thread: on
+the 2-core development machine (torch 2.13, OpenMP intra-op parallelism) SmolLM2-135M
+decoded at 19-21 tokens/s on the thread that first ran torch work and at 11-14 tokens/s
+when the same calls came from other threads (as gRPC handler threads are); and on a CPU
+torch already spreads one pass over every core, so concurrent passes would only contend.
 """
 
 from __future__ import annotations

@@ -206,3 +206,26 @@ def test_sampled_verification_with_draft_probs_batched(tiny_target):
     finally:
         scheduler.stop()
     assert result.token_ids == expected
+
+
+def test_draft_sessions_batched_propose_what_each_proposes_alone(tiny_target):
+    """The draft worker's model drafter: sessions drafting at the same time share
+    passes, and each proposes exactly what it proposes alone (greedy and seeded)."""
+    from speculative.drafters import ModelDrafter
+
+    drafter = ModelDrafter(tiny_target)
+    prompts = [_ids(p) for p in ("def add(a, b):\n", "The quick brown", "z", "1, 2, 3,")]
+    params = [GREEDY, SamplingParams(temperature=1.0, seed=3), GREEDY, SamplingParams(temperature=0.7, seed=9)]
+    ks = [4, 3, 1, 6]
+    alone = [drafter.open(p, s).propose(k) for p, s, k in zip(prompts, params, ks)]
+    scheduler = StepScheduler(tiny_target.model)
+    try:
+        sessions = [drafter.open(p, s) for p, s in zip(prompts, params)]
+        batched = _run_threads([(lambda d=d, k=k: scheduler.submit(d.propose_steps(k))[0])
+                                for d, k in zip(sessions, ks)])
+    finally:
+        scheduler.stop()
+    assert [p.token_ids for p in batched] == [p.token_ids for p in alone]
+    for a, b in zip(alone, batched):
+        if a.draft_probs is not None:
+            assert all(torch.equal(x.token_ids, y.token_ids) for x, y in zip(a.draft_probs, b.draft_probs))

@@ -3,8 +3,10 @@ the target's own distribution (a chi-square test that a wrong rule fails)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,8 +14,11 @@ from scipy.stats import chisquare
 
 from speculative import rejection
 from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
-from speculative.generator import SpeculativeGenerator
+from speculative.generator import SpeculativeGenerator, speculation_rounds
+from speculative.policy import FixedK
 from speculative.sampling import SamplingParams, logits_to_probs
+from speculative.step_scheduler import StepScheduler
+from speculative.target import TargetSession
 from tests.scripted_drafter import counting_proposals
 
 # Each run's first three tokens are one draw from a 4 x 4 x 4 = 64-cell distribution
@@ -122,3 +127,45 @@ def test_exact_distribution_is_a_distribution(exact):
     assert abs(sum(exact.values()) - 1.0) < 1e-6  # fp32 softmax rows
     assert len(exact) == 4**3
     assert all(len(cell) == 3 for cell in itertools.islice(exact, 5))
+
+
+class _BatchedVerifier:
+    """The loop's Verifier through a step scheduler: the session's passes share steps
+    with every other session's."""
+
+    def __init__(self, scheduler, target):
+        self.scheduler, self.target = scheduler, target
+
+    def verify(self, base_len, draft_token_ids, draft_probs):
+        result, step = self.scheduler.submit(self.target.verify_steps(base_len, draft_token_ids, draft_probs))
+        return dataclasses.replace(result, step=step)
+
+
+def test_batched_speculative_sampling_follows_the_target_distribution(tiny_target, tiny_perturbed, prompt_ids, exact):
+    """The same chi-square test with 12 sessions at a time sharing the target's steps;
+    and each seeded run equals the same seed's run alone, token for token."""
+    prompt, drafter = prompt_ids[0], ModelDrafter(tiny_perturbed)
+    scheduler = StepScheduler(tiny_target.model)
+    batch_sizes = []
+
+    def run(seed: int) -> tuple[int, ...]:
+        params = PARAMS.replace(seed=seed)
+        target = TargetSession(tiny_target, prompt, params, prefill=False)
+        scheduler.submit(target.prefill_steps())
+        tokens = []
+        for result in speculation_rounds(_BatchedVerifier(scheduler, target), drafter.open(prompt, params),
+                                         len(prompt), params, FixedK(2), tiny_target.context_length):
+            tokens += result.token_ids
+            batch_sizes.append(result.stats.step.batch_sessions)
+        return tuple(tokens)
+
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            runs = list(pool.map(run, range(NUM_RUNS)))
+    finally:
+        scheduler.stop()
+    assert max(batch_sizes) > 1, "sessions should have shared steps"
+    assert _chi_square_p_value(Counter(runs), exact) > ALPHA
+    generator = SpeculativeGenerator(tiny_target, drafter)
+    for seed in range(40):
+        assert tuple(generator.generate(prompt, PARAMS.replace(seed=seed), k=2).token_ids) == runs[seed]
