@@ -44,7 +44,7 @@ from transformers import PreTrainedModel
 
 from speculative.batched_forward import Segment, forward_segments
 from speculative.errors import InvalidArgument
-from speculative.model_session import ForwardSteps
+from speculative.model_session import ForwardSteps, run_alone
 from speculative.stats import StepLoad
 
 T = TypeVar("T")
@@ -118,6 +118,8 @@ class StepScheduler:
     def submit(self, steps: ForwardSteps[T]) -> tuple[T, StepLoad | None]:
         """Runs `steps` batched with other jobs; returns its result and what its steps
         were like (None if it needed no pass), or raises its error."""
+        if threading.current_thread() is self._thread:  # from a step's own work: no batching, no deadlock
+            return run_alone(self.model, steps), None
         job = _Job(steps)
         self._queue.put(job)
         return job.future.result()

@@ -229,3 +229,47 @@ def test_draft_sessions_batched_propose_what_each_proposes_alone(tiny_target):
     for a, b in zip(alone, batched):
         if a.draft_probs is not None:
             assert all(torch.equal(x.token_ids, y.token_ids) for x, y in zip(a.draft_probs, b.draft_probs))
+
+
+def test_each_job_decides_on_its_own_rows_of_the_batched_logits(tiny_target, monkeypatch):
+    """Crafted logits: the batched pass is replaced by one whose logits name, for every
+    position, a token derived from the session and the position. Each job's verdict must
+    be verify_greedy on its own rows, whatever else ran in the step."""
+    import speculative.step_scheduler as step_scheduler
+    from speculative.rejection import verify_greedy
+
+    vocab = tiny_target.vocab_size
+
+    def crafted(segment: Segment) -> torch.Tensor:  # [num_logits, vocab]: argmax = (start + i + t0) % vocab
+        logits = torch.zeros(segment.num_logits, vocab)
+        first = segment.start + segment.num_tokens - segment.num_logits
+        for i in range(segment.num_logits):
+            logits[i, (first + i + segment.token_ids[0]) % vocab] = 1.0
+        return logits
+
+    steps_seen = []
+
+    def fake_forward(model, segments):
+        steps_seen.append(len(segments))
+        return [crafted(s) for s in segments]
+
+    monkeypatch.setattr(step_scheduler, "forward_segments", fake_forward)
+    scheduler = StepScheduler(tiny_target.model)
+    prompts = [_ids(p) for p in ("abc", "hello world", "xyz xyz", "0123456789")]
+    try:
+        sessions = [TargetSession(tiny_target, p, GREEDY) for p in prompts]  # prefilled alone
+        proposals = [[5, 6, 7], [], [1], [9, 9, 9, 9, 9]]
+        # Drafts right for their first token where the crafted argmax allows it.
+        for session, draft in zip(sessions, proposals):
+            if draft:
+                draft[0] = (session.length - 1 + session.session.last_token_id) % vocab
+        expected = []
+        for session, draft in zip(sessions, proposals):
+            segment = Segment(None, session.length - 1, [session.last_token_id, *draft], len(draft) + 1)
+            expected.append(verify_greedy(draft, crafted(segment)))
+        results = _run_threads([(lambda s=s, d=d: scheduler.submit(s.verify_steps(s.length, d))[0])
+                                for s, d in zip(sessions, proposals)])
+    finally:
+        scheduler.stop()
+    assert [r.verdict for r in results] == expected
+    assert any(v.num_accepted >= 1 for v in expected)
