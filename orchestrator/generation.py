@@ -389,6 +389,7 @@ class Generation:
         for update in self.call:
             if update.handoff_tokens:
                 return update
+            record.draft.committed_len = update.committed_len  # the draft holds each round's tokens
             self.stats.record_round(round_stats_from_proto(update.round, len(update.token_ids)))
             yield list(update.token_ids), update.finish_reason
         return None
@@ -477,7 +478,10 @@ class Generation:
                                  "specdec.cut_tokens": len(self.generated) - len(assembler.kept_tokens)})
             for worker, handle in ((self.target, record.target), (self.draft, record.draft)):
                 if worker is not None and handle is not None:
-                    self._truncate(worker, handle, len(record.token_ids))
+                    # A draft that has not seen a stretch the target decoded alone at the
+                    # end of the call holds fewer tokens: it keeps them, the next call extends it.
+                    length = len(record.token_ids)
+                    self._truncate(worker, handle, min(length, handle.committed_len) if worker is self.draft else length)
         record.last_used_ms = int(time.time() * 1000)
         if not record.sampling and self.request.HasField("sampling"):
             record.sampling = self.request.sampling.SerializeToString()

@@ -8,6 +8,8 @@ sampling stays a run of the requested length; a session continues across calls.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from specdec.v1 import common_pb2, orchestrator_pb2
@@ -49,6 +51,10 @@ def test_adaptive_generation_over_a_slow_link_hands_off_and_stays_exact(slow_sys
         assert response.stats.num_generated_tokens == len(expected)
         handed_off += response.stats.num_streamed_tokens
     assert handed_off >= 2 * MAX_NEW_TOKENS  # most tokens: speculation cannot pay here
+    # Calls that ended inside a stretch left the draft behind: the commit must not ask
+    # it to truncate to tokens it never saw.
+    orchestrator_log = (Path(slow_system.args.log_dir) / "orchestrator.log").read_text()
+    assert "truncate on" not in orchestrator_log, orchestrator_log[-2000:]
 
 
 def test_a_session_continues_across_hand_offs(slow_system, tiny_target, prompt_ids):
