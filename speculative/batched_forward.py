@@ -167,9 +167,12 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling=None, d
     for i, segment in enumerate(ragged_batch.segments):
         a, b = offsets[i], offsets[i + 1]
         keys, values = segment.kv.write(module.layer_idx, segment.start, key[0, :, a:b], value[0, :, a:b])
+        mask = ragged_batch.masks[i]
+        if mask is not None and mask.device != query.device:  # a layer on another GPU (device_map)
+            mask = mask.to(query.device)
         attended = F.scaled_dot_product_attention(
             query[:, :, a:b], keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=ragged_batch.masks[i], scale=scaling, enable_gqa=gqa,
+            attn_mask=mask, scale=scaling, enable_gqa=gqa,
         )  # [1, num_heads, t, head_dim]
         output[0, a:b] = attended[0].transpose(0, 1)
     return output, None
