@@ -15,10 +15,12 @@ Rules:
 - The oldest job always gets into a step, whatever its size: nothing starves.
 - A step waits for stragglers while that costs less than it saves: a call's next work
   arrives a little after its last result (the stream's next message, a draft's next
-  proposal), and a call that misses a step loses a whole step. So a step starts once
-  every running call has work (`expected_jobs`), or once it has waited the last step's
-  time times the share of calls still missing, whichever comes first: waiting t costs
-  the calls that are ready t each, missing costs the others a step each.
+  proposal), and a call that misses a step loses a whole step. Waiting t costs each
+  ready call t, missing costs each late one a step, so the break-even wait is the last
+  step's time times the share of running calls (`expected_jobs`) still missing. Within
+  it, a step waits only for the calls expected back in time: each call's turn-around
+  (from its last result to its next work, per `key`) is measured, and a call whose
+  turn-around is longer than the window (a draft model drafting) is not waited for.
 - A job's own state (its session, sampling generator, rollback) is touched only by its
   generator, on this thread; batching changes which pass computes a segment, never
   what the job decides.
@@ -51,11 +53,52 @@ T = TypeVar("T")
 
 # Steps remembered for the batch occupancy a worker reports (WorkerLoad).
 RECENT_STEPS = 64
+# Weight of the past in each caller's measured turn-around.
+TURNAROUND_DECAY = 0.8
+# A caller away this long has ended its call (or will be measured anew): forgotten.
+FORGET_AFTER_NS = 60 * 10**9
+
+
+class _Turnarounds:
+    """When each caller (key) is expected back with work: its last result's time plus
+    its measured turn-around (a decayed average). Touched only on the compute thread."""
+
+    def __init__(self):
+        self._mean_ns: dict[object, float] = {}
+        self._away_since: dict[object, int] = {}  # keys whose last job finished, not yet back
+
+    def left(self, key: object, now_ns: int) -> None:
+        if key is not None:
+            self._away_since[key] = now_ns
+
+    def back(self, key: object, now_ns: int) -> None:
+        since = self._away_since.pop(key, None)
+        if since is not None:
+            old = self._mean_ns.get(key)
+            gap = now_ns - since
+            self._mean_ns[key] = gap if old is None else TURNAROUND_DECAY * old + (1 - TURNAROUND_DECAY) * gap
+
+    def wait_until(self, window_end_ns: float, now_ns: int) -> float:
+        """Until when a step should wait, within the window: the last moment a caller
+        is expected back inside it (the window's end for one whose turn-around is not
+        known yet). Callers already late are not waited for; those away for long are
+        forgotten (their call ended)."""
+        latest = now_ns
+        for key, since in list(self._away_since.items()):
+            if now_ns - since > FORGET_AFTER_NS:
+                del self._away_since[key]
+                self._mean_ns.pop(key, None)
+                continue
+            expected = since + self._mean_ns[key] if key in self._mean_ns else window_end_ns
+            if expected <= window_end_ns:
+                latest = max(latest, expected)
+        return min(latest, window_end_ns)
 
 
 class _Job:
-    def __init__(self, steps: ForwardSteps):
+    def __init__(self, steps: ForwardSteps, key: object = None):
         self.steps = steps
+        self.key = key  # the caller's stream (e.g. its session): turn-arounds are per key
         self.future: Future = Future()
         self.segment: Segment | None = None  # the pass it waits for
         self.ready_ns = time.perf_counter_ns()  # since when it waits for a step
@@ -109,18 +152,20 @@ class StepScheduler:
         self.expected_jobs = expected_jobs
         self._last_step_ns = 0
         self._last_end_ns = 0
+        self._turnarounds = _Turnarounds()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: list[_Job] = []  # waiting for a step, oldest first
         self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_STEPS)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, steps: ForwardSteps[T]) -> tuple[T, StepLoad | None]:
+    def submit(self, steps: ForwardSteps[T], key: object = None) -> tuple[T, StepLoad | None]:
         """Runs `steps` batched with other jobs; returns its result and what its steps
-        were like (None if it needed no pass), or raises its error."""
+        were like (None if it needed no pass), or raises its error. key: the caller's
+        stream (its session), whose turn-around the scheduler learns to wait for."""
         if threading.current_thread() is self._thread:  # from a step's own work: no batching, no deadlock
             return run_alone(self.model, steps), None
-        job = _Job(steps)
+        job = _Job(steps, key)
         self._queue.put(job)
         return job.future.result()
 
@@ -159,8 +204,9 @@ class StepScheduler:
             return True
         while (expected := self.expected_jobs()) > len(self._jobs):
             missing_share = (expected - len(self._jobs)) / expected
-            window_end = self._last_end_ns + missing_share * self._last_step_ns
-            left_s = (window_end - time.perf_counter_ns()) * 1e-9
+            now = time.perf_counter_ns()
+            window_end = self._turnarounds.wait_until(self._last_end_ns + missing_share * self._last_step_ns, now)
+            left_s = (window_end - now) * 1e-9
             if left_s <= 0:
                 return True
             if not self._take_arrivals(block=True, timeout_s=left_s):
@@ -178,6 +224,7 @@ class StepScheduler:
             if item is None:
                 return False
             if isinstance(item, _Job):
+                self._turnarounds.back(item.key, item.ready_ns)
                 if item.advance():  # runs its checks; may finish with no pass at all
                     self._jobs.append(item)
                 else:
@@ -224,6 +271,7 @@ class StepScheduler:
         for job in jobs:
             job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting, base_ns, per_token_ns)
         for job in finished:
+            self._turnarounds.left(job.key, self._last_end_ns)
             job.finish()
 
 

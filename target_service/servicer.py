@@ -109,7 +109,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         with self.sessions.use(request.session_id, growth=1) as target:
                             if length >= target.context_length:
                                 return
-                            (result, ends), load = self.sessions.compute.submit(_decode_one(target, length, until))
+                            (result, ends), load = self.sessions.compute.submit(
+                                _decode_one(target, length, until), key=request.session_id)
                         timing.add(time.perf_counter_ns() - start_ns)
                         if span.is_recording():
                             span.set_attributes({
@@ -204,7 +205,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             #    the rollback, in the core.
             with _sampling_applied(target, sampling):
                 result, load = self.sessions.compute.submit(
-                    target.verify_steps(proposal.base_len, draft_token_ids, draft_probs))
+                    target.verify_steps(proposal.base_len, draft_token_ids, draft_probs), key=proposal.session_id)
             verdict = _verdict(proposal, result, target.context_length)
             verdict.step.CopyFrom(_step_proto(load, waited_ns))
             return verdict

@@ -273,3 +273,21 @@ def test_each_job_decides_on_its_own_rows_of_the_batched_logits(tiny_target, mon
         scheduler.stop()
     assert [r.verdict for r in results] == expected
     assert any(v.num_accepted >= 1 for v in expected)
+
+
+def test_a_step_waits_only_for_callers_expected_back_within_its_window():
+    from speculative.step_scheduler import _Turnarounds
+
+    ms = 1_000_000
+    turnarounds = _Turnarounds()
+    for key, gap_ms in (("quick", 3), ("slow", 400)):  # one measured turn-around each
+        turnarounds.left(key, 0)
+        turnarounds.back(key, gap_ms * ms)
+    turnarounds.left("quick", 1000 * ms)
+    turnarounds.left("slow", 1000 * ms)
+    # Window of 50 ms: wait for the quick caller (3 ms), never for the slow one (400 ms).
+    assert turnarounds.wait_until(1050 * ms, 1000 * ms) == 1003 * ms
+    turnarounds.left("new", 1000 * ms)  # no turn-around measured yet: the whole window
+    assert turnarounds.wait_until(1050 * ms, 1000 * ms) == 1050 * ms
+    turnarounds.back("new", 1001 * ms)
+    assert turnarounds.wait_until(1050 * ms, 1010 * ms) == 1010 * ms  # the quick one is late: no wait
