@@ -88,6 +88,28 @@ MAX_RUNNING_GAUGE = "specdec.worker.calls.max_running"  # -> specdec_worker_call
 BATCH_MEAN_TOKENS_GAUGE = "specdec.worker.batch.mean_tokens"  # -> specdec_worker_batch_mean_tokens
 BATCH_MAX_TOKENS_GAUGE = "specdec.worker.batch.max_tokens"  # -> specdec_worker_batch_max_tokens
 
+# The workers' load gauges: (name, value of a WorkerLoad, only for workers that admit
+# calls (a target), unit, description).
+LOAD_GAUGES = [
+    (SESSIONS_ACTIVE_GAUGE, lambda load: load.active_sessions, False, "{session}",
+     "Sessions whose KV cache the worker holds"),
+    (LOAD_GAUGE, lambda load: load.fraction, False, "{fraction}",
+     "Fraction of the worker's capacity in use (sessions or cached tokens, the fuller), 0..1"),
+    (CACHED_TOKENS_GAUGE, lambda load: load.cached_tokens, False, "{token}",
+     "Tokens held in the worker's KV caches"),
+    (CALLS_UTILIZATION_GAUGE, lambda load: load.calls_utilization, True, "{fraction}",
+     "Running plus queued calls per running slot (max_running): above 1 while calls queue"),
+    (CALLS_RUNNING_GAUGE, lambda load: load.running_calls, True, "{call}",
+     "Calls holding a running slot (doing model work in the batched steps)"),
+    (CALLS_QUEUED_GAUGE, lambda load: load.queued_calls, True, "{call}", "Calls waiting for a running slot"),
+    (MAX_RUNNING_GAUGE, lambda load: load.max_running, True, "{call}",
+     "Running slots: calls that may do model work at once (max_running)"),
+    (BATCH_MEAN_TOKENS_GAUGE, lambda load: load.mean_batch_tokens, True, "{token}",
+     "Tokens per batched forward pass, mean of the recent steps"),
+    (BATCH_MAX_TOKENS_GAUGE, lambda load: load.max_batch_tokens, True, "{token}",
+     "Token budget of one batched forward pass (max_batch_tokens)"),
+]
+
 # Round phases are milliseconds to a second; tokens 10 ms to seconds on CPU.
 _ROUND_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 # The bucket boundaries gen_ai.server.time_per_output_token is specified with.
@@ -280,33 +302,9 @@ class Telemetry:
             self.metrics_server = None
 
     def _create_gauges(self, meter: metrics.Meter) -> None:
-        meter.create_observable_gauge(
-            SESSIONS_ACTIVE_GAUGE, [self._observe(lambda load: load.active_sessions)], "{session}",
-            "Sessions whose KV cache the worker holds")
-        meter.create_observable_gauge(
-            LOAD_GAUGE, [self._observe(lambda load: load.fraction)], "{fraction}",
-            "Fraction of the worker's capacity in use (sessions or cached tokens, the fuller), 0..1")
-        meter.create_observable_gauge(
-            CACHED_TOKENS_GAUGE, [self._observe(lambda load: load.cached_tokens)], "{token}",
-            "Tokens held in the worker's KV caches")
-        meter.create_observable_gauge(
-            CALLS_UTILIZATION_GAUGE, [self._observe(_if_admitted(lambda load: load.calls_utilization))], "{fraction}",
-            "Running plus queued calls per running slot (max_running): above 1 while calls queue")
-        meter.create_observable_gauge(
-            CALLS_RUNNING_GAUGE, [self._observe(_if_admitted(lambda load: load.running_calls))], "{call}",
-            "Calls holding a running slot (doing model work in the batched steps)")
-        meter.create_observable_gauge(
-            CALLS_QUEUED_GAUGE, [self._observe(_if_admitted(lambda load: load.queued_calls))], "{call}",
-            "Calls waiting for a running slot")
-        meter.create_observable_gauge(
-            MAX_RUNNING_GAUGE, [self._observe(_if_admitted(lambda load: load.max_running))], "{call}",
-            "Running slots: calls that may do model work at once (max_running)")
-        meter.create_observable_gauge(
-            BATCH_MEAN_TOKENS_GAUGE, [self._observe(_if_admitted(lambda load: load.mean_batch_tokens))], "{token}",
-            "Tokens per batched forward pass, mean of the recent steps")
-        meter.create_observable_gauge(
-            BATCH_MAX_TOKENS_GAUGE, [self._observe(_if_admitted(lambda load: load.max_batch_tokens))], "{token}",
-            "Token budget of one batched forward pass (max_batch_tokens)")
+        for name, value, admitted_only, unit, description in LOAD_GAUGES:
+            observed = _if_admitted(value) if admitted_only else value
+            meter.create_observable_gauge(name, [self._observe(observed)], unit, description)
 
     def _observe(self, value: Callable[[WorkerLoad], float | None]):
         """A gauge callback: one observation per registered worker; a value of None
