@@ -238,10 +238,11 @@ class Generation:
                 # Always: the worker may have run past the committed tokens (a round in
                 # flight when the previous call stopped); rollback is absolute.
                 worker.stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=keep), timeout=timeout)
-                response = worker.stub.Extend(common_pb2.ExtendRequest(
-                    session_id=handle.session_id, base_len=keep, token_ids=tokens[keep:]),
-                    timeout=self.deadline.remaining())
-                self._count_prefill(worker, response.prefill_ns, len(tokens) - keep)
+                if keep < len(tokens):  # a call with no new input (generation just continues) extends nothing
+                    response = worker.stub.Extend(common_pb2.ExtendRequest(
+                        session_id=handle.session_id, base_len=keep, token_ids=tokens[keep:]),
+                        timeout=self.deadline.remaining())
+                    self._count_prefill(worker, response.prefill_ns, len(tokens) - keep)
                 return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(tokens))
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.NOT_FOUND:

@@ -88,6 +88,17 @@ def test_multi_turn_reuses_the_caches(system, tiny_target, prompt_ids):
     assert session.target.committed_len == session.num_committed_tokens
 
 
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_session_continues_with_no_new_input(system, tiny_target, prompt_ids, k):
+    """orchestrator.proto: "With a session the prompt may be empty: generation then
+    just continues", whatever k (the draft used to refuse an Extend of no tokens)."""
+    first = system.stub.Generate(_request(prompt_ids[4], k, "ngram", max_new_tokens=8), timeout=60)
+    more = system.stub.Generate(_request(None, k, "ngram", max_new_tokens=8, session_id=first.session_id), timeout=60)
+    reference = _reference(tiny_target, prompt_ids[4], max_new_tokens=16)
+    assert list(first.token_ids) + list(more.token_ids) == reference[: len(first.token_ids) + len(more.token_ids)]
+    assert len(more.token_ids) == 8 or more.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN
+
+
 def test_stop_string_rolls_both_caches_back(system, tiny_target, prompt_ids):
     ids = prompt_ids[2]
     reference = _reference(tiny_target, ids)
