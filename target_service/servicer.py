@@ -30,6 +30,7 @@ from speculative.step_scheduler import StepLoad
 from speculative.target import TargetSession, VerifyResult
 from service_common.convert import NEXT_TOKEN_KIND_TO_PROTO, lookup_stop_from_proto, sampling_from_proto, sparse_from_proto
 from service_common import telemetry
+from service_common.deadlines import time_remaining
 from service_common.status import rpc_errors
 from target_service.admission import Admission
 from target_service.sessions import SessionCache
@@ -179,8 +180,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _admitted(self, context) -> Iterator[int]:
         """A running slot for the call (see Admission); yields how long it waited for
         it, in nanoseconds."""
-        remaining = context.time_remaining() if context is not None else None
-        waited_ns = self.admission.acquire(remaining)
+        waited_ns = self.admission.acquire(time_remaining(context))
         try:
             yield waited_ns
         finally:

@@ -161,3 +161,35 @@ def test_a_queued_call_waits_and_its_wait_shows_in_the_verdict(tiny_target, gree
         channel.close()
         service.server.stop(None)
     assert result["output"] == greedy(second, NUM_TOKENS)
+
+
+def test_a_queued_call_without_a_deadline_waits_for_its_slot(tiny_target):
+    """A client that sets no deadline (gRPC reports ~9.2e18 s left) queues like any
+    other: it is not refused, and gets its slot once one frees."""
+    service, channel, stub = _start(tiny_target, max_running=1, max_queued=1)
+    first, second = _ids(PROMPTS[0]), _ids(PROMPTS[1])
+    try:
+        holder = stub.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=first), timeout=DEADLINE_S).handle
+        release = threading.Event()
+
+        def held_stream():
+            yield target_pb2.Proposal(session_id=holder.session_id, base_len=len(first))
+            release.wait(DEADLINE_S)
+
+        stream = stub.Verify(held_stream(), timeout=DEADLINE_S)
+        next(stream)  # the first stream holds the only slot
+        opened: dict = {}
+        waiter = threading.Thread(target=lambda: opened.update(handle=stub.OpenSession(
+            target_pb2.OpenSessionRequest(prompt_token_ids=second)).handle))  # no deadline
+        waiter.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load.queued_calls < 1:
+            assert time.monotonic() < deadline, "the call never queued"
+            time.sleep(0.01)
+        release.set()
+        list(stream)
+        waiter.join(DEADLINE_S)
+    finally:
+        channel.close()
+        service.server.stop(None)
+    assert opened["handle"].committed_len == len(second)
