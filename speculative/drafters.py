@@ -195,9 +195,7 @@ class ModelDraftSession(DraftSession):
 
     def prefill_steps(self) -> ForwardSteps[None]:
         """`prefill` as forward passes for a scheduler."""
-        while (segment := self.session.prefill_segment()) is not None:
-            yield segment
-            self.session.segment_done(segment)
+        return self.session.prefill_steps()
 
     def set_sampling(self, params: SamplingParams) -> None:
         self.params = params

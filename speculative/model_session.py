@@ -21,7 +21,7 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from speculative.batched_forward import Segment, SequenceKV, forward_segments, use_ragged_attention
+from speculative.batched_forward import Segment, SequenceKV, forward_segments
 from speculative.errors import InvalidArgument
 
 T = TypeVar("T")
@@ -36,7 +36,6 @@ class ModelSession:
     """Token ids and KV cache of one sequence. Not thread-safe: one owner at a time."""
 
     def __init__(self, model: PreTrainedModel, context_length: int):
-        use_ragged_attention(model)
         self._model = model
         self._context_length = context_length  # tokens; the model's positional limit
         self._kv = SequenceKV()
@@ -77,8 +76,13 @@ class ModelSession:
 
     def prefill(self) -> None:
         """Runs all tokens but the last, which stays pending for the first logits call."""
+        run_alone(self._model, self.prefill_steps())
+
+    def prefill_steps(self) -> ForwardSteps[None]:
+        """`prefill` as forward passes for a scheduler (which may cut it into chunks)."""
         while (segment := self.prefill_segment()) is not None:
-            self._run_alone(segment)
+            yield segment
+            self.segment_done(segment)
 
     def logits(self, num_positions: int) -> torch.Tensor:
         """Logits for the last `num_positions` tokens: [num_positions, vocab_size].

@@ -182,11 +182,6 @@ class StepScheduler:
         recent = list(self._recent)
         return sum(tokens for tokens, _ in recent) / len(recent) if recent else 0.0
 
-    def step_cost(self) -> tuple[float, float]:
-        """(base, per token) in nanoseconds: a step of T tokens takes about base +
-        T * per_token, fitted over the recent steps (see fit_step_cost)."""
-        return fit_step_cost(list(self._recent))
-
     def stop(self) -> None:
         self._queue.put(None)
 

@@ -83,9 +83,7 @@ class TargetSession:
     def prefill_steps(self) -> ForwardSteps[None]:
         """Caches every token but the last, in as many passes as the scheduler cuts it
         into."""
-        while (segment := self.session.prefill_segment()) is not None:
-            yield segment
-            self.session.segment_done(segment)
+        return self.session.prefill_steps()
 
     @property
     def length(self) -> int:

@@ -113,15 +113,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                             (result, ends), load = self.sessions.compute.submit(
                                 _decode_one(target, length, until), key=request.session_id)
                         timing.add(time.perf_counter_ns() - start_ns)
+                        step = _step_proto(load, waited_ns)
                         if span.is_recording():
                             span.set_attributes({
                                 "specdec.session_id": request.session_id, "specdec.base_len": length,
-                                "specdec.target_compute_ns": result.target_compute_ns, **_load_attributes(load),
+                                "specdec.target_compute_ns": result.target_compute_ns, **_step_attributes(step),
                             })
                     length = result.committed_len
                     yield target_pb2.DecodeToken(
                         token_id=result.token_ids[0], committed_len=length, compute_ns=result.target_compute_ns,
-                        step=_step_proto(load, waited_ns),
+                        step=step,
                     )
                     waited_ns = 0
                     if ends:
@@ -150,17 +151,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @rpc_errors
     def Info(self, request, context):
         load = self._load()
-        admission = self.admission.load()
         return common_pb2.InfoResponse(
             worker_id=self.worker_id,
             model=self.model_info,
             load=common_pb2.WorkerLoad(
                 active_sessions=load.active_sessions, max_sessions=load.max_sessions,
                 cached_tokens=load.cached_tokens, max_cached_tokens=load.max_cached_tokens,
-                queued_calls=admission.queued, running_calls=admission.running,
-                max_running=self.admission.max_running,
-                mean_batch_tokens=self.sessions.compute.occupancy(),
-                max_batch_tokens=self.sessions.compute.max_batch_tokens,
+                queued_calls=load.queued_calls, running_calls=load.running_calls, max_running=load.max_running,
+                mean_batch_tokens=load.mean_batch_tokens, max_batch_tokens=load.max_batch_tokens,
             ),
         )
 
@@ -249,13 +247,11 @@ def _step_proto(load: StepLoad | None, admission_wait_ns: int = 0) -> common_pb2
     )
 
 
-def _load_attributes(load: StepLoad | None) -> dict:
+def _step_attributes(step: common_pb2.StepLoad) -> dict:
     """Span attributes of the step that ran a call's work."""
-    if load is None:
-        return {}
     return {
-        "specdec.queue_ns": load.queue_ns, "specdec.step_ns": load.step_ns,
-        "specdec.batch_tokens": load.batch_tokens, "specdec.batch_sessions": load.batch_sessions,
+        "specdec.queue_ns": step.queue_ns, "specdec.step_ns": step.step_ns,
+        "specdec.batch_tokens": step.batch_tokens, "specdec.batch_sessions": step.batch_sessions,
     }
 
 
@@ -277,10 +273,7 @@ def _verify_attributes(proposal: target_pb2.Proposal, verdict: target_pb2.Verdic
         "specdec.accepted": verdict.num_accepted,
         "specdec.committed": max(0, verdict.committed_len - proposal.base_len) if not verdict.discarded else 0,
         "specdec.target_compute_ns": verdict.target_compute_ns,
-        "specdec.queue_ns": verdict.step.queue_ns,
-        "specdec.step_ns": verdict.step.step_ns,
-        "specdec.batch_tokens": verdict.step.batch_tokens,
-        "specdec.batch_sessions": verdict.step.batch_sessions,
+        **_step_attributes(verdict.step),
     }
 
 
