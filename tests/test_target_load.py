@@ -126,37 +126,39 @@ def test_past_the_queue_calls_are_refused_at_once_and_the_rest_are_exact(tiny_ta
     assert (load.running_calls, load.queued_calls, load.active_sessions) == (0, 0, 0)
 
 
-def test_a_queued_call_waits_and_its_wait_shows_in_the_verdict(tiny_target, greedy):
-    """One running slot: a second session's stream waits for the first to end, then
-    runs; its first verdict carries the wait as queueing."""
+def _queued_behind_a_held_slot(stub, queued_call) -> None:
+    """Holds the worker's only running slot with a Verify stream, runs queued_call on a
+    thread, waits until the worker reports it queued, then frees the slot and waits for
+    the call to finish."""
+    first = _ids(PROMPTS[0])
+    holder = stub.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=first), timeout=DEADLINE_S).handle
+    release = threading.Event()
+
+    def held_stream():
+        yield target_pb2.Proposal(session_id=holder.session_id, base_len=len(first))
+        release.wait(DEADLINE_S)
+
+    stream = stub.Verify(held_stream(), timeout=DEADLINE_S)
+    next(stream)  # the first stream holds the only slot
+    waiter = threading.Thread(target=queued_call)
+    waiter.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load.queued_calls < 1:
+        assert time.monotonic() < deadline, "the call never queued"
+        time.sleep(0.01)
+    release.set()
+    list(stream)
+    waiter.join(DEADLINE_S)
+
+
+def test_a_queued_call_waits_for_the_running_one_then_runs_exactly(tiny_target, greedy):
+    """One running slot: a second session's calls wait for the first stream to end,
+    then run, exactly."""
     service, channel, stub = _start(tiny_target, max_running=1, max_queued=4)
-    first, second = _ids(PROMPTS[0]), _ids(PROMPTS[1])
+    second = _ids(PROMPTS[1])
+    result: dict = {}
     try:
-        holder = stub.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=first), timeout=DEADLINE_S).handle
-        release = threading.Event()
-
-        def held_stream():
-            yield target_pb2.Proposal(session_id=holder.session_id, base_len=len(first))
-            release.wait(DEADLINE_S)
-
-        stream = stub.Verify(held_stream(), timeout=DEADLINE_S)
-        next(stream)  # the first stream holds the only slot
-        result: dict = {}
-
-        def second_session():
-            start = time.monotonic()
-            result["output"] = _generate_by_verify(stub, second, [])
-            result["seconds"] = time.monotonic() - start
-
-        waiter = threading.Thread(target=second_session)
-        waiter.start()
-        deadline = time.monotonic() + DEADLINE_S  # the second call's open waits in the queue
-        while stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load.queued_calls < 1:
-            assert time.monotonic() < deadline, "the second call never queued"
-            time.sleep(0.01)
-        release.set()
-        list(stream)
-        waiter.join(DEADLINE_S)
+        _queued_behind_a_held_slot(stub, lambda: result.update(output=_generate_by_verify(stub, second, [])))
     finally:
         channel.close()
         service.server.stop(None)
@@ -167,28 +169,11 @@ def test_a_queued_call_without_a_deadline_waits_for_its_slot(tiny_target):
     """A client that sets no deadline (gRPC reports ~9.2e18 s left) queues like any
     other: it is not refused, and gets its slot once one frees."""
     service, channel, stub = _start(tiny_target, max_running=1, max_queued=1)
-    first, second = _ids(PROMPTS[0]), _ids(PROMPTS[1])
+    second = _ids(PROMPTS[1])
+    opened: dict = {}
     try:
-        holder = stub.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=first), timeout=DEADLINE_S).handle
-        release = threading.Event()
-
-        def held_stream():
-            yield target_pb2.Proposal(session_id=holder.session_id, base_len=len(first))
-            release.wait(DEADLINE_S)
-
-        stream = stub.Verify(held_stream(), timeout=DEADLINE_S)
-        next(stream)  # the first stream holds the only slot
-        opened: dict = {}
-        waiter = threading.Thread(target=lambda: opened.update(handle=stub.OpenSession(
+        _queued_behind_a_held_slot(stub, lambda: opened.update(handle=stub.OpenSession(
             target_pb2.OpenSessionRequest(prompt_token_ids=second)).handle))  # no deadline
-        waiter.start()
-        deadline = time.monotonic() + DEADLINE_S
-        while stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load.queued_calls < 1:
-            assert time.monotonic() < deadline, "the call never queued"
-            time.sleep(0.01)
-        release.set()
-        list(stream)
-        waiter.join(DEADLINE_S)
     finally:
         channel.close()
         service.server.stop(None)
