@@ -2,7 +2,8 @@
 
 `RemoteVerifier` implements the loop's `Verifier` protocol (speculative.generator) over
 one open bidirectional `TargetService.Verify` stream: each `verify` call sends one
-Proposal and reads one Verdict, one round trip per round. The stream lives as long as
+Proposal and reads one Verdict, one round trip per round; `decode` sends one stretch
+proposal and reads a verdict per token the target decodes alone. The stream lives as long as
 the Speculate caller's deadline; each verdict is waited for at most a stall timeout.
 `TargetConnections` keeps one gRPC channel per target address, and what each target
 serves.
@@ -13,16 +14,23 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 
-from service_common.convert import NEXT_TOKEN_KIND_FROM_PROTO, sampling_to_proto, sparse_to_proto, step_load_from_proto
+from service_common.convert import (
+    NEXT_TOKEN_KIND_FROM_PROTO,
+    lookup_stop_to_proto,
+    sampling_to_proto,
+    sparse_to_proto,
+    step_load_from_proto,
+)
 from service_common.deadlines import Deadline
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from speculative.drafters import LookupStop
 from speculative.errors import StaleProposal
 from speculative.policy import MeasuredCosts
 from speculative.rejection import Verdict
@@ -153,9 +161,7 @@ class RemoteVerifier:
     speculation loop drives it; `close()` ends the stream.
 
     The stream opens with the first proposal and closes without waiting for the
-    target's end of it: a call that hands its first tokens to the target alone never
-    opens one, and one that hands off later does not wait a round trip to the target
-    before its caller can ask the target to decode.
+    target's end of it.
 
     Two limits, so that a call under load is not cut while its caller still waits: the
     stream's deadline is the caller's (`deadline`, whenever the stream opens), and
@@ -203,6 +209,34 @@ class RemoteVerifier:
         self.verdict_bytes = verdict.ByteSize()
         self.round += 1
         return self._result(proposal, verdict)
+
+    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
+        """A stretch: the target decodes up to max_tokens tokens alone (ending early
+        where prompt lookup with `until`'s sizes finds text to copy), one result per
+        token as it arrives; StaleProposal if it was discarded. Closing the iterator
+        before the stretch ended leaves its verdicts unread: the stream is then only
+        good for close()."""
+        stretch = target_pb2.Stretch(max_tokens=max_tokens,
+                                     until_lookup=lookup_stop_to_proto(until) if until else None)
+        proposal = self._proposal(base_len, [], None)
+        proposal.stretch.CopyFrom(stretch)
+        self.proposal_bytes = proposal.ByteSize()
+        if self._responses is None:
+            self._open()
+        self._requests.put(proposal)
+        self._in_flight = True
+        while True:
+            verdict = self._next_verdict()
+            self.verdict_bytes = verdict.ByteSize()
+            if verdict.stretch_ended or verdict.discarded:
+                self._in_flight = False
+                self.round += 1
+            # Each token's verdict is checked as a one-token round from the length before it.
+            result = self._result(target_pb2.Proposal(round=proposal.round, base_len=base_len), verdict)
+            yield result
+            if not self._in_flight:
+                return
+            base_len = result.committed_len
 
     def _open(self) -> None:
         """Opens the stream; gRPC reads the request queue on its own thread, and our

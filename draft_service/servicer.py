@@ -122,7 +122,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             target = self.targets.info(plan.target_address, info_timeout_s)
             context_length = check_start(entry, request, plan, self.drafters, target)
             apply_settings(entry.draft, plan.settings)
-            adaptive = self._adaptive_policy(entry, plan, request)
+            adaptive = self._adaptive_policy(entry, plan)
             # The rounds run as long as the caller waits for them (no cap on the whole
             # call: under load, a long generation is slow, not hung).
             verifier = RemoteVerifier(
@@ -150,21 +150,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     # --- helpers ----------------------------------------------------------------------
 
-    def _adaptive_policy(self, entry: SessionEntry, plan: SpeculatePlan, request) -> AdaptiveK | None:
+    def _adaptive_policy(self, entry: SessionEntry, plan: SpeculatePlan) -> AdaptiveK | None:
         """The call's adaptive policy: the session's own when it has one for the same
-        k (it goes on after a hand-off, or into the next turn), else a new one seeded
-        with what earlier calls measured between this drafter and this target."""
+        k (the next turn goes on with what it measured), else a new one seeded with what
+        earlier calls measured between this drafter and this target."""
         if not isinstance(plan.policy, AdaptiveK):
             return None
-        handoff, entry.handoff = entry.handoff, None
         if entry.policy is not None and entry.policy.max_k == plan.policy.max_k:
             plan.policy = entry.policy
-            # Back from a whole stretch: what it cost, past its tokens, to start one.
-            decoded = handoff.decoded(request.base_len) if handoff is not None else 0
-            if decoded and request.handoff_token_ns:
-                # One that ended at text to copy: the drafter found none after its other tokens.
-                plan.policy.observe_stretch(decoded, time.perf_counter_ns() - handoff.at_ns, request.handoff_token_ns,
-                                            empty_turns=decoded - 1 if handoff.until_lookup else 0)
         elif costs := self.targets.costs(plan.target_address, entry.drafter):
             plan.policy.seed(costs)
         entry.policy = plan.policy

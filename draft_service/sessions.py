@@ -27,33 +27,14 @@ class SessionBusy(SpeculativeError):
     """Another call held the session for longer than this call could wait (ABORTED)."""
 
 
-@dataclass(frozen=True)
-class Handoff:
-    at_ns: int  # time.perf_counter_ns() when the stretch was handed off
-    base_len: int  # committed length it starts from
-    max_tokens: int
-    until_lookup: bool  # it ends early where prompt lookup finds text to copy
-
-    def decoded(self, resume_len: int) -> int:
-        """Tokens the stretch decoded, when the next call starts from resume_len after
-        it (0: that call does not follow this stretch)."""
-        num_tokens = resume_len - self.base_len
-        whole = num_tokens == self.max_tokens
-        return num_tokens if whole or (self.until_lookup and 0 < num_tokens < self.max_tokens) else 0
-
-
 @dataclass(eq=False)
 class SessionEntry:
     session_id: str
     drafter: str  # name of the session's drafter: "model", "ngram" or "ngram+model"
     draft: DraftSession
     next_round: int = 0  # Proposal.round of the session's next round (0-based per session)
-    # The last adaptive call's policy: the next call goes on with what it measured (after
-    # a hand-off, the caller calls again at once).
+    # The last adaptive call's policy: the next call (the next turn) goes on with what it measured.
     policy: AdaptiveK | None = None
-    # The last call's hand-off, if it ended with one: when, and the committed length the
-    # caller comes back with when it decoded the whole stretch.
-    handoff: Handoff | None = None
     closed: bool = False  # evicted or closed: whoever still holds the entry must not use it
     lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -1,6 +1,6 @@
 """One Speculate call: the request checked and turned into core types, then the core's
 speculation loop (speculative.generator.speculation_rounds) run against a remote target,
-one SpeculateUpdate per round.
+one SpeculateUpdate per round (and per token of a stretch the target decodes alone).
 
 The loop is the core's, unchanged: this module only adapts its inputs (a policy, a
 drafter set up for the call, a RemoteVerifier) and its outputs (updates with the wire
@@ -24,9 +24,9 @@ from opentelemetry import trace
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters, DraftSettings
 from draft_service.remote_verifier import RemoteVerifier, TargetInfo
-from draft_service.sessions import Handoff, SessionEntry
+from draft_service.sessions import SessionEntry
 from service_common import telemetry
-from service_common.convert import FINISH_REASON_TO_PROTO, lookup_stop_to_proto, round_stats_to_proto, sampling_from_proto
+from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
 from specdec.v1 import draft_pb2
 from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, ResourceExhausted, StaleProposal
@@ -117,16 +117,9 @@ def run_rounds(
         # Round times are taken around the loop's own work, not the sending of updates.
         round_start_ns = time.time_ns()
         rounds = speculation_rounds(verifier, entry.draft, base_len, plan.settings.params, plan.policy,
-                                    context_length, handoff=True)
+                                    context_length)
         with contextlib.closing(rounds):
             for result in rounds:
-                if result.handoff_tokens:  # the caller has the target decode a stretch
-                    until = result.handoff_until
-                    entry.handoff = Handoff(time.perf_counter_ns(), committed_len, result.handoff_tokens, until is not None)
-                    yield draft_pb2.SpeculateUpdate(
-                        committed_len=committed_len, handoff_tokens=result.handoff_tokens,
-                        handoff_until_lookup=lookup_stop_to_proto(until) if until else None)
-                    return
                 round_end_ns = time.time_ns()
                 committed_len += len(result.token_ids)
                 update = _update(result, committed_len, first_round, verifier)
@@ -177,9 +170,12 @@ def _update(result: RoundResult, committed_len: int, first_round: int, verifier:
 
 def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, session_id: str,
                    plan: SpeculatePlan, start_ns: int, end_ns: int) -> None:
-    """One finished round as a span (start and end in Unix nanoseconds) and in metrics."""
+    """One finished round as a span (start and end in Unix nanoseconds) and in metrics;
+    a token of a stretch only in metrics (the target's specdec.decode span times it)."""
     stats = result.stats
     telemetry.instruments().record_round(stats)
+    if stats.streamed:
+        return
     span = tracer.start_span(telemetry.ROUND_SPAN, start_time=start_ns)
     if span.is_recording():
         wire = update.round

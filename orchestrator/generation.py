@@ -30,7 +30,7 @@ from speculative.generator import FinishReason
 from speculative.rejection import NextTokenKind
 from speculative.limits import validate_num_speculative_tokens
 from speculative.sampling import SamplingParams
-from speculative.stats import GenerationStats, RoundStats, per_token_ns
+from speculative.stats import GenerationStats, RoundStats
 from orchestrator.config import OrchestratorConfig
 from orchestrator.store import Lease, SessionRecord, SessionStore, WorkerHandle
 from orchestrator.text import TextAssembler, common_prefix_length, render_chat
@@ -91,7 +91,6 @@ class Generation:
         self.draft: Worker | None = None
         self.generated: list[int] = []  # tokens received from the workers (committed by the target)
         self.synced_len = 0  # tokens both workers certainly hold (base of the last stream)
-        self._handoff_token_ns = 0  # time between tokens of the last stretch handed off to us
         self._in_flight = contextlib.ExitStack()  # counts the call on its workers' load
 
     def run(self) -> Iterator[Chunk]:
@@ -354,27 +353,17 @@ class Generation:
                 self._sync_all(plan, self.synced_len)
 
     def _rounds(self, plan: Plan):
-        """(token_ids, finish_reason) per round, from Speculate or, without a draft, Decode.
-        A Speculate stream that hands off (an adaptive call found the target faster
-        alone for a while) goes on with the target's Decode stream for that many
-        tokens, the draft caught up by Extend, then Speculate again."""
+        """(token_ids, finish_reason) per round (or per token the target decodes alone)
+        from one Speculate stream or, without a draft, one Decode stream."""
         if self.draft is None:
             yield from self._decode_alone(plan)
-            return
-        while True:
-            # Each stream restarts the target's generator from the seed it is sent: moved
-            # on by the tokens drawn so far (as after a failover), never the same draws.
-            handoff = yield from self._speculate(plan, self._remaining_params(plan.params))
-            if handoff is None:
-                return
-            base_len = self._committed_len(plan)
-            if (yield from self._decode_handoff(plan, base_len, handoff)):
-                return
-            self._catch_up_draft(plan, base_len)
+        else:
+            yield from self._speculate(plan)
 
-    def _speculate(self, plan: Plan, params: SamplingParams):
-        """Yields the rounds of one Speculate stream; returns its hand-off (the update
-        asking the target to decode a stretch alone), None when the stream finished."""
+    def _speculate(self, plan: Plan):
+        """Yields the rounds of one Speculate stream. It restarts the target's generator
+        from the seed it is sent: moved on by the tokens drawn so far after a failover,
+        never the same draws."""
         record = plan.record
         base_len = self._committed_len(plan)
         speculation = common_pb2.SpeculationParams(
@@ -383,17 +372,13 @@ class Generation:
             session_id=record.draft.session_id, base_len=base_len,
             target=common_pb2.KvHandle(worker_id=record.target.worker_id, worker_address=self.target.address,
                                        session_id=record.target.session_id, committed_len=base_len),
-            sampling=sampling_to_proto(params), speculation=speculation,
-            handoff_token_ns=self._handoff_token_ns),
+            sampling=sampling_to_proto(self._remaining_params(plan.params)), speculation=speculation),
             timeout=self.deadline.remaining())
         self.context.add_callback(self.call.cancel)
         for update in self.call:
-            if update.handoff_tokens:
-                return update
             record.draft.committed_len = update.committed_len  # the draft holds each round's tokens
             self.stats.record_round(round_stats_from_proto(update.round, len(update.token_ids)))
             yield list(update.token_ids), update.finish_reason
-        return None
 
     def _decode_alone(self, plan: Plan):
         """Target-only decoding: one Decode stream up to max_new_tokens, with the call's
@@ -401,51 +386,13 @@ class Generation:
         request = target_pb2.DecodeRequest(session_id=plan.record.target.session_id,
                                            base_len=self._committed_len(plan),
                                            sampling=sampling_to_proto(self._remaining_params(plan.params)))
-        yield from self._decode(plan, request, handoff=False)
-
-    def _decode_handoff(self, plan: Plan, base_len: int, handoff: draft_pb2.SpeculateUpdate):
-        """The stretch a Speculate stream handed off: the target decodes it alone
-        (until text to copy, when the drafter said so), going on with the sampling, and
-        the random draws, it has. Returns whether the call finished."""
-        request = target_pb2.DecodeRequest(session_id=plan.record.target.session_id, base_len=base_len,
-                                           max_tokens=handoff.handoff_tokens)
-        if handoff.HasField("handoff_until_lookup"):
-            request.until_lookup.CopyFrom(handoff.handoff_until_lookup)
-        return (yield from self._decode(plan, request, handoff=True))
-
-    def _decode(self, plan: Plan, request: target_pb2.DecodeRequest, handoff: bool):
-        """Yields the tokens of one target Decode stream; returns whether the call
-        finished. A hand-off's tokens are timed: the draft sizes its next stretches by
-        them."""
         self.call = self.target.stub.Decode(request, timeout=self.deadline.remaining())
         self.context.add_callback(self.call.cancel)
-        intervals, last_ns = [], time.perf_counter_ns()
         for token in self.call:
-            now_ns = time.perf_counter_ns()
-            intervals.append(now_ns - last_ns)
-            last_ns = now_ns
             self.stats.record_round(RoundStats(self.stats.num_rounds, token.committed_len - 1, 0, 0, 1,
                                                NextTokenKind.BONUS, 0, token.compute_ns, token.compute_ns,
-                                               streamed=handoff, step=step_load_from_proto(token.step)))
-            if handoff:
-                instruments().handoff_tokens.add(1)
-            finish = self._finish_of_decode(plan.params, len(self.generated) + 1, token.token_id)
-            yield [token.token_id], finish
-            if finish:
-                return True
-        if handoff and intervals:  # the next Speculate call tells the draft
-            self._handoff_token_ns = per_token_ns(intervals)
-        return False
-
-    def _catch_up_draft(self, plan: Plan, base_len: int) -> None:
-        """Appends what the target decoded alone to the draft session."""
-        tokens = self._committed(plan)
-        response = self.draft.stub.Extend(common_pb2.ExtendRequest(
-            session_id=plan.record.draft.session_id, base_len=base_len, token_ids=tokens[base_len:]),
-            timeout=self.deadline.remaining())  # the draft's prefill of them
-        self._count_prefill(self.draft, response.prefill_ns, 0)
-        plan.record.draft.committed_len = len(tokens)
-        self.synced_len = len(tokens)
+                                               step=step_load_from_proto(token.step)))
+            yield [token.token_id], self._finish_of_decode(plan.params, len(self.generated) + 1, token.token_id)
 
     def _remaining_params(self, params: SamplingParams) -> SamplingParams:
         """The call's params for what is left after a failover: the remaining token
@@ -479,8 +426,8 @@ class Generation:
                                  "specdec.cut_tokens": len(self.generated) - len(assembler.kept_tokens)})
             for worker, handle in ((self.target, record.target), (self.draft, record.draft)):
                 if worker is not None and handle is not None:
-                    # A draft that has not seen a stretch the target decoded alone at the
-                    # end of the call holds fewer tokens: it keeps them, the next call extends it.
+                    # A draft left behind (its stream failed over to the target alone)
+                    # keeps what it holds: the next call extends it.
                     length = len(record.token_ids)
                     self._truncate(worker, handle, min(length, handle.committed_len) if worker is self.draft else length)
         record.last_used_ms = int(time.time() * 1000)

@@ -79,6 +79,7 @@ def round_stats_to_proto(stats: RoundStats, proposal_bytes: int = 0, verdict_byt
         queue_ns=stats.step.queue_ns if stats.step else 0,
         batch_tokens=stats.step.batch_tokens if stats.step else 0,
         batch_sessions=stats.step.batch_sessions if stats.step else 0,
+        stretch=stats.streamed,
     )
 
 
@@ -90,6 +91,7 @@ def round_stats_from_proto(message: common_pb2.RoundStats, num_committed: int) -
         draft_ns=message.draft_ns, verify_ns=message.verify_rtt_ns, target_compute_ns=message.target_compute_ns,
         step=StepLoad(message.queue_ns, 0, message.batch_tokens, message.batch_sessions, 0)
         if message.batch_sessions else None,
+        streamed=message.stretch,
     )
 
 

@@ -128,14 +128,18 @@ class Instruments:
     drafted_tokens: metrics.Counter  # draft tokens proposed; attribute position (0-based)
     accepted_tokens: metrics.Counter  # draft tokens accepted; attribute position (0-based)
     rounds: metrics.Counter  # rounds of a speculation loop: a proposal (k >= 0), one target pass
-    handoff_tokens: metrics.Counter  # tokens adaptive calls handed to the target to decode alone
+    stretch_tokens: metrics.Counter  # tokens adaptive calls had the target decode alone (stretches)
     fallbacks: metrics.Counter  # generations decoded target-only because no draft was usable
     failovers: metrics.Counter  # sessions moved to another worker; attribute pool (target | draft)
     round_duration: metrics.Histogram  # seconds; attribute phase (draft | verify_compute | network)
     time_per_output_token: metrics.Histogram  # seconds per generated token, per call
 
     def record_round(self, stats: RoundStats) -> None:
-        """Counts one finished round (the draft worker calls this for each)."""
+        """Counts one finished round, or one token of a stretch (the draft worker calls
+        this for each)."""
+        if stats.streamed:
+            self.stretch_tokens.add(1)
+            return
         self.rounds.add(1)
         if stats.num_drafted > 0:
             self.drafts.add(1)
@@ -173,9 +177,9 @@ def _create_instruments(meter: metrics.Meter) -> Instruments:
             "specdec.accepted.tokens", "{token}", "Draft tokens accepted, by draft position (attribute position)"),
         rounds=meter.create_counter(
             "specdec.rounds", "{round}", "Speculation rounds: one proposal (k >= 0) verified in one target pass"),
-        handoff_tokens=meter.create_counter(
-            "specdec.handoff.tokens", "{token}",
-            "Tokens adaptive calls handed to the target to decode alone (speculation did not pay)"),
+        stretch_tokens=meter.create_counter(
+            "specdec.stretch.tokens", "{token}",
+            "Tokens adaptive calls had the target decode alone (speculation did not pay)"),
         fallbacks=meter.create_counter(
             "specdec.fallbacks", "{generation}", "Generations decoded by the target alone because no draft was usable"),
         failovers=meter.create_counter(

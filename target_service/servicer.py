@@ -8,7 +8,8 @@ the core's errors to gRPC statuses through `rpc_errors`.
 
 Spans (service_common.telemetry; no-ops when telemetry is off): `specdec.prefill` in
 OpenSession and Extend, `specdec.verify` per proposal (a child of the Verify server
-span), `specdec.decode` per token of a target-only Decode stream.
+span), `specdec.decode` per token the target decodes alone (a Decode stream, or a
+stretch on a Verify stream).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             for index, proposal in enumerate(request_iterator):
                 # The stream takes its running slot with its first proposal.
                 waited_ns = admitted.enter_context(self._admitted(context)) if index == 0 else 0
+                if proposal.HasField("stretch"):
+                    yield from self._stretch(proposal, waited_ns, context)
+                    continue
                 with tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
                     verdict = self._verify(proposal, waited_ns)
                     if span.is_recording():
@@ -98,27 +102,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Decode(self, request, context):
-        length, max_new_tokens, until = self._start_decode(request)
+        length, max_new_tokens = self._start_decode(request)
         timing = _DecodeTiming()
         with self._admitted(context) as waited_ns:
             try:
                 for _ in range(max_new_tokens):
                     if not context.is_active():  # the client cancelled: stop computing for it
                         return
-                    with tracer.start_as_current_span(telemetry.DECODE_SPAN) as span:
-                        start_ns = time.perf_counter_ns()
-                        with self.sessions.use(request.session_id, growth=1) as target:
-                            if length >= target.context_length:
-                                return
-                            (result, ends), load = self.sessions.compute.submit(
-                                _decode_one(target, length, until), key=request.session_id)
-                        timing.add(time.perf_counter_ns() - start_ns)
-                        step = _step_proto(load, waited_ns)
-                        if span.is_recording():
-                            span.set_attributes({
-                                "specdec.session_id": request.session_id, "specdec.base_len": length,
-                                "specdec.target_compute_ns": result.target_compute_ns, **_step_attributes(step),
-                            })
+                    token = self._decode_token(request.session_id, length, None, waited_ns, timing)
+                    if token is None:
+                        return
+                    result, ends, step = token
                     length = result.committed_len
                     yield target_pb2.DecodeToken(
                         token_id=result.token_ids[0], committed_len=length, compute_ns=result.target_compute_ns,
@@ -208,11 +202,75 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             verdict.step.CopyFrom(_step_proto(load, waited_ns))
             return verdict
 
-    def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int, LookupStop | None]:
-        """Checks base_len, applies the call's sampling; returns (base_len, tokens to
-        decode, where text to copy ends the stream)."""
+    # A stretch: the target decodes alone on the Verify stream, one verdict per token.
+
+    def _stretch(self, proposal: target_pb2.Proposal, waited_ns: int, context) -> Iterator[target_pb2.Verdict]:
+        started = self._start_stretch(proposal)
+        if isinstance(started, int):  # stale: the session's committed length
+            yield _echo(proposal, discarded=True, committed_len=started, stretch_ended=True)
+            return
+        until, context_length = started
+        length, timing = proposal.base_len, _DecodeTiming()
+        try:
+            for count in range(1, proposal.stretch.max_tokens + 1):
+                if not context.is_active():  # the draft went away: stop computing for it
+                    return
+                token = self._decode_token(proposal.session_id, length, until, waited_ns, timing, proposal.round)
+                if token is None:  # the context is full: nothing more to decode
+                    return
+                result, ends, step = token
+                verdict = _verdict(proposal, result, context_length, base_len=length)
+                verdict.step.CopyFrom(step)
+                verdict.stretch_ended = ends or count == proposal.stretch.max_tokens
+                length, waited_ns = result.committed_len, 0
+                yield verdict
+                if verdict.stretch_ended:
+                    return
+        finally:
+            timing.record()
+
+    def _start_stretch(self, proposal: target_pb2.Proposal) -> tuple[LookupStop | None, int] | int:
+        """Checks the stretch, applies the proposal's sampling; returns where text to copy
+        ends it (None: nowhere) and the context length, or, for a proposal that does not
+        match the session, the session's committed length."""
+        stretch = proposal.stretch
+        if proposal.draft_token_ids or proposal.draft_distributions:
+            raise InvalidArgument("a stretch proposal has no draft tokens: send them in a proposal without stretch")
+        if stretch.max_tokens < 1:
+            raise InvalidArgument(f"stretch.max_tokens must be >= 1, got {stretch.max_tokens}")
+        until = lookup_stop_from_proto(stretch.until_lookup) if stretch.HasField("until_lookup") else None
+        sampling = self._sampling(proposal.sampling) if proposal.HasField("sampling") else None
+        with self.sessions.use(proposal.session_id) as target:
+            if _is_stale(target, proposal):
+                return target.length
+            if sampling is not None:
+                target.set_sampling(sampling)
+            return until, target.context_length
+
+    def _decode_token(self, session_id: str, length: int, until: LookupStop | None, waited_ns: int,
+                      timing: _DecodeTiming, round_index: int | None = None):
+        """One token the target decodes alone, batched with other sessions' work, in a
+        specdec.decode span: (result, whether decoding ends after it, its step), or None
+        when the context is full."""
+        with tracer.start_as_current_span(telemetry.DECODE_SPAN) as span:
+            start_ns = time.perf_counter_ns()
+            with self.sessions.use(session_id, growth=1) as target:
+                if length >= target.context_length:
+                    return None
+                (result, ends), load = self.sessions.compute.submit(_decode_one(target, length, until), key=session_id)
+            timing.add(time.perf_counter_ns() - start_ns)
+            step = _step_proto(load, waited_ns)
+            if span.is_recording():
+                attributes = {"specdec.session_id": session_id, "specdec.base_len": length,
+                              "specdec.target_compute_ns": result.target_compute_ns, **_step_attributes(step)}
+                if round_index is not None:
+                    attributes["specdec.round"] = round_index
+                span.set_attributes(attributes)
+        return result, ends, step
+
+    def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int]:
+        """Checks base_len, applies the call's sampling; returns (base_len, tokens to decode)."""
         sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
-        until = lookup_stop_from_proto(request.until_lookup) if request.HasField("until_lookup") else None
         if request.max_tokens < 0:  # checked before the session is touched
             raise InvalidArgument(f"max_tokens must be >= 0 (0 = up to max_new_tokens), got {request.max_tokens}")
         with self.sessions.use(request.session_id) as target:
@@ -223,7 +281,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if sampling is not None:
                 target.set_sampling(sampling)
             max_new_tokens = target.params.max_new_tokens
-            return target.length, min(max_new_tokens, request.max_tokens or max_new_tokens), until
+            return target.length, min(max_new_tokens, request.max_tokens or max_new_tokens)
 
     def _sampling(self, message: common_pb2.SamplingParams) -> SamplingParams:
         return sampling_from_proto(message, self.default_max_new_tokens)
@@ -324,14 +382,16 @@ def _echo(proposal: target_pb2.Proposal, **fields) -> target_pb2.Verdict:
     )
 
 
-def _verdict(proposal: target_pb2.Proposal, result: VerifyResult, context_length: int) -> target_pb2.Verdict:
+def _verdict(proposal: target_pb2.Proposal, result: VerifyResult, context_length: int,
+             base_len: int | None = None) -> target_pb2.Verdict:
+    """The verdict on a proposal; base_len: the length before a stretch's token."""
     if result.stopped:
         finish_reason = common_pb2.FINISH_REASON_STOP_TOKEN
     elif result.committed_len >= context_length:  # not even a k = 0 proposal fits
         finish_reason = common_pb2.FINISH_REASON_LENGTH
     else:
         finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
-    return _echo(
+    verdict = _echo(
         proposal,
         num_accepted=result.verdict.num_accepted,
         next_token_id=result.verdict.next_token_id,
@@ -341,3 +401,6 @@ def _verdict(proposal: target_pb2.Proposal, result: VerifyResult, context_length
         finished=finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED,
         finish_reason=finish_reason,
     )
+    if base_len is not None:
+        verdict.base_len = base_len
+    return verdict

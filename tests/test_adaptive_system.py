@@ -1,9 +1,9 @@
 """Adaptive speculation through the three services as processes, with a delaying proxy
 between draft and target (`--draft-target-delay-ms`): the round trip costs more than a
-round can win against ~1 ms tiny-model steps, so adaptive calls hand decoding to the
-target (SpeculateUpdate.handoff_tokens -> the orchestrator's Decode stream, the draft
-caught up by Extend, Speculate again). Output stays exactly target-only greedy; seeded
-sampling stays a run of the requested length; a session continues across calls.
+round can win against ~1 ms tiny-model steps, so adaptive calls have the target decode
+stretches alone (on the draft's Verify stream, each token relayed as an update).
+Output stays exactly target-only greedy; seeded sampling stays a run of the requested
+length; a session continues across calls.
 """
 
 from __future__ import annotations
@@ -41,25 +41,25 @@ def slow_system():
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_adaptive_generation_over_a_slow_link_hands_off_and_stays_exact(slow_system, drafter, tiny_target, prompt_ids):
+def test_adaptive_generation_over_a_slow_link_decodes_stretches_and_stays_exact(slow_system, drafter, tiny_target, prompt_ids):
     generator = SpeculativeGenerator(tiny_target)
-    handed_off = 0
+    stretched = 0
     for ids in prompt_ids[:4]:
         response = slow_system.stub.Generate(_request(ids, drafter), timeout=120)
         expected = generator.generate(ids, _greedy(tiny_target), k=0).token_ids
         assert list(response.token_ids) == expected, slow_system.logs()
         assert response.stats.num_generated_tokens == len(expected)
-        handed_off += response.stats.num_streamed_tokens
-    assert handed_off >= 2 * MAX_NEW_TOKENS  # most tokens: speculation cannot pay here
-    # Calls that ended inside a stretch left the draft behind: the commit must not ask
-    # it to truncate to tokens it never saw.
+        stretched += response.stats.num_streamed_tokens
+    assert stretched >= 2 * MAX_NEW_TOKENS  # most tokens: speculation cannot pay here
+    # Calls that end inside a stretch: the commit must not ask the draft to truncate to
+    # tokens it never saw.
     orchestrator_log = (Path(slow_system.args.log_dir) / "orchestrator.log").read_text()
     assert "truncate on" not in orchestrator_log, orchestrator_log[-2000:]
 
 
-def test_a_session_continues_across_hand_offs(slow_system, tiny_target, prompt_ids):
+def test_a_session_continues_across_stretches(slow_system, tiny_target, prompt_ids):
     """Two calls on one session equal one target-only run of both lengths: each call's
-    hand-offs left draft and target at the same committed tokens."""
+    stretches left draft and target at the same committed tokens."""
     ids = prompt_ids[1]
     first = slow_system.stub.Generate(_request(ids, "ngram"), timeout=120)
     second = slow_system.stub.Generate(_request([ids[0]], "ngram", session_id=first.session_id), timeout=120)
@@ -68,7 +68,7 @@ def test_a_session_continues_across_hand_offs(slow_system, tiny_target, prompt_i
     assert list(second.token_ids) == expected
 
 
-def test_seeded_sampling_through_hand_offs_yields_the_requested_tokens(slow_system, prompt_ids):
+def test_seeded_sampling_through_stretches_yields_the_requested_tokens(slow_system, prompt_ids):
     sampling = common_pb2.SamplingParams(temperature=0.9, seed=11, max_new_tokens=MAX_NEW_TOKENS)
     response = slow_system.stub.Generate(_request(prompt_ids[2], "model", sampling), timeout=120)
     assert len(response.token_ids) == MAX_NEW_TOKENS or response.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -28,12 +27,14 @@ from draft_service.speculation import SpeculatePlan, check_start, plan_call, run
 from draft_service.drafting import DraftSettings
 from launcher.delay_proxy import DelayProxy
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
+from speculative.drafters import LookupStop, LookupThenModelDrafter, ModelDrafter, NgramDrafter
 from speculative.errors import IncompatibleModels, NotFound
 from speculative.fingerprint import ANY_VOCABULARY
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import AdaptiveK, MeasuredCosts
+from speculative.rejection import NextTokenKind, Verdict
 from speculative.sampling import SamplingParams
+from speculative.target import VerifyResult
 from target_service.config import TargetConfig
 from target_service.server import create_server as create_target_server
 
@@ -214,11 +215,10 @@ def test_target_only_and_adaptive_k(draft_stubs, target, target_address, prompt_
     assert tokens_of(updates) == references[0]
     assert all(u.round.num_drafted == 0 and len(u.token_ids) == 1 for u in updates)
     pair.close()
-    for worker in ("same", "unrelated"):  # the unrelated draft's calls may hand off
+    for worker in ("same", "unrelated"):  # the unrelated draft's calls may decode stretches
         pair = Pair(draft_stubs[worker], target, target_address, prompt_ids[1])
-        tokens, updates, _ = speculate_with_handoffs(pair, target, MAX_NEW_TOKENS, num_speculative_tokens=8,
-                                                     adaptive=True)
-        assert tokens == references[1]
+        updates = pair.speculate(num_speculative_tokens=8, adaptive=True)
+        assert tokens_of(updates) == references[1]
         assert all(1 <= len(u.token_ids) <= u.round.num_accepted + 1 for u in updates)
         pair.close()
 
@@ -432,17 +432,26 @@ def test_info(draft_stubs, tiny_target):
     draft_stubs["ngram"].CloseSession(common_pb2.CloseSessionRequest(session_id=opened.handle.session_id), timeout=TIMEOUT_S)
 
 
-class _NoRoundTrips:
-    """A verifier a call that hands off at once never uses."""
+class _StretchOnly:
+    """A verifier that records the stretch it is asked for and decodes tokens 100, 101, ..."""
 
-    round = 0
+    round = proposal_bytes = verdict_bytes = 0
+
+    def __init__(self):
+        self.stretches = []
+
+    def decode(self, base_len, max_tokens, until=None):
+        self.stretches.append((base_len, max_tokens, until))
+        for offset in range(max_tokens):
+            yield VerifyResult(Verdict(0, 100 + offset, NextTokenKind.BONUS), [100 + offset], base_len + offset + 1,
+                               False, 1)
 
 
-def test_an_ngram_drafters_hand_off_ends_where_it_would_propose_again():
-    """Over a slow link where its proposals still pay, an empty turn hands the rest of
-    the call to the target until prompt lookup finds text to copy: the update names the
-    lookup sizes for the caller's Decode stream, and the next call, from wherever the
-    stretch ended, learns from it."""
+def test_an_ngram_drafters_stretch_ends_where_it_would_propose_again():
+    """Over a slow link where its proposals still pay, an empty turn has the target
+    decode the rest of the call alone until prompt lookup finds text to copy: the
+    stretch goes to the target on the Verify stream with the lookup sizes, and each of
+    its tokens comes back as an update, the draft following it."""
     ms = 1_000_000
     slow_link = MeasuredCosts(one_token_ns=10 * ms, per_token_ns=1 * ms, overhead_ns=20 * ms, solo_token_ns=10 * ms,
                               stream_start_ns=20 * ms, draft_token_ns=0.0, acceptance=0.9, one_token_measured=True)
@@ -450,11 +459,13 @@ def test_an_ngram_drafters_hand_off_ends_where_it_would_propose_again():
     entry = SessionEntry("s", "ngram", NgramDrafter(2, 3).open(prompt, SamplingParams()))
     params = SamplingParams(max_new_tokens=16)
     plan = SpeculatePlan(DraftSettings(params, 32, 2, 3), AdaptiveK(4, costs=slow_link), "ngram", "target:1", "t")
-    [update] = run_rounds(entry, _NoRoundTrips(), plan, len(prompt), 1000, cancelled=lambda: False)
-    assert (update.committed_len, update.handoff_tokens, list(update.token_ids)) == (10, 16, [])
-    assert (update.handoff_until_lookup.min_ngram, update.handoff_until_lookup.max_ngram) == (2, 3)
-    handoff = entry.handoff
-    assert handoff.until_lookup and [handoff.decoded(n) for n in (10, 13, 26, 27)] == [0, 3, 16, 0]
+    verifier = _StretchOnly()
+    updates = list(run_rounds(entry, verifier, plan, len(prompt), 1000, cancelled=lambda: False))
+    assert verifier.stretches == [(10, 16, LookupStop(2, 3))]
+    assert [list(u.token_ids) for u in updates] == [[100 + i] for i in range(16)]
+    assert all(u.round.stretch and u.round.num_drafted == 0 for u in updates)
+    assert [u.committed_len for u in updates] == list(range(11, 27)) and updates[-1].finished
+    assert entry.length == 26
 
 
 def _entry(session_id: str, num_tokens: int) -> SessionEntry:
@@ -530,59 +541,23 @@ def slow_target_address(target_address):
         yield proxy.address
 
 
-def speculate_with_handoffs(pair: Pair, target, max_new_tokens: int, **speculation):
-    """Speculate as the orchestrator does: when a stream hands off, the target decodes
-    that many tokens alone (Decode), the draft is extended with them, Speculate again.
-    Returns (tokens, Speculate updates with tokens, tokens decoded in each hand-off)."""
-    tokens, updates, handoffs, token_ns = [], [], [], 0
-    while len(tokens) < max_new_tokens:
-        sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens - len(tokens))
-        request = pair.request(sampling, **speculation)
-        request.handoff_token_ns = token_ns
-        stream = list(pair.draft.Speculate(request, timeout=TIMEOUT_S))
-        rounds = [u for u in stream if not u.handoff_tokens]
-        tokens += tokens_of(rounds)
-        updates += rounds
-        pair.committed_len = stream[-1].committed_len
-        if not stream[-1].handoff_tokens:
-            assert stream[-1].finished
-            break
-        handoff = stream[-1]
-        assert not handoff.token_ids and not handoff.finished and handoff is stream[-1]
-        decoded, arrivals = [], []
-        for token in target.Decode(target_pb2.DecodeRequest(
-                session_id=pair.target_handle.session_id, base_len=pair.committed_len,
-                max_tokens=min(handoff.handoff_tokens, max_new_tokens - len(tokens)),
-                until_lookup=handoff.handoff_until_lookup if handoff.HasField("handoff_until_lookup") else None),
-                timeout=TIMEOUT_S):
-            decoded.append(token.token_id)
-            arrivals.append(time.perf_counter_ns())
-        handoffs.append(len(decoded))
-        token_ns = (arrivals[-1] - arrivals[0]) // (len(arrivals) - 1) if len(arrivals) > 1 else 0
-        pair.draft.Extend(common_pb2.ExtendRequest(session_id=pair.draft_handle.session_id,
-                                                   base_len=pair.committed_len, token_ids=decoded), timeout=TIMEOUT_S)
-        tokens += decoded
-        pair.committed_len += len(decoded)
-    return tokens, updates, handoffs
-
-
 @pytest.mark.parametrize(("worker", "drafter"), [("same", "model"), ("unrelated", "model"), ("same", "ngram")])
-def test_adaptive_call_over_a_slow_link_hands_decoding_to_the_target(
+def test_adaptive_call_over_a_slow_link_has_the_target_decode_alone(
         worker, drafter, draft_stubs, target, slow_target_address, prompt_ids, references):
     """The round trip costs more than anything a round can win, so after the first
-    rounds the call hands off: the target decodes alone, the draft catches up, the next
-    call goes on from the session's policy. Same greedy output."""
+    rounds the target decodes stretches alone, on the same Verify stream, the draft
+    following their tokens. Same greedy output."""
     pair = Pair(draft_stubs[worker], target, slow_target_address, prompt_ids[3], drafter)
-    tokens, updates, handoffs = speculate_with_handoffs(pair, target, MAX_NEW_TOKENS, num_speculative_tokens=4,
-                                                        adaptive=True)
+    updates = pair.speculate(num_speculative_tokens=4, adaptive=True)
     pair.close()
-    assert tokens == references[3]
-    assert handoffs and sum(handoffs) >= MAX_NEW_TOKENS // 2, (handoffs, [u.round.num_drafted for u in updates])
-    # The next session on this draft and target starts from the costs measured: it
-    # hands off before its first round trip.
+    assert tokens_of(updates) == references[3]
+    stretched = [u for u in updates if u.round.stretch]
+    assert len(stretched) >= MAX_NEW_TOKENS // 2, [u.round.num_drafted for u in updates]
+    assert all(len(u.token_ids) == 1 and u.round.num_drafted == 0 for u in stretched)
+    # The next session on this draft and target starts from the costs measured: its
+    # first tokens are a stretch, before any round trip per token.
     pair = Pair(draft_stubs[worker], target, slow_target_address, prompt_ids[2], drafter)
-    first = list(pair.draft.Speculate(pair.request(num_speculative_tokens=4, adaptive=True), timeout=TIMEOUT_S))
-    assert len(first) == 1 and first[0].handoff_tokens > 0 and first[0].committed_len == len(prompt_ids[2])
-    tokens, _, _ = speculate_with_handoffs(pair, target, MAX_NEW_TOKENS, num_speculative_tokens=4, adaptive=True)
+    updates = pair.speculate(num_speculative_tokens=4, adaptive=True)
     pair.close()
-    assert tokens == references[2]
+    assert updates[0].round.stretch
+    assert tokens_of(updates) == references[2]

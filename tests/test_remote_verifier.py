@@ -2,9 +2,9 @@
 over real gRPC on loopback.
 
 The stream opens with the first proposal and closes without waiting for the target to
-end it: across a slow link, a Speculate call that hands decoding to the target must
-not spend a round trip to the target first (the orchestrator then asks the target
-directly), and one that hands off before any round must not open a stream at all.
+end it: across a slow link, a Speculate call must not spend a round trip to the target
+on its way out. A stretch (the target decoding alone) is one proposal answered by a
+verdict per token, on the same stream as the rounds around it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ WAIT_S = 30  # generous bound on what must happen; nothing here waits it out whe
 
 
 class ScriptedTarget(target_pb2_grpc.TargetServiceServicer):
-    """Rejects every draft token and commits one token per proposal; after the client
-    half-closes, ends the stream only once `release` is set."""
+    """Rejects every draft token and commits one token per proposal (a stretch: tokens
+    7, 8, ...); after the client half-closes, ends the stream only once `release` is set."""
 
     def __init__(self):
         self.streams_opened = 0
@@ -36,6 +36,9 @@ class ScriptedTarget(target_pb2_grpc.TargetServiceServicer):
     def Verify(self, request_iterator, context):
         self.streams_opened += 1
         for proposal in request_iterator:
+            if proposal.HasField("stretch"):
+                yield from self._stretch(proposal)
+                continue
             yield target_pb2.Verdict(
                 session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len,
                 num_accepted=0, next_token_id=7, next_token_kind=common_pb2.NEXT_TOKEN_KIND_RECOVERED,
@@ -44,6 +47,16 @@ class ScriptedTarget(target_pb2_grpc.TargetServiceServicer):
         self.half_closed.set()
         self.release.wait(WAIT_S)
         self.ended.set()
+
+    def _stretch(self, proposal):
+        for offset in range(proposal.stretch.max_tokens):
+            base_len = proposal.base_len + offset
+            yield target_pb2.Verdict(
+                session_id=proposal.session_id, round=proposal.round, base_len=base_len,
+                next_token_id=7 + offset, next_token_kind=common_pb2.NEXT_TOKEN_KIND_BONUS,
+                committed_len=base_len + 1, target_compute_ns=1000,
+                stretch_ended=offset == proposal.stretch.max_tokens - 1,
+            )
 
 
 @pytest.fixture
@@ -90,3 +103,27 @@ def test_close_does_not_wait_for_the_target_to_end_the_stream(scripted_target):
     assert target.half_closed.wait(WAIT_S)  # the half-close reached the target all the same
     target.release.set()
     assert target.ended.wait(WAIT_S)
+
+
+def test_a_stretch_streams_its_tokens_between_rounds_on_one_stream(scripted_target):
+    target, stub, address = scripted_target
+    verifier = _verifier(stub, address)
+    assert verifier.verify(10, [1], None).committed_len == 11
+    results = list(verifier.decode(11, 3))
+    assert [(r.token_ids, r.committed_len) for r in results] == [([7], 12), ([8], 13), ([9], 14)]
+    assert verifier.round == 2  # the stretch was one proposal
+    result = verifier.verify(14, [1, 2], None)
+    assert (result.token_ids, result.committed_len) == ([7], 15)
+    verifier.close()
+    assert target.half_closed.wait(WAIT_S) and target.streams_opened == 1
+
+
+def test_a_stretch_left_early_is_cancelled_by_close(scripted_target):
+    target, stub, address = scripted_target
+    verifier = _verifier(stub, address)
+    tokens = verifier.decode(10, 1000)
+    assert next(tokens).committed_len == 11
+    tokens.close()  # the caller stopped: the rest of the stretch is never read
+    closed = threading.Event()
+    threading.Thread(target=lambda: (verifier.close(), closed.set()), daemon=True).start()
+    assert closed.wait(WAIT_S)

@@ -179,17 +179,53 @@ def test_decode_streams_exactly_the_greedy_reference(stub, greedy, prompt_ids):
     assert all(t.compute_ns > 0 for t in tokens)
 
 
-def test_decode_until_lookup_ends_where_the_core_does(stub, tiny_target, prompt_ids):
-    """until_lookup (a hand-off from the n-gram drafter) ends the stream where
-    TargetSession.decode does: after the first token that gives prompt lookup text to copy."""
+def _stretch(session_id, base_len, max_tokens, until: LookupStop | None = None, **fields) -> target_pb2.Proposal:
+    until_lookup = common_pb2.LookupStop(min_ngram=until.min_ngram, max_ngram=until.max_ngram) if until else None
+    return _proposal(session_id, base_len, stretch=target_pb2.Stretch(max_tokens=max_tokens, until_lookup=until_lookup),
+                     **fields)
+
+
+def test_a_stretch_on_the_verify_stream_ends_where_the_core_does(stub, greedy, tiny_target, prompt_ids):
+    """A stretch proposal: one verdict per token the target decodes alone, ending after
+    max_tokens, or (until_lookup, an n-gram drafter's stretch) after the first token that
+    gives prompt lookup text to copy, as TargetSession.decode does; proposals after it
+    on the same stream are verified as usual."""
     ids = prompt_ids[3]
     core = TargetSession(tiny_target, ids, SamplingParams(max_new_tokens=20))
-    expected = [r.token_ids[0] for r in core.decode(len(ids), 20, until=LookupStop(1, 2))]
-    session_id = _open(stub, ids, max_new_tokens=20).session_id
-    request = target_pb2.DecodeRequest(session_id=session_id, base_len=len(ids), max_tokens=20,
-                                       until_lookup=common_pb2.LookupStop(min_ngram=1, max_ngram=2))
-    tokens = [t.token_id for t in stub.Decode(request, timeout=DEADLINE_S)]
-    assert tokens == expected and len(tokens) < 20
+    until = LookupStop(1, 2)
+    expected = [r.token_ids[0] for r in core.decode(len(ids), 20, until=until)]
+    assert len(expected) < 20
+    session_id = _open(stub, ids, max_new_tokens=40).session_id
+    reference = greedy(ids, len(expected) + 6)
+    after = len(ids) + len(expected)
+    verdicts = _verify(stub, _stretch(session_id, len(ids), 20, until, round=0),
+                       _stretch(session_id, after, 3, round=1),
+                       _proposal(session_id, after + 3, reference[len(expected) + 3:len(expected) + 5], round=2))
+    stretch, plain, verified = verdicts[:len(expected)], verdicts[len(expected):-1], verdicts[-1]
+    assert [v.next_token_id for v in stretch] == expected
+    assert [v.base_len for v in stretch] == list(range(len(ids), after))
+    assert [v.committed_len for v in stretch] == list(range(len(ids) + 1, after + 1))
+    assert [v.stretch_ended for v in stretch] == [False] * (len(expected) - 1) + [True]
+    assert all(v.round == 0 and v.num_accepted == 0 and v.target_compute_ns > 0 and v.step.batch_sessions
+               for v in stretch)
+    assert [(v.next_token_id, v.round, v.stretch_ended) for v in plain] == [
+        (t, 1, i == 2) for i, t in enumerate(reference[len(expected):len(expected) + 3])]
+    assert (verified.num_accepted, verified.committed_len) == (2, after + 6)
+
+
+def test_a_stale_stretch_is_discarded_and_a_bad_one_refused(stub, prompt_ids):
+    ids = prompt_ids[0]
+    session_id = _open(stub, ids).session_id
+    [stale] = _verify(stub, _stretch(session_id, len(ids) + 1, 4))
+    assert (stale.discarded, stale.stretch_ended, stale.committed_len) == (True, True, len(ids))
+    [wrong_last] = _verify(stub, _stretch(session_id, len(ids), 4, expected_last_token_id=(ids[-1] + 1) % 64))
+    assert wrong_last.discarded
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    for proposal, message in ((_stretch(session_id, len(ids), 0), "stretch.max_tokens must be >= 1"),
+                              (_stretch(session_id, len(ids), 2, draft_token_ids=[1]), "has no draft tokens")):
+        error = _status(lambda: _verify(stub, proposal))
+        assert error.code() == code and message in error.details()
+    assert _truncate(stub, session_id, len(ids)).committed_len == len(ids)  # nothing was applied
 
 
 def test_extend_reuses_the_session_like_a_fresh_concatenated_prompt(stub, greedy, prompt_ids):
@@ -259,9 +295,9 @@ def test_bad_requests_get_precise_statuses_and_the_server_keeps_serving(stub, ti
         (lambda: _open(stub, ids, session_id="errors"), code.ALREADY_EXISTS, "'errors' already exists"),
         (lambda: stub.Extend(extend_stale, timeout=DEADLINE_S), code.FAILED_PRECONDITION, f"has {n} committed tokens"),
         (lambda: _decode(stub, session_id, n - 1), code.FAILED_PRECONDITION, f"has {n} committed tokens"),
-        (lambda: list(stub.Decode(target_pb2.DecodeRequest(
-            session_id=session_id, base_len=n, until_lookup=common_pb2.LookupStop(min_ngram=3, max_ngram=2)),
-            timeout=DEADLINE_S)), code.INVALID_ARGUMENT, "prompt_lookup_min <= prompt_lookup_max"),
+        (lambda: _verify(stub, _proposal(session_id, n, stretch=target_pb2.Stretch(
+            max_tokens=2, until_lookup=common_pb2.LookupStop(min_ngram=3, max_ngram=2)))),
+         code.INVALID_ARGUMENT, "prompt_lookup_min <= prompt_lookup_max"),
     ]
     for call, status, message in cases:
         error = _status(call)

@@ -64,7 +64,7 @@ def test_proposal_past_the_context_is_refused(tiny_target):
 
 @pytest.mark.parametrize("sizes", [(1, 1), (1, 3)])
 def test_decoding_alone_ends_where_prompt_lookup_finds_text_to_copy(tiny_target, prompt_ids, sizes):
-    """A stretch handed off from the n-gram drafter ends after the first token at which
+    """A stretch for the n-gram drafter ends after the first token at which
     the drafter would propose again: not before, not after; the tokens are the target's."""
     params = SamplingParams(max_new_tokens=32)
     ended_early = 0

@@ -90,7 +90,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("round", "base_len", "num_drafted", "num_accepted", "next_token_kind", "draft_ns", "verify_rtt_ns", "target_compute_ns", "proposal_bytes", "verdict_bytes", "queue_ns", "batch_tokens", "batch_sessions")
+    __slots__ = ("round", "base_len", "num_drafted", "num_accepted", "next_token_kind", "draft_ns", "verify_rtt_ns", "target_compute_ns", "proposal_bytes", "verdict_bytes", "queue_ns", "batch_tokens", "batch_sessions", "stretch")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class RoundStats(_message.Message):
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STRETCH_FIELD_NUMBER: _ClassVar[int]
     round: int
     base_len: int
     num_drafted: int
@@ -117,7 +118,8 @@ class RoundStats(_message.Message):
     queue_ns: int
     batch_tokens: int
     batch_sessions: int
-    def __init__(self, round: _Optional[int] = ..., base_len: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., draft_ns: _Optional[int] = ..., verify_rtt_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., verdict_bytes: _Optional[int] = ..., queue_ns: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., batch_sessions: _Optional[int] = ...) -> None: ...
+    stretch: bool
+    def __init__(self, round: _Optional[int] = ..., base_len: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., draft_ns: _Optional[int] = ..., verify_rtt_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., verdict_bytes: _Optional[int] = ..., queue_ns: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., stretch: _Optional[bool] = ...) -> None: ...
 
 class StepLoad(_message.Message):
     __slots__ = ("queue_ns", "step_ns", "batch_tokens", "batch_sessions", "waiting_sessions", "cost_base_ns", "cost_per_token_ns")

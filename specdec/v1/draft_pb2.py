@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"X\n\x17\x44raftOpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\"T\n\x18\x44raftOpenSessionResponse\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.specdec.v1.KvHandle\x12\x12\n\nprefill_ns\x18\x02 \x01(\x03\"\xda\x01\n\x10SpeculateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x05\x12$\n\x06target\x18\x03 \x01(\x0b\x32\x14.specdec.v1.KvHandle\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12\x18\n\x10handoff_token_ns\x18\x06 \x01(\x04\"\xf3\x01\n\x0fSpeculateUpdate\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12%\n\x05round\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RoundStats\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x16\n\x0ehandoff_tokens\x18\x06 \x01(\x05\x12\x34\n\x14handoff_until_lookup\x18\x07 \x01(\x0b\x32\x16.specdec.v1.LookupStop2\xc8\x03\n\x0c\x44raftService\x12X\n\x0bOpenSession\x12#.specdec.v1.DraftOpenSessionRequest\x1a$.specdec.v1.DraftOpenSessionResponse\x12?\n\x06\x45xtend\x12\x19.specdec.v1.ExtendRequest\x1a\x1a.specdec.v1.ExtendResponse\x12H\n\tSpeculate\x12\x1c.specdec.v1.SpeculateRequest\x1a\x1b.specdec.v1.SpeculateUpdate0\x01\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"X\n\x17\x44raftOpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\"T\n\x18\x44raftOpenSessionResponse\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.specdec.v1.KvHandle\x12\x12\n\nprefill_ns\x18\x02 \x01(\x03\"\xd8\x01\n\x10SpeculateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x05\x12$\n\x06target\x18\x03 \x01(\x0b\x32\x14.specdec.v1.KvHandle\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParamsJ\x04\x08\x06\x10\x07R\x10handoff_token_ns\"\xd7\x01\n\x0fSpeculateUpdate\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12%\n\x05round\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RoundStats\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReasonJ\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\x0ehandoff_tokensR\x14handoff_until_lookup2\xc8\x03\n\x0c\x44raftService\x12X\n\x0bOpenSession\x12#.specdec.v1.DraftOpenSessionRequest\x1a$.specdec.v1.DraftOpenSessionResponse\x12?\n\x06\x45xtend\x12\x19.specdec.v1.ExtendRequest\x1a\x1a.specdec.v1.ExtendResponse\x12H\n\tSpeculate\x12\x1c.specdec.v1.SpeculateRequest\x1a\x1b.specdec.v1.SpeculateUpdate0\x01\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTOPENSESSIONRESPONSE']._serialized_start=153
   _globals['_DRAFTOPENSESSIONRESPONSE']._serialized_end=237
   _globals['_SPECULATEREQUEST']._serialized_start=240
-  _globals['_SPECULATEREQUEST']._serialized_end=458
-  _globals['_SPECULATEUPDATE']._serialized_start=461
-  _globals['_SPECULATEUPDATE']._serialized_end=704
-  _globals['_DRAFTSERVICE']._serialized_start=707
-  _globals['_DRAFTSERVICE']._serialized_end=1163
+  _globals['_SPECULATEREQUEST']._serialized_end=456
+  _globals['_SPECULATEUPDATE']._serialized_start=459
+  _globals['_SPECULATEUPDATE']._serialized_end=674
+  _globals['_DRAFTSERVICE']._serialized_start=677
+  _globals['_DRAFTSERVICE']._serialized_end=1133
 # @@protoc_insertion_point(module_scope)

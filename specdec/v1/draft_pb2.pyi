@@ -26,35 +26,29 @@ class DraftOpenSessionResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., prefill_ns: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "target", "sampling", "speculation", "handoff_token_ns")
+    __slots__ = ("session_id", "base_len", "target", "sampling", "speculation")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
-    HANDOFF_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     target: _common_pb2.KvHandle
     sampling: _common_pb2.SamplingParams
     speculation: _common_pb2.SpeculationParams
-    handoff_token_ns: int
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., target: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., handoff_token_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., target: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ...) -> None: ...
 
 class SpeculateUpdate(_message.Message):
-    __slots__ = ("token_ids", "committed_len", "round", "finished", "finish_reason", "handoff_tokens", "handoff_until_lookup")
+    __slots__ = ("token_ids", "committed_len", "round", "finished", "finish_reason")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    HANDOFF_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    HANDOFF_UNTIL_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_len: int
     round: _common_pb2.RoundStats
     finished: bool
     finish_reason: _common_pb2.FinishReason
-    handoff_tokens: int
-    handoff_until_lookup: _common_pb2.LookupStop
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., round: _Optional[_Union[_common_pb2.RoundStats, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., handoff_tokens: _Optional[int] = ..., handoff_until_lookup: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., round: _Optional[_Union[_common_pb2.RoundStats, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...

@@ -26,7 +26,7 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., prefill_ns: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("session_id", "round", "base_len", "expected_last_token_id", "draft_token_ids", "draft_distributions", "sampling")
+    __slots__ = ("session_id", "round", "base_len", "expected_last_token_id", "draft_token_ids", "draft_distributions", "sampling", "stretch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class Proposal(_message.Message):
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STRETCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     base_len: int
@@ -41,10 +42,19 @@ class Proposal(_message.Message):
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., expected_last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    stretch: Stretch
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., expected_last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stretch: _Optional[_Union[Stretch, _Mapping]] = ...) -> None: ...
+
+class Stretch(_message.Message):
+    __slots__ = ("max_tokens", "until_lookup")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    until_lookup: _common_pb2.LookupStop
+    def __init__(self, max_tokens: _Optional[int] = ..., until_lookup: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("session_id", "round", "base_len", "discarded", "num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finished", "finish_reason", "step")
+    __slots__ = ("session_id", "round", "base_len", "discarded", "num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finished", "finish_reason", "step", "stretch_ended")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +67,7 @@ class Verdict(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    STRETCH_ENDED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     base_len: int
@@ -69,21 +80,20 @@ class Verdict(_message.Message):
     finished: bool
     finish_reason: _common_pb2.FinishReason
     step: _common_pb2.StepLoad
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., discarded: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ...) -> None: ...
+    stretch_ended: bool
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., discarded: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ..., stretch_ended: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "sampling", "max_tokens", "until_lookup")
+    __slots__ = ("session_id", "base_len", "sampling", "max_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    UNTIL_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     sampling: _common_pb2.SamplingParams
     max_tokens: int
-    until_lookup: _common_pb2.LookupStop
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., until_lookup: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeToken(_message.Message):
     __slots__ = ("token_id", "committed_len", "compute_ns", "step")

@@ -98,12 +98,13 @@ class TargetServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request_iterator, context):
-        """The hot path: proposals in, one verdict per proposal out, in order. One stream may
-        carry several proposals in flight, of one session or of many (so the target can
-        verify them in one batched forward pass). A proposal whose base_len (or
-        expected_last_token_id) does not match the session is stale or duplicated: it is
-        never applied and is answered in-band with a discarded verdict, so the stream and
-        the other proposals on it survive. Other errors end the stream with a status.
+        """The hot path: proposals in, one verdict per proposal out, in order (a stretch:
+        one verdict per token it decodes). One stream may carry several proposals in
+        flight, of one session or of many (so the target can verify them in one batched
+        forward pass). A proposal whose base_len (or expected_last_token_id) does not
+        match the session is stale or duplicated: it is never applied and is answered
+        in-band with a discarded verdict, so the stream and the other proposals on it
+        survive. Other errors end the stream with a status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
