@@ -18,7 +18,7 @@ from speculative.drafters import EMPTY_PROPOSAL, Drafter, DraftSession, LookupSt
 from speculative.fingerprint import check_compatible
 from speculative.loading import LoadedModel
 from speculative.limits import validate_num_speculative_tokens
-from speculative.policy import AdaptiveK, FixedK, MeasuredCosts, SpeculationPolicy
+from speculative.policy import Action, AdaptiveK, FixedK, MeasuredCosts, SpeculationPolicy, Turn
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.stats import GenerationStats, RoundStats, per_token_ns
 from speculative.target import TargetSession, VerifyResult
@@ -37,23 +37,17 @@ class Verifier(Protocol):
     ) -> VerifyResult: ...
 
     def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
-        """Target-only decoding of up to max_tokens tokens, one result per token, ending
-        after the first token at which prompt lookup with `until`'s sizes finds text to
-        copy. Needed only where the loop decodes stretches itself (in process); a remote
-        caller runs the loop with handoff=True and the stretch goes to its own caller
-        instead."""
+        """A stretch: target-only decoding of up to max_tokens tokens, one result per
+        token, ending after a stop token or the first token at which prompt lookup with
+        `until`'s sizes finds text to copy."""
         ...
 
 
 @dataclass(frozen=True)
 class RoundResult:
-    token_ids: list[int]  # tokens this round added to the output
-    stats: RoundStats | None  # None on a hand-off
+    token_ids: list[int]  # tokens this round (or this token of a stretch) added to the output
+    stats: RoundStats
     finish_reason: FinishReason | None  # set on the last round
-    # With hand-off on: the last result, no tokens, the target to decode this many alone,
-    # ending early where prompt lookup with these sizes finds text to copy (when set).
-    handoff_tokens: int = 0
-    handoff_until: LookupStop | None = None
 
 
 def speculation_rounds(
@@ -63,17 +57,13 @@ def speculation_rounds(
     params: SamplingParams,
     policy: SpeculationPolicy,
     context_length: int,
-    handoff: bool = False,
 ) -> Iterator[RoundResult]:
     """Runs rounds until a stop token, max_new_tokens or the context length.
 
     Each step is either a round (draft k tokens, verify them in one target pass) or, when
     the policy finds that faster, a stretch of tokens the target decodes alone, each
-    yielded as it comes; with `handoff`, the loop ends instead with a result asking the
-    caller to have the target decode the stretch (the draft service: its caller talks
-    to the target directly, so no token is relayed). On entry verifier and draft both
-    hold `base_len` committed tokens; after each yielded result both hold the new
-    committed length.
+    yielded as it comes. On entry verifier and draft both hold `base_len` committed
+    tokens; after each yielded result both hold the new committed length.
     """
     num_generated = index = 0
     draft_read_prompt = draft is None
@@ -81,7 +71,8 @@ def speculation_rounds(
         start = time.perf_counter_ns()
         # Never draft or decode past max_new_tokens or the context.
         room = min(params.max_new_tokens - num_generated, context_length - base_len)
-        solo = min(policy.solo_tokens(room), room) if draft is not None else 0
+        action = policy.next_action(room) if draft is not None else Action()
+        solo = min(action.stretch, room)
         until = None  # where the stretch ends early: none for a stretch that speculation lost to
         if not solo and not draft_read_prompt:
             # The draft reads the prompt only now: a call the target decodes alone from
@@ -89,16 +80,16 @@ def speculation_rounds(
             draft.prefill()
             draft_read_prompt, start = True, time.perf_counter_ns()
         if not solo:
-            k = min(policy.next_k(), room - 1) if draft is not None else 0
+            k = min(action.k, room - 1)
             proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
             draft_ns = time.perf_counter_ns() - start
+            if k > 0:
+                policy.observe_turn(proposed=bool(proposal.token_ids))
             if k > 0 and not proposal.token_ids:  # nothing to verify: a round trip for one token?
                 # A lookup drafter's stretch ends where it would propose again.
                 until = draft.lookup_stop()
-                solo = min(policy.tokens_instead_of_empty_round(room, ends_at_match=until is not None), room)
-        if solo and handoff:
-            yield RoundResult([], None, None, handoff_tokens=solo, handoff_until=until)
-            return
+                turn = Turn.NOTHING_UNTIL_MATCH if until is not None else Turn.NOTHING_PROPOSED
+                solo = min(policy.next_action(room, turn).stretch, room)
         if solo:
             stretch_start, intervals = start, []
             steps = _solo_stretch(verifier, draft, base_len, solo, until)
@@ -107,8 +98,8 @@ def speculation_rounds(
         for stats, result in steps:
             if solo:
                 intervals.append(stats.verify_ns)
-            stats = dataclasses.replace(stats, index=index)
-            index += 1
+            stats = dataclasses.replace(stats, index=index)  # a stretch's tokens share its index
+            index += not solo
             base_len, num_generated = base_len + len(result.token_ids), num_generated + len(result.token_ids)
             finish_reason = _finish_reason(result, num_generated >= params.max_new_tokens or base_len >= context_length)
             yield RoundResult(result.token_ids, stats, finish_reason)
@@ -118,6 +109,7 @@ def speculation_rounds(
             start = time.perf_counter_ns()
             if finish_reason is not None:
                 return
+        index += bool(solo)
         if solo and intervals:
             # The draft catches up on the stretch now, not within the next proposal: it
             # is what starting a stretch costs, not what drafting does.
@@ -152,7 +144,7 @@ def _solo_stretch(verifier: Verifier, draft: DraftSession, base_len: int, num_to
             now = time.perf_counter_ns()
             draft.append(result.token_ids)
             stats = RoundStats(0, base_len, 0, 0, len(result.token_ids), result.verdict.next_token_kind,
-                               0, now - last, result.target_compute_ns, streamed=True)
+                               0, now - last, result.target_compute_ns, streamed=True, step=result.step)
             base_len, last = base_len + len(result.token_ids), now
             yield stats, result
     finally:

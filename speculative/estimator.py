@@ -1,0 +1,281 @@
+"""What a speculating call has measured of its costs, as estimates a decision can read.
+
+`CostEstimator` keeps one estimator per quantity, each a decayed running average of what
+the call saw (weight `decay` on the past), and `Estimates` is a frozen snapshot of them
+with the cost model the decision uses (Leviathan et al. 2023, with a per-round delay):
+
+- a, acceptance: per-draft-token acceptance, from the rounds that drafted (prior 0.5
+  over PRIOR_TRIALS tokens); decisions read it with HOPE more accepted token
+  (`hopeful acceptance`), so one rejected first round does not stop speculation.
+- f, proposal rate: the share of the drafter's turns that proposed anything (a
+  prompt-lookup drafter proposes only where the context has text to copy).
+- d: drafting time per draft token.
+- c(w) = c(1) + g (w - 1): the target's compute for a pass over w tokens, as the target
+  reports it, one line fitted to every pass by decayed least squares (slope prior: 10%
+  of c(1); 0 <= g <= c(1)); each sample clipped to SLOW_PASS_CLIP times the line, so one
+  slow pass cannot rule a width out.
+- R: the rest of a round (network, serialization, queueing, applying the verdict).
+- s: time per token when the target decodes alone, between a stretch's tokens (c(1)
+  until a stretch measured it); o: what starting a stretch costs past its tokens (the
+  stretch's round trip, the draft catching up on it; prior 2 R).
+- load: the sessions B sharing the target's steps and the step cost base + per_token T
+  the target fits and reports, which cap k at `worker_k`.
+
+The estimator also counts what the last actions were (stretches in a row, empty turns
+in a row, rounds since the last stretch): the decision sizes stretches from them.
+This module is free of torch: `python -m report` reads `expected_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from speculative.stats import RoundStats, StepLoad
+
+PRIOR_TRIALS = 2.0  # the weight of a's prior, in draft tokens
+HOPE = 1.0  # accepted draft tokens added to the evidence when deciding
+# A token decoded alone weighs this much of a pass in the fit of c(w), and does not age
+# the passes: a long stretch refines c(1) without erasing what wider passes cost.
+SOLO_TOKEN_WEIGHT = 0.1
+# A pass slower than this many times the line counts as this slow: a burst of load on a
+# shared machine must not be carried into later decisions; a lasting slowdown is still
+# learnt, by at most (SLOW_PASS_CLIP - 1) * (1 - decay) a pass.
+SLOW_PASS_CLIP = 1.25
+SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """E[tokens per round] for k draft tokens accepted each with probability
+    `acceptance` until the first rejection, plus the target's own token (Leviathan et
+    al. 2023, eq. 1: (1 - a^(k+1)) / (1 - a))."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Costs measured between one drafter and one target, in nanoseconds: what one call
+    hands the next (a call over a slow link can decide before its first round trip)."""
+
+    one_token_ns: float  # c(1)
+    per_token_ns: float | None  # g (None = not measured)
+    overhead_ns: float  # R
+    solo_token_ns: float | None  # s (None = not measured)
+    stream_start_ns: float | None  # o
+    draft_token_ns: float  # d
+    acceptance: float | None = None  # a, the next call's prior (as light as the default)
+    one_token_measured: bool = False  # c(1) from one-token passes, not extrapolated
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """A call's costs (nanoseconds) and rates at one moment, and its recent actions."""
+
+    max_k: int
+    acceptance: float  # a, hopeful
+    proposal_rate: float  # f
+    draft_token_ns: float  # d
+    one_token_ns: float  # c(1); 0 = nothing measured yet
+    per_token_ns: float  # g
+    overhead_ns: float  # R
+    solo_token_ns: float  # s
+    solo_measured: bool  # s from stretches (else it is c(1))
+    one_token_measured: bool  # c(1) from one-token passes (else extrapolated from wider ones)
+    stretch_start_ns: float  # o
+    worker_k: int  # the k that makes best use of the loaded target (0: none)
+    after_stretch: bool  # the last thing the call did was a stretch
+    losing_stretches: int  # stretches in a row, each followed by one round that lost (a probe)
+    empty_turns_in_a_row: int  # drafter turns that proposed nothing since one that did
+    rounds_since_stretch_ns: float  # time of the rounds since the last stretch
+
+    @property
+    def measured(self) -> bool:
+        return self.one_token_ns > 0
+
+    def compute_ns(self, width: int) -> float:
+        """c(width): the target's pass over `width` tokens."""
+        return self.one_token_ns + self.per_token_ns * (width - 1)
+
+    def round_ns(self, k: int) -> float:
+        """A round that drafts k tokens (k = 0: the drafter proposed nothing)."""
+        return k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
+
+    def tokens_per_ns(self, k: int) -> float:
+        """Expected output tokens per nanosecond of rounds drafting k tokens."""
+        return expected_tokens(self.acceptance, k) / self.round_ns(k)
+
+    def mixed_tokens_per_ns(self, k: int) -> float:
+        """The same, when only a share f of the drafter's turns propose and the others
+        are one plain step that still pays R."""
+        f = self.proposal_rate
+        tokens = f * expected_tokens(self.acceptance, k) + (1.0 - f)
+        return tokens / (f * self.round_ns(k) + (1.0 - f) * self.round_ns(0))
+
+    def stretch_ns(self, num_tokens: float) -> float:
+        """A stretch of num_tokens decoded alone, its start included."""
+        return self.stretch_start_ns + num_tokens * self.solo_token_ns
+
+    def best_k(self) -> int:
+        """The fastest k in 1..max_k, at most worker_k (when that is above 0); the
+        smaller k on a tie. Before any measurement: relative costs (c(w) = 1 + 0.1 w)."""
+        largest = max(1, min(self.max_k, self.worker_k))
+        if not self.measured:
+            return max(range(1, largest + 1), key=lambda k: (expected_tokens(self.acceptance, k) / (1 + 0.1 * k), -k))
+        return max(range(1, largest + 1), key=lambda k: (self.tokens_per_ns(k), -k))
+
+
+class CostEstimator:
+    """The estimators behind Estimates, fed by the speculation loop's observations."""
+
+    def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None):
+        self.max_k, self.decay = max_k, decay
+        self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # decayed Bernoulli counts behind a
+        self.proposals, self.turns = 1.0, 2.0  # decayed counts behind f (prior 0.5)
+        self.draft_token_ns = 0.0
+        self.one_token_ns, self.per_token_ns = 0.0, None  # the line c(w), once fitted
+        self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum c, sum x c over passes (x = w - 1)
+        self.overhead_ns = 0.0
+        self.solo_token_ns: float | None = None
+        self.stream_start_ns: float | None = None
+        self.measured = False  # a round has been measured
+        self.one_token_measured = False
+        self.batch_sessions = 1.0  # B
+        self.step_base_ns = self.step_token_ns = 0.0  # the target's step cost (0: not reported)
+        self.after_stretch = False
+        self.stretches_in_a_row = self.empty_turns_in_a_row = 0
+        self.rounds_since_stretch, self.rounds_since_stretch_ns = 0, 0.0
+        if costs is not None:
+            self.seed(costs)
+
+    def estimates(self) -> Estimates:
+        per_token = self.per_token_ns if self.per_token_ns is not None else 0.1 * self.one_token_ns
+        acceptance = (self.accepted + HOPE) / (self.trials + HOPE) if self.one_token_ns else self.acceptance()
+        return Estimates(
+            self.max_k, acceptance, self.proposals / self.turns, self.draft_token_ns,
+            self.one_token_ns, per_token, self.overhead_ns,
+            self.solo_token_ns if self.solo_token_ns is not None else self.one_token_ns,
+            self.solo_token_ns is not None, self.one_token_measured,
+            self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns,
+            self.worker_k(), self.after_stretch,
+            self.stretches_in_a_row if self.rounds_since_stretch <= 1 else 0, self.empty_turns_in_a_row,
+            self.rounds_since_stretch_ns,
+        )
+
+    def acceptance(self) -> float:
+        """a as measured (decisions read the hopeful estimate)."""
+        return self.accepted / self.trials
+
+    def worker_k(self) -> int:
+        """The k (0 = none) that maximises this session's tokens per unit of the target
+        worker's time, E[tokens](a, k) / (base / B + per_token (k + 1)): a step's base cost
+        is shared by its B sessions, each draft token costs the whole batch per_token.
+        max_k while the target reports no cost."""
+        if not self.step_base_ns and not self.step_token_ns:
+            return self.max_k
+        shared_ns = self.step_base_ns / max(self.batch_sessions, 1.0)
+        acceptance = (self.accepted + HOPE) / (self.trials + HOPE)
+        return max(range(self.max_k + 1),
+                   key=lambda k: (expected_tokens(acceptance, k) / (shared_ns + self.step_token_ns * (k + 1)), -k))
+
+    # Seeding from, and handing on, what earlier calls measured.
+
+    def seed(self, costs: MeasuredCosts) -> None:
+        if costs.one_token_ns:
+            self.one_token_ns, self.per_token_ns = costs.one_token_ns, costs.per_token_ns
+            for x in (0, 4):  # the line as two pseudo-passes, outweighed by the first real ones
+                self._add_sample(x, self._line(x + 1), 1.0)
+            self.overhead_ns, self.solo_token_ns = costs.overhead_ns, costs.solo_token_ns
+            self.stream_start_ns, self.draft_token_ns = costs.stream_start_ns, costs.draft_token_ns
+            self.measured, self.one_token_measured = True, costs.one_token_measured
+        if costs.acceptance is not None:
+            self.accepted, self.trials = PRIOR_TRIALS * costs.acceptance, PRIOR_TRIALS
+
+    def costs(self) -> MeasuredCosts:
+        return MeasuredCosts(self.one_token_ns, self.per_token_ns, self.overhead_ns, self.solo_token_ns,
+                             self.stream_start_ns, self.draft_token_ns, self.acceptance(), self.one_token_measured)
+
+    # Observations.
+
+    def observe(self, stats: RoundStats, elapsed_ns: int) -> None:
+        """A finished round, elapsed_ns from its decision to its result passed on; or
+        one token of a stretch (its pass only: the stretch is observed whole)."""
+        self._observe_load(stats.step)
+        if stats.streamed:
+            self._observe_compute(1, stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
+            self.one_token_measured = True
+            return
+        self._observe_compute(stats.num_drafted + 1, stats.target_compute_ns)
+        self.after_stretch = False
+        self.rounds_since_stretch += 1
+        self.rounds_since_stretch_ns += elapsed_ns
+        self.one_token_measured |= stats.num_drafted == 0
+        drafting_ns = stats.draft_ns if stats.num_drafted else 0  # a search that found nothing is overhead
+        overhead = max(0, elapsed_ns - drafting_ns - stats.target_compute_ns)
+        self.overhead_ns = _blend(self.overhead_ns if self.measured else None, overhead, self.decay)
+        self.measured = True
+        if stats.num_drafted:
+            rejected = stats.num_accepted < stats.num_drafted
+            self.accepted = self.decay * self.accepted + stats.num_accepted
+            self.trials = self.decay * self.trials + stats.num_accepted + rejected
+            per_token = stats.draft_ns / stats.num_drafted
+            self.draft_token_ns = _blend(self.draft_token_ns or None, per_token, self.decay)
+
+    def observe_turn(self, proposed: bool) -> None:
+        """The drafter was asked for tokens and proposed some, or nothing."""
+        self.proposals = self.decay * self.proposals + proposed
+        self.turns = self.decay * self.turns + 1.0
+        self.empty_turns_in_a_row = 0 if proposed else self.empty_turns_in_a_row + 1
+
+    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0) -> None:
+        """A whole stretch: elapsed_ns from deciding on it to being ready to draft again
+        after its num_tokens, which came token_ns apart (s; also a bound on c(1)); the
+        rest is o. In empty_turns of its tokens the drafter would have proposed nothing
+        (a stretch that ended where it would propose again)."""
+        for _ in range(empty_turns):
+            self.observe_turn(proposed=False)
+        if token_ns < self.one_token_ns:
+            self._observe_compute(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
+        self.one_token_measured = True
+        # s ages by the rounds since it was measured, as passes do by later passes.
+        self.solo_token_ns = _blend(self.solo_token_ns, token_ns, self.decay ** (1 + self.rounds_since_stretch))
+        self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - num_tokens * token_ns), self.decay)
+        self.stretches_in_a_row = self.stretches_in_a_row + 1 if self.rounds_since_stretch <= 1 else 1
+        self.after_stretch = True
+        self.rounds_since_stretch, self.rounds_since_stretch_ns = 0, 0.0
+
+    def _observe_load(self, step: StepLoad | None) -> None:
+        if step is None or not step.batch_sessions:
+            return
+        self.batch_sessions = _blend(self.batch_sessions, step.batch_sessions, self.decay)
+        if step.cost_base_ns or step.cost_per_token_ns:  # already averaged over the target's recent steps
+            self.step_base_ns, self.step_token_ns = step.cost_base_ns, step.cost_per_token_ns
+
+    def _observe_compute(self, width: int, compute_ns: float, weight: float = 1.0, age: bool = True) -> None:
+        """Refits c(w) = c(1) + g (w - 1) over all passes, the sample clipped to
+        SLOW_PASS_CLIP times the line (a fast pass is real, a slow one may be a spike)."""
+        if self._sums[0]:
+            compute_ns = min(compute_ns, SLOW_PASS_CLIP * self._line(width))
+        self._add_sample(width - 1, compute_ns, weight, age)
+        n, sx, sxx, sc, sxc = self._sums
+        mean_x, mean_c = sx / n, sc / n
+        prior = 0.1 * mean_c / (1.0 + 0.1 * mean_x)  # g where one width tells nothing
+        g = (sxc / n - mean_x * mean_c + SLOPE_PRIOR_WEIGHT * prior) / (sxx / n - mean_x**2 + SLOPE_PRIOR_WEIGHT)
+        g = min(max(g, 0.0), mean_c / (1.0 + mean_x))
+        self.one_token_ns, self.per_token_ns = mean_c - g * mean_x, g
+
+    def _line(self, width: int) -> float:
+        per_token = self.per_token_ns if self.per_token_ns is not None else 0.1 * self.one_token_ns
+        return self.one_token_ns + per_token * (width - 1)
+
+    def _add_sample(self, x: float, compute_ns: float, weight: float, age: bool = True) -> None:
+        decayed = [self.decay * total if age else total for total in self._sums]
+        self._sums = [decayed[0] + weight, decayed[1] + weight * x, decayed[2] + weight * x * x,
+                      decayed[3] + weight * compute_ns, decayed[4] + weight * x * compute_ns]
+
+
+def _blend(old: float | None, new: float, decay: float) -> float:
+    """The decayed average of old and new; new alone while nothing is measured (None)."""
+    return new if old is None else decay * old + (1.0 - decay) * new

@@ -1,0 +1,143 @@
+"""CostEstimator: each estimate follows what the call measures, and no single noisy
+sample rules a choice out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speculative.estimator import CostEstimator, expected_tokens
+from speculative.rejection import NextTokenKind
+from speculative.stats import RoundStats, StepLoad
+
+MS = 1_000_000  # nanoseconds
+
+
+def round_(num_drafted, num_accepted, compute_ms, overhead_ms=0.0, draft_ms=0.0, step=None):
+    """A round's statistics and its elapsed time: drafting + target compute + overhead."""
+    stats = RoundStats(0, 0, num_drafted, num_accepted, num_accepted + 1, NextTokenKind.BONUS,
+                       int(draft_ms * MS), int((compute_ms + overhead_ms) * MS), int(compute_ms * MS), step=step)
+    return stats, int((draft_ms + compute_ms + overhead_ms) * MS)
+
+
+def streamed(compute_ms, overhead_ms=0.0):
+    """One token of a stretch."""
+    elapsed = int((compute_ms + overhead_ms) * MS)
+    return RoundStats(0, 0, 0, 0, 1, NextTokenKind.BONUS, 0, elapsed, int(compute_ms * MS), streamed=True), elapsed
+
+
+def settled(estimator, rounds, times=100):
+    """Observes the rounds `times` over: the decayed averages forget the priors."""
+    for _ in range(times):
+        for observed in rounds:
+            estimator.observe(*observed)
+    return estimator
+
+
+def test_acceptance_counts_accepted_tokens_and_the_first_rejection():
+    """2 of 4 accepted each round: 2 accepted and 1 rejected trial, settling at 2/3; the
+    decision reads it with one more accepted (HOPE)."""
+    estimator = settled(CostEstimator(4), [round_(4, 2, 14.0)])
+    assert estimator.acceptance() == pytest.approx(2 / 3, abs=1e-4)
+    assert estimator.estimates().acceptance == pytest.approx(21 / 31, abs=1e-4)
+
+
+def test_the_target_line_and_the_round_trip_are_fitted_from_rounds():
+    estimator = settled(CostEstimator(8), [round_(4, 2, 14.0, overhead_ms=5.0), round_(0, 0, 10.0, overhead_ms=5.0)])
+    e = estimator.estimates()
+    assert e.compute_ns(1) == pytest.approx(10 * MS, rel=0.01) and e.compute_ns(5) == pytest.approx(14 * MS, rel=0.01)
+    assert e.overhead_ns == pytest.approx(5 * MS, rel=0.01)
+    assert e.round_ns(4) == pytest.approx(19 * MS, rel=0.01)
+
+
+def test_one_slow_pass_does_not_rule_anything_out():
+    """A cold first pass at some width, or a slow streamed token, must not make that
+    choice look too costly to ever be tried (and re-measured) again."""
+    estimator = settled(CostEstimator(8), [round_(1, 1, 11.0, overhead_ms=2.0), streamed(10.0)], times=30)
+    estimator.observe(*round_(4, 4, 300.0, overhead_ms=2.0))  # 30x a one-token pass
+    assert estimator.estimates().compute_ns(5) < 1.25 * 14.0 * MS  # clipped to 1.25 times the line
+    for _ in range(10):
+        estimator.observe(*round_(8, 8, 18.0, overhead_ms=2.0))
+    assert estimator.estimates().compute_ns(9) == pytest.approx(18.0 * MS, rel=0.1)
+
+
+def test_a_cold_first_pass_is_forgotten_even_at_one_width():
+    estimator = CostEstimator(2)
+    estimator.observe(*round_(2, 1, 300.0))
+    for _ in range(40):
+        estimator.observe(*round_(2, 1, 12.0))
+    assert estimator.estimates().compute_ns(3) == pytest.approx(12.0 * MS, rel=0.1)
+
+
+def test_a_long_stretch_refines_c1_without_erasing_the_slope():
+    passes = [round_(w - 1, w - 1, 213.0 + 130.0 * (w - 1), draft_ms=100.0 * (w - 1)) for w in (2, 3, 4, 5)]
+    estimator = settled(CostEstimator(8), passes, times=5)
+    for _ in range(64):
+        estimator.observe(*streamed(213.0))
+    e = estimator.estimates()
+    assert e.one_token_ns == pytest.approx(213 * MS, rel=0.07)
+    assert e.per_token_ns == pytest.approx(130 * MS, rel=0.1)
+
+
+def test_a_stretch_measures_decoding_alone_and_its_start():
+    """Tokens 11 ms apart, the whole stretch 30 ms longer than its tokens: s = 11 ms and
+    o = 30 ms; a stretch that ended at text to copy counts its empty turns into f."""
+    estimator = settled(CostEstimator(4), [round_(4, 3, 14.0, overhead_ms=5.0)], times=30)
+    assert estimator.estimates().stretch_start_ns == pytest.approx(10 * MS, rel=0.01)  # prior: 2 R
+    for _ in range(100):
+        estimator.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
+    e = estimator.estimates()
+    assert (e.solo_token_ns, e.stretch_start_ns) == (pytest.approx(11 * MS), pytest.approx(30 * MS))
+    assert e.solo_measured and e.after_stretch
+    counted, stretched = CostEstimator(4), CostEstimator(4)
+    for _ in range(9):
+        counted.observe_turn(proposed=False)
+    stretched.observe_turn(proposed=False)
+    stretched.observe_stretch(9, 100 * MS, 10 * MS, empty_turns=8)
+    rate = stretched.estimates().proposal_rate
+    assert rate == pytest.approx(counted.estimates().proposal_rate) and rate < 0.1
+
+
+def test_costs_carry_to_the_next_call():
+    earlier = settled(CostEstimator(4), [round_(4, 2, 14.0, overhead_ms=20.0), streamed(10.0)])
+    seeded = CostEstimator(4, costs=earlier.costs())
+    assert seeded.acceptance() == pytest.approx(2 / 3, abs=1e-3) and seeded.trials == 2.0  # a light prior
+    assert seeded.estimates().round_ns(4) == pytest.approx(earlier.estimates().round_ns(4), rel=0.01)
+    assert seeded.measured and not CostEstimator(4).measured
+
+
+# Under load: the target batches B sessions per step, a step of T tokens costing about
+# base + per_token * T (what SmolLM2-135M fp32 on 2 cores measured: 40 ms + 0.9 ms a token).
+
+
+def _worker_k(sessions, accepted_of_4=2, base_ms=40.0, per_token_ms=0.9):
+    stats, elapsed = round_(4, accepted_of_4, base_ms + per_token_ms * sessions * 5)
+    step = StepLoad(0, stats.target_compute_ns, sessions * 5, sessions, sessions, base_ms * MS, per_token_ms * MS)
+    return settled(CostEstimator(4), [(dataclasses.replace(stats, step=step), elapsed)]).worker_k()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 64), st.integers(0, 4), st.floats(5.0, 200.0), st.floats(0.1, 5.0))
+def test_more_sessions_per_step_never_raise_k(fewer, more, accepted, base_ms, per_token_ms):
+    fewer, more = sorted((fewer, more))
+    assert _worker_k(more, accepted, base_ms, per_token_ms) <= _worker_k(fewer, accepted, base_ms, per_token_ms)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 64), st.integers(0, 4), st.integers(0, 4))
+def test_higher_acceptance_never_lowers_k_under_load(sessions, lower, higher):
+    lower, higher = sorted((lower, higher))
+    assert _worker_k(sessions, lower) <= _worker_k(sessions, higher)
+
+
+def test_the_load_cap_binds_only_when_crowded():
+    assert _worker_k(1) == 4 and _worker_k(64) < 4
+    assert settled(CostEstimator(4), [round_(4, 4, 50.0)]).worker_k() == 4  # no step cost reported
+
+
+def test_expected_tokens_is_leviathans_formula():
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
+    assert (expected_tokens(0.0, 4), expected_tokens(1.0, 4)) == (1.0, 5.0)
