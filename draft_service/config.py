@@ -61,6 +61,10 @@ class DraftConfig(RegistryConfig, TelemetryConfig):
     # caller's deadline; then ABORTED. As long as a verdict may take: that round ends
     # when its verdict comes.
     session_wait_timeout_s: float = 120.0
+    # Draft the next proposal while the last one is verified, where the policy finds
+    # it pays (speculative.policy.draft_ahead): on its own hardware the draft would
+    # otherwise idle through every verification. Off where draft and target share cores.
+    pipeline: bool = True
     # Used when a request leaves max_new_tokens at 0; the same default as the target's.
     default_max_new_tokens: int = 256
     # torch intra-op threads; 0 = torch's default (all cores), which suits a worker

@@ -11,6 +11,7 @@ serves.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -178,8 +179,11 @@ class RemoteVerifier:
         first_round: int,
         deadline: Deadline,
         stall_timeout_s: float,
+        overlaps: bool = True,
     ):
+        """overlaps: the target verifies while the draft drafts (False: never draft ahead)."""
         self.address = address
+        self.overlaps = overlaps
         self.session_id = target_session_id
         self.round = first_round  # Proposal.round of the next proposal (0-based per session)
         self.proposal_bytes = 0  # serialized size of the last Proposal, in bytes
@@ -191,24 +195,55 @@ class RemoteVerifier:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._verdicts: queue.SimpleQueue = queue.SimpleQueue()  # filled by _read_verdicts
         self._responses = None  # the Verify call, once the first proposal opens it
-        self._in_flight = False  # a proposal was sent and its verdict not read
+        # Proposals sent whose verdicts are not read yet, oldest first: [proposal, abandoned].
+        self._outstanding: collections.deque[list] = collections.deque()
         self._closed = threading.Event()  # set by close(); the reader then only logs
+
+    def send(self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
+             expected_last_token_id: int | None = None) -> None:
+        """Sends one proposal; its verdict comes with receive(), in order."""
+        proposal = self._proposal(base_len, draft_token_ids, draft_probs)
+        if expected_last_token_id is not None:
+            proposal.expected_last_token_id = expected_last_token_id
+        self._put(proposal)
+
+    def receive(self) -> VerifyResult:
+        """The verdict on the oldest proposal not received yet, skipping the abandoned
+        ones (which the target must have discarded); StaleProposal if it was discarded."""
+        self._skip_abandoned()
+        proposal, _ = self._outstanding.popleft()
+        verdict = self._next_verdict()
+        self.verdict_bytes = verdict.ByteSize()
+        return self._result(proposal, verdict)
+
+    def _skip_abandoned(self) -> None:
+        """Reads the verdicts of the oldest proposals the loop abandoned: the target must
+        have discarded them."""
+        while self._outstanding and self._outstanding[0][1]:
+            proposal, _ = self._outstanding.popleft()
+            if not self._next_verdict().discarded:
+                raise RuntimeError(
+                    f"target worker at {self.address} applied a proposal at length {proposal.base_len} "
+                    "whose context the draft knew to be wrong"
+                )
+
+    def abandon_last(self) -> None:
+        self._outstanding[-1][1] = True
 
     def verify(
         self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None
     ) -> VerifyResult:
         """Sends one proposal, waits for its verdict; StaleProposal if it was discarded."""
-        proposal = self._proposal(base_len, draft_token_ids, draft_probs)
+        self.send(base_len, draft_token_ids, draft_probs)
+        return self.receive()
+
+    def _put(self, proposal: target_pb2.Proposal) -> None:
         self.proposal_bytes = proposal.ByteSize()
         if self._responses is None:
             self._open()
         self._requests.put(proposal)
-        self._in_flight = True
-        verdict = self._next_verdict()
-        self._in_flight = False
-        self.verdict_bytes = verdict.ByteSize()
+        self._outstanding.append([proposal, False])
         self.round += 1
-        return self._result(proposal, verdict)
 
     def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
         """A stretch: the target decodes up to max_tokens tokens alone (ending early
@@ -216,25 +251,22 @@ class RemoteVerifier:
         token as it arrives; StaleProposal if it was discarded. Closing the iterator
         before the stretch ended leaves its verdicts unread: the stream is then only
         good for close()."""
+        self._skip_abandoned()
+        assert not self._outstanding, "a stretch starts with nothing in flight"
         stretch = target_pb2.Stretch(max_tokens=max_tokens,
                                      until_lookup=lookup_stop_to_proto(until) if until else None)
         proposal = self._proposal(base_len, [], None)
         proposal.stretch.CopyFrom(stretch)
-        self.proposal_bytes = proposal.ByteSize()
-        if self._responses is None:
-            self._open()
-        self._requests.put(proposal)
-        self._in_flight = True
+        self._put(proposal)
         while True:
             verdict = self._next_verdict()
             self.verdict_bytes = verdict.ByteSize()
             if verdict.stretch_ended or verdict.discarded:
-                self._in_flight = False
-                self.round += 1
+                self._outstanding.popleft()
             # Each token's verdict is checked as a one-token round from the length before it.
             result = self._result(target_pb2.Proposal(round=proposal.round, base_len=base_len), verdict)
             yield result
-            if not self._in_flight:
+            if not self._outstanding:
                 return
             base_len = result.committed_len
 
@@ -315,7 +347,7 @@ class RemoteVerifier:
             return
         self._closed.set()
         self._requests.put(_END_OF_STREAM)  # also frees gRPC's request-reading thread
-        if self._responses is not None and self._in_flight:
+        if self._responses is not None and self._outstanding:
             self._responses.cancel()
 
 

@@ -128,7 +128,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             verifier = RemoteVerifier(
                 self.targets.stub(plan.target_address), plan.target_address, plan.target_session_id,
                 plan.settings.params, entry.next_round, Deadline.of_caller(context),
-                self.config.verdict_stall_timeout_s,
+                self.config.verdict_stall_timeout_s, overlaps=self.config.pipeline,
             )
             try:
                 yield from run_rounds(

@@ -1,12 +1,13 @@
 """The speculation loop, and an in-process generator built on it.
 
 `speculation_rounds` is the loop the draft service runs with a remote target; here the
-target is a local `TargetSession`. Both sides are reached through small interfaces, so
-the loop is the same code in process and across the network.
+target is a local `TargetSession` (`LocalVerifier`). Both sides are reached through
+small interfaces, so the loop is the same code in process and across the network.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import time
@@ -17,6 +18,7 @@ from typing import Protocol
 from speculative.drafters import EMPTY_PROPOSAL, Drafter, DraftSession, LookupStop, Proposal
 from speculative.fingerprint import check_compatible
 from speculative.loading import LoadedModel
+from speculative.errors import StaleProposal
 from speculative.limits import validate_num_speculative_tokens
 from speculative.policy import Action, AdaptiveK, FixedK, MeasuredCosts, SpeculationPolicy, Turn
 from speculative.sampling import SamplingParams, SparseProbs
@@ -30,16 +32,31 @@ class FinishReason(enum.Enum):
 
 
 class Verifier(Protocol):
-    """The target as the loop sees it: a local TargetSession or a remote stream."""
+    """The target as the loop sees it: a local TargetSession (LocalVerifier) or a remote
+    stream (draft_service.remote_verifier.RemoteVerifier). Proposals are sent, then
+    their verdicts received in the order sent."""
 
-    def verify(
-        self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None
-    ) -> VerifyResult: ...
+    # Whether the target verifies while the loop drafts (across the network): only
+    # then does drafting the next proposal ahead of a verdict pay.
+    overlaps: bool
+
+    def send(self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
+             expected_last_token_id: int | None = None) -> None:
+        """Sends a proposal; expected_last_token_id: the token it assumes at base_len - 1."""
+
+    def receive(self) -> VerifyResult:
+        """The verdict on the oldest proposal not yet received (skipping abandoned ones);
+        StaleProposal if the target discarded it."""
+        ...
+
+    def abandon_last(self) -> None:
+        """The proposal sent last will be discarded (its context turned out wrong): its
+        verdict is skipped, and RuntimeError raised should the target apply it."""
 
     def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
         """A stretch: target-only decoding of up to max_tokens tokens, one result per
         token, ending after a stop token or the first token at which prompt lookup with
-        `until`'s sizes finds text to copy."""
+        `until`'s sizes finds text to copy. Nothing may be in flight."""
         ...
 
 
@@ -62,76 +79,170 @@ def speculation_rounds(
 
     Each step is either a round (draft k tokens, verify them in one target pass) or, when
     the policy finds that faster, a stretch of tokens the target decodes alone, each
-    yielded as it comes. On entry verifier and draft both hold `base_len` committed
-    tokens; after each yielded result both hold the new committed length.
+    yielded as it comes. Where the verifier overlaps and the policy says so, the next
+    proposal is drafted and sent while the last one is verified (`_Loop`). On entry
+    verifier and draft both hold `base_len` committed tokens; after each yielded result
+    both hold the new committed length (the draft also any proposal sent ahead).
     """
-    num_generated = index = 0
-    draft_read_prompt = draft is None
-    while True:
-        start = time.perf_counter_ns()
-        # Never draft or decode past max_new_tokens or the context.
-        room = min(params.max_new_tokens - num_generated, context_length - base_len)
-        action = policy.next_action(room) if draft is not None else Action()
-        solo = min(action.stretch, room)
-        until = None  # where the stretch ends early: none for a stretch that speculation lost to
-        if not solo and not draft_read_prompt:
+    return _Loop(verifier, draft, base_len, params, policy, context_length).run()
+
+
+@dataclass
+class _Sent:
+    """A proposal on its way to the target."""
+
+    base_len: int
+    proposal: Proposal
+    draft_ns: int  # drafting it, its guess included
+    sent_ns: int  # when it was sent (time.perf_counter_ns)
+    guess: int | None = None  # the draft's next token after it: what a proposal ahead assumes
+
+
+class _Loop:
+    """One call's rounds. Pipelining (depth 1): while proposal n is verified, proposal
+    n + 1 is drafted from the optimistic context (all of n accepted, and the target's own
+    next token equal to the draft's guess, drafted as token k + 1 of n) and sent with
+    that guess as expected_last_token_id. It survives when the verdict on n commits
+    exactly that context; otherwise the target discards it (it checks base_len and the
+    last token), and the draft rolls back to the verdict and drafts again. Every
+    proposal the target applies was judged on its actual context: exactness holds."""
+
+    def __init__(self, verifier, draft, base_len, params, policy, context_length):
+        self.verifier, self.draft, self.params, self.policy = verifier, draft, params, policy
+        self.base_len, self.context_length = base_len, context_length
+        self.num_generated = self.index = 0
+        self.draft_read_prompt = draft is None
+        self.ahead: _Sent | None = None  # a proposal sent beyond the one being verified
+        self.start_ns = 0  # when the current step began (its decision)
+        self.finish_reason: FinishReason | None = None
+
+    def run(self) -> Iterator[RoundResult]:
+        while True:
+            self.start_ns = time.perf_counter_ns()
+            room = self._room()
+            # 1. Decide: a stretch, or a round (the one sent ahead, or a new one).
+            action = self.policy.next_action(room) if self.draft is not None else Action()
+            if self.ahead is None and action.stretch:
+                yield from self._stretch(min(action.stretch, room), None)
+            else:
+                current = self.ahead or self._draft_current(action, room)
+                self.ahead = None
+                if isinstance(current, int):  # the drafter found nothing and a stretch wins
+                    yield from self._stretch(current, self.draft.lookup_stop())
+                else:
+                    # 2. Draft the next proposal while this one is verified.
+                    if action.ahead and not action.stretch and self.verifier.overlaps:
+                        self._send_ahead(current, action.k)
+                    # 3. Its verdict, applied to the draft.
+                    yield from self._round(current)
+            if self.finished:
+                return
+
+    def _room(self) -> int:
+        """Tokens this call may still generate (never past max_new_tokens or the context)."""
+        return min(self.params.max_new_tokens - self.num_generated, self.context_length - self.base_len)
+
+    def _draft_current(self, action: Action, room: int) -> _Sent | int:
+        """Drafts and sends the next proposal (k capped by the room), with a guess when
+        it may be drafted ahead of; or, when the drafter found nothing, the stretch the
+        policy prefers to an empty round (an int)."""
+        if not self.draft_read_prompt:
             # The draft reads the prompt only now: a call the target decodes alone from
             # its start never runs the draft model on it.
-            draft.prefill()
-            draft_read_prompt, start = True, time.perf_counter_ns()
-        if not solo:
-            k = min(action.k, room - 1)
-            proposal = draft.propose(k) if k > 0 else EMPTY_PROPOSAL
-            draft_ns = time.perf_counter_ns() - start
-            if k > 0:
-                policy.observe_turn(proposed=bool(proposal.token_ids))
-            if k > 0 and not proposal.token_ids:  # nothing to verify: a round trip for one token?
-                # A lookup drafter's stretch ends where it would propose again.
-                until = draft.lookup_stop()
-                turn = Turn.NOTHING_UNTIL_MATCH if until is not None else Turn.NOTHING_PROPOSED
-                solo = min(policy.next_action(room, turn).stretch, room)
-        if solo:
-            stretch_start, intervals = start, []
-            steps = _solo_stretch(verifier, draft, base_len, solo, until)
-        else:
-            steps = (_round(verifier, draft, base_len, proposal, draft_ns),)
-        for stats, result in steps:
-            if solo:
-                intervals.append(stats.verify_ns)
-            stats = dataclasses.replace(stats, index=index)  # a stretch's tokens share its index
-            index += not solo
-            base_len, num_generated = base_len + len(result.token_ids), num_generated + len(result.token_ids)
-            finish_reason = _finish_reason(result, num_generated >= params.max_new_tokens or base_len >= context_length)
-            yield RoundResult(result.token_ids, stats, finish_reason)
-            # Measured after the caller is done with the result: what a round (or a
-            # streamed token) costs includes passing it on.
-            policy.observe(stats, time.perf_counter_ns() - start)
-            start = time.perf_counter_ns()
-            if finish_reason is not None:
+            self.draft.prefill()
+            self.draft_read_prompt, self.start_ns = True, time.perf_counter_ns()
+        k = min(action.k, room - 1)
+        pipelined = action.ahead and self.verifier.overlaps and room - k - 1 >= 2
+        sent = self._draft(self.base_len, k, pipelined)
+        if k > 0:
+            self.policy.observe_turn(proposed=bool(sent.proposal.token_ids))
+        if k > 0 and not sent.proposal.token_ids:  # nothing to verify: a round trip for one token?
+            # A lookup drafter's stretch ends where it would propose again.
+            turn = Turn.NOTHING_UNTIL_MATCH if self.draft.lookup_stop() is not None else Turn.NOTHING_PROPOSED
+            stretch = min(self.policy.next_action(room, turn).stretch, room)
+            if stretch:
+                return stretch
+        self.verifier.send(self.base_len, sent.proposal.token_ids, sent.proposal.draft_probs)
+        return sent
+
+    def _draft(self, base_len: int, k: int, guess: bool) -> _Sent:
+        """Drafts k tokens after base_len (and, with `guess`, one more the next proposal
+        will assume)."""
+        start = time.perf_counter_ns()
+        proposal = self.draft.propose(k + guess) if k > 0 else EMPTY_PROPOSAL
+        sent = _Sent(base_len, proposal, 0, 0)
+        if guess and len(proposal) == k + 1:  # the last token is the guess, not proposed
+            probs = proposal.draft_probs[:k] if proposal.draft_probs is not None else None
+            sent.proposal, sent.guess = Proposal(proposal.token_ids[:k], probs), proposal.token_ids[k]
+        sent.draft_ns = time.perf_counter_ns() - start
+        sent.sent_ns = time.perf_counter_ns()
+        return sent
+
+    def _send_ahead(self, current: _Sent, k: int) -> None:
+        """Drafts and sends the proposal after `current`, assuming all of it accepted and
+        its guess next. Not past the room, a stop token, or a guess it does not have."""
+        guess = current.guess
+        if guess is None or guess in self.params.stop_token_ids or len(current.proposal) == 0:
+            return
+        base_len = current.base_len + len(current.proposal) + 1
+        room = self._room() - (base_len - self.base_len)
+        k = min(k, room - 1)
+        if k < 1:
+            return
+        ahead = self._draft(base_len, k, room - k - 1 >= 2)
+        if not ahead.proposal.token_ids:  # nothing to send: the draft keeps the guess, truncated later
+            return
+        self.verifier.send(base_len, ahead.proposal.token_ids, ahead.proposal.draft_probs, expected_last_token_id=guess)
+        self.ahead = ahead
+
+    def _round(self, current: _Sent) -> Iterator[RoundResult]:
+        """Receives the verdict on `current` and brings the draft to it."""
+        result = self.verifier.receive()
+        verify_ns = time.perf_counter_ns() - current.sent_ns
+        survives = self.ahead is not None and result.committed_len == self.ahead.base_len \
+            and result.token_ids[-1] == current.guess and not result.stopped
+        if self.ahead is not None and not survives:
+            self.verifier.abandon_last()
+            self.ahead = None
+        if not survives:  # else the draft already holds the verdict's tokens, and the proposal ahead
+            _apply_to_draft(self.draft, current.base_len, result)
+        stats = RoundStats(
+            self.index, current.base_len, len(current.proposal), result.verdict.num_accepted, len(result.token_ids),
+            result.verdict.next_token_kind, current.draft_ns, verify_ns, result.target_compute_ns, step=result.step,
+        )
+        self.index += 1
+        yield from self._commit(result, stats)
+
+    def _stretch(self, num_tokens: int, until: LookupStop | None) -> Iterator[RoundResult]:
+        """The target decodes up to num_tokens alone; the draft follows each token, and
+        catches up on them after (what starting a stretch costs, not drafting)."""
+        stretch_start, intervals = self.start_ns, []
+        for stats, result in _solo_stretch(self.verifier, self.draft, self.base_len, num_tokens, until):
+            intervals.append(stats.verify_ns)
+            yield from self._commit(result, dataclasses.replace(stats, index=self.index))
+            if self.finished:
                 return
-        index += bool(solo)
-        if solo and intervals:
-            # The draft catches up on the stretch now, not within the next proposal: it
-            # is what starting a stretch costs, not what drafting does.
-            draft.prefill()
-            draft_read_prompt = True
-            policy.observe_stretch(len(intervals), time.perf_counter_ns() - stretch_start, per_token_ns(intervals),
-                                   empty_turns=len(intervals) - 1 if until else 0)
+        self.index += 1
+        if intervals:
+            self.draft.prefill()
+            self.draft_read_prompt = True
+            self.policy.observe_stretch(len(intervals), time.perf_counter_ns() - stretch_start,
+                                        per_token_ns(intervals), empty_turns=len(intervals) - 1 if until else 0)
 
+    def _commit(self, result: VerifyResult, stats: RoundStats) -> Iterator[RoundResult]:
+        self.base_len += len(result.token_ids)
+        self.num_generated += len(result.token_ids)
+        out_of_room = self.num_generated >= self.params.max_new_tokens or self.base_len >= self.context_length
+        self.finish_reason = _finish_reason(result, out_of_room)
+        yield RoundResult(result.token_ids, stats, self.finish_reason)
+        # Measured after the caller is done with the result: what a round (or a
+        # streamed token) costs includes passing it on.
+        self.policy.observe(stats, time.perf_counter_ns() - self.start_ns)
+        self.start_ns = time.perf_counter_ns()
 
-def _round(verifier: Verifier, draft: DraftSession | None, base_len: int, proposal: Proposal,
-           draft_ns: int) -> tuple[RoundStats, VerifyResult]:
-    """Verifies a proposal in one round trip and brings the draft to the verdict."""
-    start = time.perf_counter_ns()
-    # One round trip to the target, which commits and cuts at stop tokens.
-    result = verifier.verify(base_len, proposal.token_ids, proposal.draft_probs)
-    verify_ns = time.perf_counter_ns() - start
-    _apply_to_draft(draft, base_len, result)
-    stats = RoundStats(
-        0, base_len, len(proposal), result.verdict.num_accepted, len(result.token_ids),
-        result.verdict.next_token_kind, draft_ns, verify_ns, result.target_compute_ns, step=result.step,
-    )
-    return stats, result
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 def _solo_stretch(verifier: Verifier, draft: DraftSession, base_len: int, num_tokens: int,
@@ -166,6 +277,52 @@ def _apply_to_draft(draft: DraftSession | None, base_len: int, result: VerifyRes
     draft.append(result.token_ids[num_kept_drafts:])
 
 
+class LocalVerifier:
+    """A TargetSession as the loop's verifier in process. Each proposal is verified when
+    its verdict is received, with the target's own staleness rule (base_len, and the
+    last token a proposal sent ahead assumed). overlaps=False: nothing computes while
+    the loop drafts, so drafting ahead would only cost; tests turn it on to run the
+    pipelined protocol in process."""
+
+    def __init__(self, target: TargetSession, overlaps: bool = False):
+        self.target, self.overlaps = target, overlaps
+        self._outstanding: collections.deque[list] = collections.deque()  # [base_len, ids, probs, last, abandoned]
+
+    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None) -> None:
+        self._outstanding.append([base_len, list(draft_token_ids), draft_probs, expected_last_token_id, False])
+
+    def abandon_last(self) -> None:
+        self._outstanding[-1][4] = True
+
+    def receive(self) -> VerifyResult:
+        self._skip_abandoned()
+        base_len, token_ids, probs, last, _ = self._outstanding.popleft()
+        if self._stale(base_len, last):
+            raise StaleProposal(f"proposal at length {base_len} is stale: the session holds {self.target.length}")
+        return self._verify(base_len, token_ids, probs)
+
+    def _skip_abandoned(self) -> None:
+        while self._outstanding and self._outstanding[0][4]:
+            base_len, _, _, last, _ = self._outstanding.popleft()
+            if not self._stale(base_len, last):
+                raise RuntimeError(f"a proposal abandoned at length {base_len} would have been applied")
+
+    def _stale(self, base_len: int, last: int | None) -> bool:
+        return base_len != self.target.length or (last is not None and last != self.target.last_token_id)
+
+    def _verify(self, base_len: int, token_ids: list[int], probs) -> VerifyResult:
+        return self.target.verify(base_len, token_ids, probs)
+
+    def verify(self, base_len, draft_token_ids, draft_probs=None) -> VerifyResult:
+        self.send(base_len, draft_token_ids, draft_probs)
+        return self.receive()
+
+    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
+        self._skip_abandoned()
+        assert not self._outstanding, "a stretch starts with nothing in flight"
+        return self.target.decode(base_len, max_tokens, until)
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]  # generated tokens, a stop token included
@@ -176,11 +333,13 @@ class GenerationResult:
 class SpeculativeGenerator:
     """Target + drafter in one process: the reference for the services' behaviour."""
 
-    def __init__(self, target: LoadedModel, drafter: Drafter | None = None):
+    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, pipelined: bool = False):
+        """pipelined: draft ahead as across the network (LocalVerifier), for tests."""
         if drafter is not None:
             check_compatible(target.name, target.fingerprint, drafter.name, drafter.fingerprint)
         self.target = target
         self.drafter = drafter
+        self.pipelined = pipelined
         # What adaptive calls measured of the costs: it seeds the next call's policy (as
         # the draft service does per target), so a call can decide before measuring.
         self.measured_costs: MeasuredCosts | None = None
@@ -203,8 +362,9 @@ class SpeculativeGenerator:
         stats = GenerationStats(prefill_ns=time.perf_counter_ns() - start)
         token_ids: list[int] = []
         try:
+            verifier = LocalVerifier(target, overlaps=self.pipelined)
             for result in speculation_rounds(
-                target, draft, len(prompt_token_ids), params, policy, self.target.context_length
+                verifier, draft, len(prompt_token_ids), params, policy, self.target.context_length
             ):
                 token_ids += result.token_ids
                 stats.record_round(result.stats)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # annotations only: this module stays free of torch
     from speculative.stats import RoundStats
 
 __all__ = ["Action", "AdaptiveK", "FixedK", "MeasuredCosts", "SpeculationPolicy", "StretchRules", "Turn", "decide",
-           "expected_tokens"]
+           "draft_ahead", "expected_tokens"]
 
 
 class Turn(enum.Enum):
@@ -36,6 +36,7 @@ class Turn(enum.Enum):
 class Action:
     k: int = 0  # draft k tokens for a round (0: a plain target step)
     stretch: int = 0  # > 0: instead, the target decodes up to this many tokens alone
+    ahead: bool = False  # draft the next proposal while this one is verified (where the target overlaps)
 
 
 TAKE_ROUND = Action()  # after a turn that proposed nothing: the plain step, one round trip
@@ -63,19 +64,34 @@ def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: 
       whose worker_k is 0); a lead read from an extrapolated c(1) is checked by one
       stretch first. Else a stretch, twice the last one's while probes keep losing.
     - The drafter proposed nothing: see `_after_empty_turn`.
+    - Whether a round's next proposal is drafted ahead: see `draft_ahead`.
     - A stretch after which fewer tokens would remain than it has runs to the end."""
     if not e.measured:
-        return Action(k=e.best_k()) if turn is Turn.DRAFT else TAKE_ROUND
+        return Action(k=e.best_k(), ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
     if turn is not Turn.DRAFT:
         return _after_empty_turn(e, remaining, turn is Turn.NOTHING_UNTIL_MATCH, rules)
     k = e.best_k()
     lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(k) * e.solo_token_ns  # speculation's speed over alone
     if e.after_stretch or (lead >= 1.0 and e.one_token_measured):
-        return Action(k=k)
+        return Action(k=k, ahead=draft_ahead(e, k))
     if lead >= 1.0:
-        return _stretch_unless_last(rules.sized(e, rules.first), remaining, least=None, otherwise=Action(k=k))
+        return _stretch_unless_last(rules.sized(e, rules.first), remaining, least=None,
+                                    otherwise=Action(k=k, ahead=draft_ahead(e, k)))
     stretch = rules.sized(e, min(rules.first * 2 ** e.losing_stretches, rules.longest))
     return _stretch_unless_last(stretch, remaining, least=stretch)
+
+
+def draft_ahead(e: Estimates, k: int) -> bool:
+    """Whether to draft the next proposal while this one of k tokens is verified. It
+    survives with about a^(k+1) (all k accepted, and the target's own next token the
+    draft's guess, drafted as one more token), and then its drafting and round trip,
+    k d + R, are hidden behind this verification. Drafting the guess costs d, and a
+    proposal drafted in vain delays the next by as much as its drafting outlasts this
+    verification, (k + 1) d - (c(k + 1) + R). A free drafter always drafts ahead."""
+    survives = e.acceptance ** (k + 1)
+    gain = survives * (k * e.draft_token_ns + e.overhead_ns)
+    outlasts = max(0.0, (k + 1) * e.draft_token_ns - e.compute_ns(k + 1) - e.overhead_ns)
+    return gain >= e.draft_token_ns + (1.0 - survives) * outlasts
 
 
 def _after_empty_turn(e: Estimates, remaining: int | None, ends_at_match: bool, rules: StretchRules) -> Action:
@@ -83,8 +99,9 @@ def _after_empty_turn(e: Estimates, remaining: int | None, ends_at_match: bool, 
     beat decoding alone (text to copy may turn up next turn); else a stretch, longer
     with each empty turn in a row. A stretch that ends where the drafter proposes again
     is taken when its start, spread over the expected gap of 1 / f tokens, costs less
-    than an empty round per token. Where rounds win, a first-size stretch re-measures s
-    once it risks at most start_share of the rounds' time since the last one."""
+    than an empty round per token. Where the plain step is taken, a first-size stretch
+    re-measures s once it risks at most start_share of the rounds' time since the last
+    one (s is measured only by stretches)."""
     if ends_at_match:
         rounds_ns = e.round_ns(0)
         gap = 1.0 / e.proposal_rate if remaining is None else min(1.0 / e.proposal_rate, remaining)
@@ -95,10 +112,10 @@ def _after_empty_turn(e: Estimates, remaining: int | None, ends_at_match: bool, 
         if rounds_ns > e.solo_token_ns:
             growth = min(2 ** max(e.empty_turns_in_a_row - 1, 0), rules.empty_growth)
             return _stretch_unless_last(rules.sized(e, rules.first * growth), remaining, least=rules.first)
-    if rounds_ns > e.solo_token_ns or not e.solo_measured:
+    if not e.solo_measured:
         return TAKE_ROUND
     stretch = rules.sized(e, rules.first)
-    risk_ns = e.stretch_start_ns + stretch * (e.solo_token_ns - rounds_ns)
+    risk_ns = e.stretch_start_ns + stretch * max(0.0, e.solo_token_ns - rounds_ns)
     if risk_ns > rules.start_share * e.rounds_since_stretch_ns:
         return TAKE_ROUND
     return _stretch_unless_last(stretch, remaining, least=None, otherwise=TAKE_ROUND)
@@ -132,13 +149,14 @@ class SpeculationPolicy:
 
 
 class FixedK(SpeculationPolicy):
-    """k every round; a turn that proposed nothing takes the plain step."""
+    """k every round, the next drafted ahead where the target overlaps; a turn that
+    proposed nothing takes the plain step."""
 
     def __init__(self, k: int):
         self.max_k = k
 
     def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT) -> Action:
-        return Action(k=self.max_k) if turn is Turn.DRAFT else TAKE_ROUND
+        return Action(k=self.max_k, ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
 
 
 class AdaptiveK(SpeculationPolicy):

@@ -232,7 +232,7 @@ def test_seeded_sampling_equals_in_process(worker, drafter, draft_stubs, target,
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=24)
     model = ModelDrafter(tiny_target if worker == "same" else tiny_perturbed)
     in_process = {"ngram": NgramDrafter(), "model": model, "ngram+model": LookupThenModelDrafter(model, NgramDrafter())}[drafter]
-    expected = SpeculativeGenerator(tiny_target, in_process).generate(prompt_ids[2], params, k=4).token_ids
+    expected = SpeculativeGenerator(tiny_target, in_process, pipelined=True).generate(prompt_ids[2], params, k=4).token_ids
     sampling = common_pb2.SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=24)
     for _ in range(2):  # and again: a seed reproduces the run
         pair = Pair(draft_stubs[worker], target, target_address, prompt_ids[2], drafter)
@@ -436,6 +436,7 @@ class _StretchOnly:
     """A verifier that records the stretch it is asked for and decodes tokens 100, 101, ..."""
 
     round = proposal_bytes = verdict_bytes = 0
+    overlaps = False
 
     def __init__(self):
         self.stretches = []

@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 
 from speculative import rejection
 from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
-from speculative.generator import SpeculativeGenerator, speculation_rounds
+from speculative.generator import LocalVerifier, SpeculativeGenerator, speculation_rounds
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams, logits_to_probs
 from speculative.step_scheduler import StepScheduler
@@ -129,14 +129,15 @@ def test_exact_distribution_is_a_distribution(exact):
     assert all(len(cell) == 3 for cell in itertools.islice(exact, 5))
 
 
-class _BatchedVerifier:
+class _BatchedVerifier(LocalVerifier):
     """The loop's Verifier through a step scheduler: the session's passes share steps
     with every other session's."""
 
     def __init__(self, scheduler, target):
-        self.scheduler, self.target = scheduler, target
+        super().__init__(target)
+        self.scheduler = scheduler
 
-    def verify(self, base_len, draft_token_ids, draft_probs):
+    def _verify(self, base_len, draft_token_ids, draft_probs):
         result, step = self.scheduler.submit(self.target.verify_steps(base_len, draft_token_ids, draft_probs))
         return dataclasses.replace(result, step=step)
 

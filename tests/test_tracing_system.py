@@ -97,7 +97,9 @@ def test_one_generation_is_one_trace_across_the_three_processes(traced_run):
     stats = response.stats
     assert len(rounds) == stats.num_rounds
     verifies = [s for s in in_trace if s["name"] == "specdec.verify"]
-    assert len(verifies) == len(rounds) and all(s["parent_span_id"] == verify["span_id"] for s in verifies)
+    assert all(s["parent_span_id"] == verify["span_id"] for s in verifies)
+    # Proposals drafted ahead whose assumed context turned out wrong were discarded.
+    assert len([s for s in verifies if not s["attributes"]["specdec.discarded"]]) == len(rounds)
     # A round outputs its accepted tokens plus the target's own, except a last round cut
     # at a stop token; together exactly the generated tokens.
     attributes = [s["attributes"] for s in rounds]

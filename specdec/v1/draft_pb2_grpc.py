@@ -92,8 +92,11 @@ class DraftServiceServicer:
 
     def Speculate(self, request, context):
         """Run speculation rounds against a target session until finished or cancelled; one
-        update per round. Cancelling the call stops after the round in flight; both
-        sides then hold the committed length of the last update.
+        update per round. While a proposal is verified the draft may draft and send the
+        next (pipelining); the target discards it when its assumed context was wrong.
+        Cancelling the call stops after the round in flight; the draft then holds the
+        committed length of the last update, the target at least that (a proposal sent
+        ahead may have been applied): truncate both to it before the next call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
