@@ -68,11 +68,13 @@ def _draft_server(loaded_model, **config):
 def drafts(tiny_target, tiny_unrelated, tiny_perturbed):
     """Draft workers by name: "same" drafts with the target's own weights (every draft
     accepted), "unrelated" with other weights (rejected), "perturbed" with noisy target
-    weights (partly accepted), "ngram" has no model."""
+    weights (partly accepted), "synchronous" the same without pipelining, "ngram" has
+    no model."""
     servers = {
         "same": _draft_server(tiny_target, default_drafter="model"),
         "unrelated": _draft_server(tiny_unrelated, default_drafter="model"),
         "perturbed": _draft_server(tiny_perturbed, default_drafter="model"),
+        "synchronous": _draft_server(tiny_perturbed, default_drafter="model", pipeline=False),
         "ngram": _draft_server(None),
     }
     yield {name: address for name, (_, address) in servers.items()}
@@ -186,7 +188,7 @@ def expect_error(code, call, *args, match: str = "", **kwargs) -> grpc.RpcError:
 # --- equivalence -----------------------------------------------------------------------
 
 DRAFTERS = [("same", "model"), ("unrelated", "model"), ("perturbed", "model"), ("same", "ngram"),
-            ("perturbed", "ngram+model")]
+            ("perturbed", "ngram+model"), ("synchronous", "model"), ("synchronous", "ngram+model")]
 
 
 def test_greedy_speculation_equals_target_only(draft_stubs, target, target_address, prompt_ids, references):
