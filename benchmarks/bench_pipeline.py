@@ -36,10 +36,11 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.bench_load import LOAD_PROMPTS
+from benchmarks.bench_load import LOAD_PROMPTS, Method, build_request
+from benchmarks.bench_load import Pair as LoadPair
 from benchmarks.prompts import PROMPTS
 from launcher.__main__ import Cluster, free_port
-from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.v1 import orchestrator_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_PROMPTS = {**PROMPTS, **{f"load_{name}": text for name, text in LOAD_PROMPTS.items()}}
@@ -132,15 +133,10 @@ class PinnedSystem:
 
 
 def generate(stub, pair: Pair, text: str, max_new_tokens: int, k: int, drafter: str):
-    """(tokens, stats) of one greedy call on a new session."""
-    request = orchestrator_pb2.GenerateRequest(include_stats=True)
-    if pair.chat:
-        request.chat.messages.add(role="user", content=text)
-    else:
-        request.text = text
-    request.sampling.CopyFrom(common_pb2.SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter=drafter,
-                                                              adaptive=k > 0))
+    """(tokens, stats) of one greedy call on a new session (adaptive k <= k; k = 0: target-only)."""
+    request = build_request(LoadPair(pair.target, pair.draft, (), pair.chat), Method("", k, adaptive=k > 0), text,
+                            max_new_tokens)
+    request.speculation.drafter = drafter
     response = stub.Generate(request, timeout=3600)
     return list(response.token_ids), response.stats
 

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 import grpc
 import pytest
-import torch
 from scipy.stats import chisquare
 
 from draft_service.remote_verifier import RemoteVerifier
@@ -19,11 +18,12 @@ from speculative import rejection
 from speculative.drafters import DraftSession, LookupThenModelDrafter, ModelDrafter, NgramDrafter, Proposal
 from speculative.generator import LocalVerifier, SpeculativeGenerator, speculation_rounds
 from speculative.policy import FixedK
-from speculative.sampling import SamplingParams, logits_to_probs
+from speculative.sampling import SamplingParams
 from speculative.target import TargetSession
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.server import create_server as create_target_server
+from tests.test_sampled_generation import _exact_target_distribution
 
 GREEDY = SamplingParams(max_new_tokens=24)
 
@@ -198,17 +198,8 @@ ALPHA = 1e-3  # false-fail probability of the test for a correct sampler
 def _exact_last_three(loaded, prompt) -> dict[tuple[int, ...], float]:
     """P(y3, y4, y5): the target's distribution of the last three of five tokens (the
     ones pipelined proposals decide), summed over the first two, enumerated exactly."""
-    def next_probs(prefix):
-        with torch.inference_mode():
-            logits = loaded.model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1:]
-        return logits_to_probs(logits, SAMPLED)[0].double()
-
-    joint = {(): 1.0}
-    for _ in range(SAMPLED.max_new_tokens):
-        joint = {prefix + (t,): mass * float(p[t]) for prefix, mass in joint.items()
-                 for p in [next_probs(prefix)] for t in p.nonzero().flatten().tolist()}
     marginal = Counter()
-    for sequence, mass in joint.items():
+    for sequence, mass in _exact_target_distribution(loaded, prompt, SAMPLED).items():
         marginal[sequence[2:]] += mass
     return dict(marginal)
 

@@ -30,15 +30,16 @@ NUM_RUNS = 1500
 ALPHA = 1e-3
 
 
-def _exact_target_distribution(loaded, prompt: list[int]) -> dict[tuple[int, ...], float]:
-    """P(y1, y2, y3) = prod p(y_i | prompt, y_<i), enumerated with the target model."""
+def _exact_target_distribution(loaded, prompt: list[int], params: SamplingParams = PARAMS) -> dict[tuple[int, ...], float]:
+    """P(y1, ..., yn) = prod p(y_i | prompt, y_<i) for n = max_new_tokens, enumerated
+    with the target model."""
     def next_probs(prefix):
         with torch.inference_mode():
             logits = loaded.model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1:]
-        return logits_to_probs(logits, PARAMS)[0].double()
+        return logits_to_probs(logits, params)[0].double()
 
     distribution = {(): 1.0}
-    for _ in range(PARAMS.max_new_tokens):
+    for _ in range(params.max_new_tokens):
         grown = {}
         for prefix, mass in distribution.items():
             probs = next_probs(prefix)
