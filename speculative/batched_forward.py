@@ -87,16 +87,27 @@ class Segment:
     start: int  # position of the first new token = tokens already cached
     token_ids: list[int]  # [t] the new tokens
     num_logits: int  # logits for the last num_logits new tokens; 0 = none (prefill)
+    fill: bool = False  # a prefill chunk: runs after the segments that wait for logits, cut to fit
+    # Logits already computed (the last prompt token's, by its prefill): no pass runs it.
+    ready_logits: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def num_run_tokens(self) -> int:
+        """Tokens a pass runs for this segment: none when its logits are ready."""
+        return 0 if self.ready_logits is not None else len(self.token_ids)
+
     def trim(self, num_tokens: int) -> None:
         """Keeps the first `num_tokens` new tokens (a prefill chunk; in place, so the
-        session that handed the segment out sees what ran)."""
-        assert self.num_logits == 0 and 1 <= num_tokens, (self.num_logits, num_tokens)
-        del self.token_ids[num_tokens:]
+        session that handed the segment out sees what ran). A cut chunk no longer ends
+        with the token whose logits it was to give."""
+        assert (self.fill or self.num_logits == 0) and 1 <= num_tokens, (self.num_logits, num_tokens)
+        if num_tokens < self.num_tokens:
+            del self.token_ids[num_tokens:]
+            self.num_logits = 0
 
 
 @dataclass
@@ -118,7 +129,14 @@ def use_ragged_attention(model: PreTrainedModel) -> None:
 def forward_segments(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.Tensor]:
     """Runs every segment's new tokens in one forward pass, writing their keys and
     values into each segment's cache; returns each segment's logits,
-    `[num_logits, vocab_size]` (empty for num_logits 0)."""
+    `[num_logits, vocab_size]` (empty for num_logits 0). A segment whose logits are
+    ready is not run: its logits are returned as they are."""
+    to_run = [segment for segment in segments if segment.ready_logits is None]
+    computed = iter(_forward(model, to_run) if to_run else [])
+    return [segment.ready_logits if segment.ready_logits is not None else next(computed) for segment in segments]
+
+
+def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.Tensor]:
     if model.config._attn_implementation != RAGGED_ATTENTION:
         use_ragged_attention(model)
     device = model.device

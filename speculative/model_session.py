@@ -6,6 +6,11 @@ one forward pass. This makes the draft-lag case free: when every draft token is
 accepted the draft never ran its own last token, which simply stays pending and runs
 with the bonus token in the next pass.
 
+The prefill's last chunk runs the last token too and keeps its logits (every pass
+computes the logits of at least one row anyway), while the token stays pending: the
+first call for the logits of that one token then needs no pass, as in `generate`,
+whose prefill gives the first token.
+
 A pass is a `Segment` (speculative.batched_forward): the session hands out what it
 needs run (`pending_segment`, `prefill_segment`) and is told when it ran
 (`segment_done`), so that a scheduler can run the segments of many sessions in one
@@ -41,6 +46,7 @@ class ModelSession:
         self._kv = SequenceKV()
         self._token_ids: list[int] = []
         self._cached_len = 0  # tokens whose keys and values are in the cache
+        self._ready: torch.Tensor | None = None  # [1, vocab] logits of the pending last token, from its prefill
         self.num_forward_passes = 0
         self.num_forward_tokens = 0  # tokens run through the model, prefill included
 
@@ -75,14 +81,17 @@ class ModelSession:
         self._token_ids.extend(int(t) for t in token_ids)
 
     def prefill(self) -> None:
-        """Runs all tokens but the last, which stays pending for the first logits call."""
+        """Caches all tokens but the last, which stays pending; the same pass gives its
+        logits, kept for the first logits call."""
         run_alone(self._model, self.prefill_steps())
 
     def prefill_steps(self) -> ForwardSteps[None]:
         """`prefill` as forward passes for a scheduler (which may cut it into chunks)."""
         while (segment := self.prefill_segment()) is not None:
-            yield segment
+            logits, _ = yield segment
             self.segment_done(segment)
+            if segment.num_logits:  # the last chunk ran the last token: its logits serve the next call
+                self._ready = logits.clone()  # not a view pinning the whole step's logits
 
     def logits(self, num_positions: int) -> torch.Tensor:
         """Logits for the last `num_positions` tokens: [num_positions, vocab_size].
@@ -96,35 +105,46 @@ class ModelSession:
         """The pass that gives logits for the last `num_positions` tokens: every
         pending token (cached ones re-run if fewer are pending)."""
         assert 1 <= num_positions <= self.length, (num_positions, self.length)
+        ready = self._ready if num_positions == 1 and self._cached_len == self.length - 1 else None
+        self._ready = None  # kept for the next pass only: any other rewrites its token's keys and values
         self._crop_cache(min(self._cached_len, self.length - num_positions))
-        return Segment(self._kv, self._cached_len, self._token_ids[self._cached_len :], num_positions)
+        return Segment(self._kv, self._cached_len, self._token_ids[self._cached_len :], num_positions,
+                       ready_logits=ready)
 
     def prefill_segment(self) -> Segment | None:
-        """The pass that caches every token but the last (no logits), or None when
-        they are cached. A scheduler may run fewer of its tokens (`Segment.trim`): the
-        session then hands out the rest next time."""
+        """The pass that caches every token but the last and gives the last one's
+        logits (kept for the next call), or None when they are cached. A scheduler may
+        run fewer of its tokens (`Segment.trim`): the session then hands out the rest
+        next time."""
         if self.length - 1 <= self._cached_len:
             return None
-        return Segment(self._kv, self._cached_len, self._token_ids[self._cached_len : -1], 0)
+        self._ready = None
+        return Segment(self._kv, self._cached_len, self._token_ids[self._cached_len :], 1, fill=True)
 
     def segment_done(self, segment: Segment) -> None:
-        """Records that `segment` (from this session, as last handed out) ran."""
+        """Records that `segment` (from this session, as last handed out) ran. The last
+        token of a prefill stays pending: its keys and values are written past the
+        cached length, where nothing reads them until its logits are used."""
         assert segment.start == self._cached_len, (segment.start, self._cached_len)
-        self._cached_len += segment.num_tokens
-        self.num_forward_passes += 1
-        self.num_forward_tokens += segment.num_tokens
+        self._cached_len += segment.num_tokens - (segment.num_logits if segment.fill else 0)
+        if segment.ready_logits is None:
+            self.num_forward_passes += 1
+            self.num_forward_tokens += segment.num_tokens
 
     def truncate_to(self, length: int) -> None:
         """Rolls back to the first `length` tokens (absolute, so a repeat is harmless)."""
         if not 0 <= length <= self.length:
             raise InvalidArgument(f"cannot truncate a {self.length}-token session to {length}")
         del self._token_ids[length:]
+        if length <= self._cached_len:  # the pending token whose logits are kept is gone
+            self._ready = None
         self._crop_cache(min(self._cached_len, length))
 
     def release(self) -> None:
         """Frees the KV cache; the session keeps its tokens and can be re-prefilled."""
         self._kv.clear()
         self._cached_len = 0
+        self._ready = None
 
     def _crop_cache(self, length: int) -> None:
         # Positions past the cached length are never read: a crop is a new length.

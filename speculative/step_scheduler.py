@@ -11,7 +11,9 @@ to fill: whatever arrived during a step joins the next.
 Rules:
 - Running sessions first: segments that need logits (proposals, decode steps) are
   taken oldest first; prefill chunks fill the rest of the budget, cut to fit (a
-  prompt's prefill is spread over steps and never stalls the sessions decoding).
+  prompt's prefill is spread over steps and never stalls the sessions decoding; the
+  chunk that ends a prompt also gives its last token's logits, kept for the session's
+  next call, which then runs no pass: a step that ran none is left out of the cost fit).
 - The oldest job always gets into a step, whatever its size: nothing starves.
 - A step waits for stragglers while that costs less than it saves: a call's next work
   arrives a little after its last result (the stream's next message, a draft's next
@@ -107,7 +109,7 @@ class _Job:
 
     @property
     def prefill(self) -> bool:
-        return self.segment is not None and self.segment.num_logits == 0
+        return self.segment is not None and (self.segment.fill or self.segment.num_logits == 0)
 
     def advance(self, value=None) -> bool:
         """Resumes the generator (first call: value None); False once it is done, its
@@ -233,8 +235,8 @@ class StepScheduler:
         budget = self.max_batch_tokens
         picked: list[_Job] = []
         for job in sorted(self._jobs, key=lambda j: j.prefill):  # stable: oldest first
-            room = budget - sum(j.segment.num_tokens for j in picked)
-            size = job.segment.num_tokens
+            room = budget - sum(j.segment.num_run_tokens for j in picked)
+            size = job.segment.num_run_tokens
             if not picked or size <= room:
                 picked.append(job)
             elif job.prefill and room > 0:
@@ -256,12 +258,14 @@ class StepScheduler:
             return
         forward_ns = time.perf_counter_ns() - start
         tokens = sum(job.segment.num_tokens for job in jobs)
+        run_tokens = sum(job.segment.num_run_tokens for job in jobs)
         finished = [job for job, logits in zip(jobs, outputs) if not job.advance((logits, forward_ns))]
         self._jobs.extend(job for job in jobs if job not in finished)
         self._last_end_ns = time.perf_counter_ns()
         step_ns = self._last_end_ns - start  # the pass and every job's decision
-        self._last_step_ns = step_ns
-        self._recent.append((tokens, step_ns))
+        if run_tokens:  # a step whose logits were all ready ran no pass: it says nothing of a pass's cost
+            self._last_step_ns = step_ns
+            self._recent.append((run_tokens, step_ns))
         base_ns, per_token_ns = fit_step_cost(list(self._recent))
         for job in jobs:
             job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting, base_ns, per_token_ns)
