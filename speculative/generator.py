@@ -96,6 +96,7 @@ class _Sent:
     draft_ns: int  # drafting it, its guess included
     sent_ns: int  # when it was sent (time.perf_counter_ns)
     guess: int | None = None  # the draft's next token after it: what a proposal ahead assumes
+    index: int = 0  # its Proposal.round, counted from the call's first
 
 
 class _Loop:
@@ -110,7 +111,8 @@ class _Loop:
     def __init__(self, verifier, draft, base_len, params, policy, context_length):
         self.verifier, self.draft, self.params, self.policy = verifier, draft, params, policy
         self.base_len, self.context_length = base_len, context_length
-        self.num_generated = self.index = 0
+        self.num_generated = 0
+        self.index = 0  # Proposal.round of the next proposal sent (a stretch is one), from 0 per call
         self.draft_read_prompt = draft is None
         self.ahead: _Sent | None = None  # a proposal sent beyond the one being verified
         self.start_ns = 0  # when the current step began (its decision)
@@ -162,7 +164,7 @@ class _Loop:
             stretch = min(self.policy.next_action(room, turn).stretch, room)
             if stretch:
                 return stretch
-        self.verifier.send(self.base_len, sent.proposal.token_ids, sent.proposal.draft_probs)
+        self._send(sent, None)
         return sent
 
     def _draft(self, base_len: int, k: int, guess: bool) -> _Sent:
@@ -192,8 +194,12 @@ class _Loop:
         ahead = self._draft(base_len, k, room - k - 1 >= 2)
         if not ahead.proposal.token_ids:  # nothing to send: the draft keeps the guess, truncated later
             return
-        self.verifier.send(base_len, ahead.proposal.token_ids, ahead.proposal.draft_probs, expected_last_token_id=guess)
+        self._send(ahead, guess)
         self.ahead = ahead
+
+    def _send(self, sent: _Sent, expected_last: int | None) -> None:
+        sent.index, self.index = self.index, self.index + 1
+        self.verifier.send(sent.base_len, sent.proposal.token_ids, sent.proposal.draft_probs, expected_last)
 
     def _round(self, current: _Sent) -> Iterator[RoundResult]:
         """Receives the verdict on `current` and brings the draft to it."""
@@ -207,10 +213,9 @@ class _Loop:
         if not survives:  # else the draft already holds the verdict's tokens, and the proposal ahead
             _apply_to_draft(self.draft, current.base_len, result)
         stats = RoundStats(
-            self.index, current.base_len, len(current.proposal), result.verdict.num_accepted, len(result.token_ids),
+            current.index, current.base_len, len(current.proposal), result.verdict.num_accepted, len(result.token_ids),
             result.verdict.next_token_kind, current.draft_ns, verify_ns, result.target_compute_ns, step=result.step,
         )
-        self.index += 1
         yield from self._commit(result, stats)
 
     def _stretch(self, num_tokens: int, until: LookupStop | None) -> Iterator[RoundResult]:
