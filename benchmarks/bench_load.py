@@ -61,7 +61,7 @@ from pathlib import Path
 
 import grpc
 
-from launcher.__main__ import Cluster, parse_args, start_system
+from launcher.cluster import Cluster, parse_args, start_system
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent

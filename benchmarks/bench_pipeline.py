@@ -39,7 +39,7 @@ import grpc
 from benchmarks.bench_load import LOAD_PROMPTS, Method, build_request
 from benchmarks.bench_load import Pair as LoadPair
 from benchmarks.prompts import PROMPTS
-from launcher.__main__ import Cluster, free_port
+from launcher.cluster import Cluster, free_port
 from specdec.v1 import orchestrator_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent

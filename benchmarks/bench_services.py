@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.bench_core import chat_ids
 from benchmarks.prompts import PROMPTS
-from launcher.__main__ import Cluster, start_system
+from launcher.cluster import Cluster, start_system
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from speculative.drafters import NgramDrafter
 from speculative.generator import SpeculativeGenerator

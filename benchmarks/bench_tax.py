@@ -33,7 +33,7 @@ from benchmarks.bench_core import chat_ids
 from benchmarks.bench_load import LOAD_PROMPTS
 from benchmarks.bench_suite import Run, hardware, round_order
 from benchmarks.prompts import PROMPTS
-from launcher.__main__ import Cluster, parse_args, start_system
+from launcher.cluster import Cluster, parse_args, start_system
 from service_common.server import freeze_startup_heap
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from speculative.generator import SpeculativeGenerator

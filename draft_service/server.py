@@ -14,7 +14,7 @@ from service_common import server as common_server
 from service_common import telemetry
 from service_common.logs import configure_logging
 from service_common.registry import create_worker_service
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from speculative.errors import SpeculativeError
 from speculative.step_scheduler import StepScheduler
 from speculative.loading import LoadedModel, configure_threads, load_model
@@ -49,7 +49,7 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
 
     service = create_worker_service(
         config, lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s), SERVICE_NAME,
-        orchestrator_pb2.WORKER_POOL_DRAFT, lambda: servicer.Info(common_pb2.InfoRequest(), None),
+        common_pb2.WORKER_POOL_DRAFT, lambda: servicer.Info(common_pb2.InfoRequest(), None),
     )
     servicer.advertise_address = config.resolved_advertise_address(service.port)
     return service

@@ -25,7 +25,7 @@ import grpc
 from service_common.registry import WorkerRegistry
 from service_common.server import channel
 from service_common.status import Unavailable
-from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from speculative.drafters import NGRAM
 from speculative.errors import SpeculativeError
 from speculative.fingerprint import check_compatible
@@ -33,7 +33,7 @@ from speculative.fingerprint import check_compatible
 log = logging.getLogger(__name__)
 
 TARGET, DRAFT = "target", "draft"
-POOL_OF_PROTO = {orchestrator_pb2.WORKER_POOL_TARGET: TARGET, orchestrator_pb2.WORKER_POOL_DRAFT: DRAFT}
+POOL_OF_PROTO = {common_pb2.WORKER_POOL_TARGET: TARGET, common_pb2.WORKER_POOL_DRAFT: DRAFT}
 PROTO_OF_POOL = {name: value for value, name in POOL_OF_PROTO.items()}
 STUB_OF_POOL = {TARGET: target_pb2_grpc.TargetServiceStub, DRAFT: draft_pb2_grpc.DraftServiceStub}
 
@@ -41,7 +41,7 @@ STUB_OF_POOL = {TARGET: target_pb2_grpc.TargetServiceStub, DRAFT: draft_pb2_grpc
 @dataclass
 class Worker:
     pool: str  # TARGET or DRAFT
-    record: orchestrator_pb2.Worker  # as registered: id, address, model, load, heartbeat
+    record: common_pb2.Worker  # as registered: id, address, model, load, heartbeat
     stub: object  # TargetServiceStub or DraftServiceStub
 
     @property
@@ -65,7 +65,7 @@ class Worker:
         return self.record.model.tokenizer_fingerprint
 
 
-Discover = Callable[[], list[orchestrator_pb2.Worker]]
+Discover = Callable[[], list[common_pb2.Worker]]
 
 
 def registry_discovery(url: str) -> Discover:
@@ -74,12 +74,12 @@ def registry_discovery(url: str) -> Discover:
 
 def static_discovery(target_addresses: list[str], draft_addresses: list[str], rpc_timeout_s: float) -> Discover:
     """Polls each address's Info; a worker that does not answer is left out."""
-    stubs = [(orchestrator_pb2.WORKER_POOL_TARGET, a, target_pb2_grpc.TargetServiceStub(channel(a)))
+    stubs = [(common_pb2.WORKER_POOL_TARGET, a, target_pb2_grpc.TargetServiceStub(channel(a)))
              for a in target_addresses]
-    stubs += [(orchestrator_pb2.WORKER_POOL_DRAFT, a, draft_pb2_grpc.DraftServiceStub(channel(a)))
+    stubs += [(common_pb2.WORKER_POOL_DRAFT, a, draft_pb2_grpc.DraftServiceStub(channel(a)))
               for a in draft_addresses]
 
-    def discover() -> list[orchestrator_pb2.Worker]:
+    def discover() -> list[common_pb2.Worker]:
         found = []
         for pool, address, stub in stubs:
             try:
@@ -87,7 +87,7 @@ def static_discovery(target_addresses: list[str], draft_addresses: list[str], rp
             except grpc.RpcError as error:
                 log.debug("worker %s unreachable: %s", address, error.code())
                 continue
-            found.append(orchestrator_pb2.Worker(
+            found.append(common_pb2.Worker(
                 pool=pool, worker_id=info.worker_id, address=address, model=info.model, load=info.load,
                 last_heartbeat_unix_ms=int(time.time() * 1000)))
         return found
@@ -152,7 +152,7 @@ class WorkerPool:
     def by_address(self, pool: str, address: str) -> Worker | None:
         return next((w for w in self.live(pool) if w.address == address), None)
 
-    def describe(self) -> list[orchestrator_pb2.Worker]:
+    def describe(self) -> list[common_pb2.Worker]:
         return [w.record for pool in (TARGET, DRAFT) for w in self.live(pool)]
 
     # Placement.

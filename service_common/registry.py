@@ -20,13 +20,13 @@ from google.protobuf import json_format
 from service_common import telemetry
 from service_common.redis_client import connect, describe, unavailable_on_error
 from service_common.server import Service, create_server
-from specdec.v1 import common_pb2, orchestrator_pb2
+from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "specdec:worker:"
 INDEX_KEY = "specdec:workers"
-POOL_NAMES = {orchestrator_pb2.WORKER_POOL_TARGET: "target", orchestrator_pb2.WORKER_POOL_DRAFT: "draft"}
+POOL_NAMES = {common_pb2.WORKER_POOL_TARGET: "target", common_pb2.WORKER_POOL_DRAFT: "draft"}
 
 
 def record_key(pool: int, worker_id: str) -> str:
@@ -38,7 +38,7 @@ class WorkerRegistry:
         self.url = url
         self.client = connect(url)
 
-    def announce(self, record: orchestrator_pb2.Worker, ttl_s: float) -> None:
+    def announce(self, record: common_pb2.Worker, ttl_s: float) -> None:
         """Writes (or refreshes) a worker's record for ttl_s seconds."""
         key = record_key(record.pool, record.worker_id)
         ttl_ms = int(ttl_s * 1000)
@@ -57,7 +57,7 @@ class WorkerRegistry:
                 pipe.zrem(INDEX_KEY, key)
                 pipe.execute()
 
-    def workers(self) -> list[orchestrator_pb2.Worker]:
+    def workers(self) -> list[common_pb2.Worker]:
         """Every worker whose record has not expired."""
         with unavailable_on_error(self.url, "worker registry"):
             keys = [k.decode() for k in self.client.zrange(INDEX_KEY, 0, -1)]
@@ -65,7 +65,7 @@ class WorkerRegistry:
             gone = [k for k, v in zip(keys, values) if v is None]
             if gone:
                 self.client.zrem(INDEX_KEY, *gone)
-        return [json_format.Parse(v, orchestrator_pb2.Worker()) for v in values if v is not None]
+        return [json_format.Parse(v, common_pb2.Worker()) for v in values if v is not None]
 
 
 class Heartbeat:
@@ -74,7 +74,7 @@ class Heartbeat:
     placing sessions on a draining worker at once. Redis outages are logged and ridden
     out: the next heartbeat after Redis returns registers the worker again."""
 
-    def __init__(self, registry: WorkerRegistry, describe_worker: Callable[[], orchestrator_pb2.Worker],
+    def __init__(self, registry: WorkerRegistry, describe_worker: Callable[[], common_pb2.Worker],
                  interval_s: float, ttl_s: float):
         if not 0 < interval_s < ttl_s:
             raise ValueError(f"heartbeat_s ({interval_s}) must be > 0 and below heartbeat_ttl_s ({ttl_s})")
@@ -114,9 +114,9 @@ class Heartbeat:
         self._healthy = True
 
 
-def worker_record(pool: int, address: str, info: common_pb2.InfoResponse) -> orchestrator_pb2.Worker:
+def worker_record(pool: int, address: str, info: common_pb2.InfoResponse) -> common_pb2.Worker:
     """A worker's registry record, from its own Info answer."""
-    return orchestrator_pb2.Worker(
+    return common_pb2.Worker(
         pool=pool, worker_id=info.worker_id, address=address, model=info.model, load=info.load,
         last_heartbeat_unix_ms=int(time.time() * 1000),
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import SpeculativeError
 from speculative.step_scheduler import StepScheduler
 from speculative.loading import LoadedModel, configure_threads, load_model
@@ -50,7 +50,7 @@ def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None)
     servicer.Decode = common_server.read_ahead(servicer.Decode)
     service = create_worker_service(
         config, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s), SERVICE_NAME,
-        orchestrator_pb2.WORKER_POOL_TARGET, lambda: servicer.Info(common_pb2.InfoRequest(), None),
+        common_pb2.WORKER_POOL_TARGET, lambda: servicer.Info(common_pb2.InfoRequest(), None),
         # A thread per call running or queued, besides the sessions' other calls.
         max_calls=max(config.max_sessions, config.max_running + config.max_queued),
     )

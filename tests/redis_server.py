@@ -13,7 +13,7 @@ import time
 
 import redis
 
-from launcher.__main__ import free_port
+from launcher.cluster import free_port
 
 INSTALL_HINT = "redis-server is not installed: `apt-get install redis-server` (make setup does it)"
 

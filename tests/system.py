@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from launcher.__main__ import Cluster, layout, parse_args, start_system
+from launcher.cluster import Cluster, layout, parse_args, start_system
 from specdec.v1 import orchestrator_pb2_grpc
 
 

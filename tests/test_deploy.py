@@ -226,7 +226,7 @@ class RecordingCluster:
 
 def launcher_runs() -> list[list[tuple[str, str, list[str]]]]:
     """What the launcher starts with its defaults (and with Redis, once it has the option)."""
-    launcher = importlib.import_module("launcher.__main__")
+    launcher = importlib.import_module("launcher.cluster")
     argvs = [[]]
     if "redis_url" in vars(launcher.parse_args([])):
         argvs.append(["--redis-url", "redis://127.0.0.1:6379/0"])
@@ -472,7 +472,7 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
     image's health check. Only what a container gives for free is replaced: host names
     (redis, jaeger), ports (one host), and the target model, set as a user would
     (TARGET_MODEL=... is interpolated into the compose file)."""
-    from launcher.__main__ import free_port
+    from launcher.cluster import free_port
 
     user_env = {"TARGET_MODEL": "tiny-random:1"}
     services = compose["services"]

@@ -57,7 +57,7 @@ class Context:
 
 
 def _worker(pool: str, stub: FakeWorker) -> Worker:
-    return Worker(pool, orchestrator_pb2.Worker(worker_id=pool, address=f"{pool}:1"), stub)
+    return Worker(pool, common_pb2.Worker(worker_id=pool, address=f"{pool}:1"), stub)
 
 
 def _generation() -> Generation:

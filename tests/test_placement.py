@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from orchestrator.workers import TARGET, Worker, WorkerPool
-from specdec.v1 import common_pb2, orchestrator_pb2
+from specdec.v1 import common_pb2
 
 
 def _target(address: str, **load) -> Worker:
-    record = orchestrator_pb2.Worker(
-        pool=orchestrator_pb2.WORKER_POOL_TARGET, worker_id=address, address=address,
+    record = common_pb2.Worker(
+        pool=common_pb2.WORKER_POOL_TARGET, worker_id=address, address=address,
         load=common_pb2.WorkerLoad(max_sessions=64, **load),
     )
     return Worker(TARGET, record, stub=None)

@@ -21,7 +21,7 @@ from tests.system import LocalSystem
 
 HEARTBEAT_S, HEARTBEAT_TTL_S = 0.5, 2.0
 PROMPT = [5, 17, 99, 3, 42, 8]  # its greedy continuation runs 88 tokens before end-of-text
-TARGET, DRAFT = orchestrator_pb2.WORKER_POOL_TARGET, orchestrator_pb2.WORKER_POOL_DRAFT
+TARGET, DRAFT = common_pb2.WORKER_POOL_TARGET, common_pb2.WORKER_POOL_DRAFT
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def pools(redis_server, tmp_path_factory):
             os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
-def _workers(stub) -> list[orchestrator_pb2.Worker]:
+def _workers(stub) -> list[common_pb2.Worker]:
     return list(stub.ListWorkers(orchestrator_pb2.ListWorkersRequest(), timeout=10).workers)
 
 

@@ -10,10 +10,10 @@ from orchestrator.redis_store import LEASE_KEY, RedisSessionStore
 from orchestrator.store import SessionBusy, SessionRecord, WorkerHandle
 from service_common.registry import Heartbeat, WorkerRegistry, worker_record
 from service_common.status import Unavailable
-from specdec.v1 import common_pb2, orchestrator_pb2
+from specdec.v1 import common_pb2
 from speculative.errors import NotFound
 
-TARGET = orchestrator_pb2.WORKER_POOL_TARGET
+TARGET = common_pb2.WORKER_POOL_TARGET
 
 
 def _record(session_id="s1") -> SessionRecord:

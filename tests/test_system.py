@@ -119,7 +119,7 @@ def test_stop_string_rolls_both_caches_back(system, tiny_target, prompt_ids):
 
 def _target_sessions(system) -> int:
     workers = system.stub.ListWorkers(orchestrator_pb2.ListWorkersRequest()).workers
-    return sum(w.load.active_sessions for w in workers if w.pool == orchestrator_pb2.WORKER_POOL_TARGET)
+    return sum(w.load.active_sessions for w in workers if w.pool == common_pb2.WORKER_POOL_TARGET)
 
 
 def test_cancelled_stream_frees_the_workers_sessions(system, prompt_ids):

@@ -20,6 +20,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+
+class WorkerPool(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_POOL_UNSPECIFIED: _ClassVar[WorkerPool]
+    WORKER_POOL_DRAFT: _ClassVar[WorkerPool]
+    WORKER_POOL_TARGET: _ClassVar[WorkerPool]
 NEXT_TOKEN_KIND_UNSPECIFIED: NextTokenKind
 NEXT_TOKEN_KIND_RECOVERED: NextTokenKind
 NEXT_TOKEN_KIND_BONUS: NextTokenKind
@@ -28,6 +34,9 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+WORKER_POOL_UNSPECIFIED: WorkerPool
+WORKER_POOL_DRAFT: WorkerPool
+WORKER_POOL_TARGET: WorkerPool
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop_token_ids")
@@ -274,3 +283,19 @@ class InfoResponse(_message.Message):
     model: ModelInfo
     load: WorkerLoad
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class Worker(_message.Message):
+    __slots__ = ("pool", "worker_id", "address", "model", "load", "last_heartbeat_unix_ms")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    pool: WorkerPool
+    worker_id: str
+    address: str
+    model: ModelInfo
+    load: WorkerLoad
+    last_heartbeat_unix_ms: int
+    def __init__(self, pool: _Optional[_Union[WorkerPool, str]] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ms: _Optional[int] = ...) -> None: ...

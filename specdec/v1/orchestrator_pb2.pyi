@@ -1,21 +1,11 @@
 from specdec.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class WorkerPool(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    WORKER_POOL_UNSPECIFIED: _ClassVar[WorkerPool]
-    WORKER_POOL_DRAFT: _ClassVar[WorkerPool]
-    WORKER_POOL_TARGET: _ClassVar[WorkerPool]
-WORKER_POOL_UNSPECIFIED: WorkerPool
-WORKER_POOL_DRAFT: WorkerPool
-WORKER_POOL_TARGET: WorkerPool
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -128,21 +118,5 @@ class ListWorkersRequest(_message.Message):
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
     WORKERS_FIELD_NUMBER: _ClassVar[int]
-    workers: _containers.RepeatedCompositeFieldContainer[Worker]
-    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
-
-class Worker(_message.Message):
-    __slots__ = ("pool", "worker_id", "address", "model", "load", "last_heartbeat_unix_ms")
-    POOL_FIELD_NUMBER: _ClassVar[int]
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    LOAD_FIELD_NUMBER: _ClassVar[int]
-    LAST_HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
-    pool: WorkerPool
-    worker_id: str
-    address: str
-    model: _common_pb2.ModelInfo
-    load: _common_pb2.WorkerLoad
-    last_heartbeat_unix_ms: int
-    def __init__(self, pool: _Optional[_Union[WorkerPool, str]] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ms: _Optional[int] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[_common_pb2.Worker]
+    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.Worker, _Mapping]]] = ...) -> None: ...

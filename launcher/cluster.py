@@ -1,0 +1,159 @@
+"""A local system: the flags that describe it, its processes' layout, starting and stopping them.
+
+`python -m launcher` is a thin command over this module; the tests and benchmarks start
+their systems through it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Cluster:
+    """Child processes of one local system; stops them all on exit."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, module: str, args: list[str]) -> None:
+        restarted = any(n == name for n, _ in self.processes)
+        log = open(self.log_dir / f"{name}.log", "a" if restarted else "w")
+        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append((name, process))
+
+    def wait_healthy(self, name: str, address: str, timeout_s: float) -> None:
+        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+        deadline = time.monotonic() + timeout_s
+        process = dict(self.processes)[name]
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"{name} exited with {process.returncode}; see {self.log_dir / (name + '.log')}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"{name} not healthy at {address} after {timeout_s:.0f} s; see {self.log_dir}")
+
+    def stop(self) -> None:
+        for _, process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for _, process in self.processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m launcher", description="Target, draft and orchestrator as local processes, health-checked.")
+    parser.add_argument("--target-model", default="smollm2-135m")
+    parser.add_argument("--draft-model", default="", help="model for the 'model' drafter; empty = n-gram only")
+    parser.add_argument("--drafter", default="ngram", help="the draft workers' default drafter")
+    parser.add_argument("--target-workers", type=int, default=1)
+    parser.add_argument("--draft-workers", type=int, default=1)
+    parser.add_argument("--orchestrators", type=int, default=1, help="orchestrator replicas (more than 1 needs Redis)")
+    parser.add_argument("--redis-url", default="",
+                        help="shared Redis: sessions and the worker registry (e.g. redis://127.0.0.1:6379/0); "
+                             "empty = sessions in memory, worker addresses passed to one orchestrator")
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="worker heartbeat period, with --redis-url")
+    parser.add_argument("--heartbeat-ttl-s", type=float, default=5.0, help="registration lifetime without heartbeat")
+    parser.add_argument("--draft-target-delay-ms", type=float, default=0.0,
+                        help="one-way delay added between draft and target workers (a delaying TCP proxy in "
+                             "front of each target; the orchestrator reaches targets through it too)")
+    parser.add_argument("--port", type=int, default=50050, help="the first orchestrator's port (0 = any free port)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = default)")
+    parser.add_argument("--log-dir", default=".run/logs")
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--prompt", default=None, help="generate once through the client, then stop")
+    parser.add_argument("client_args", nargs=argparse.REMAINDER, help="after --: flags for the client")
+    return parser.parse_args(argv)
+
+
+@dataclass
+class Role:
+    """One process of the system: its name, module, flags and gRPC address."""
+
+    name: str
+    pool: str  # "target", "draft" or "orchestrator"
+    module: str
+    args: list[str]
+    address: str
+
+
+def layout(args) -> list[Role]:
+    """The processes to start for args, each on a free port: workers first."""
+    if args.orchestrators > 1 and not args.redis_url:
+        raise SystemExit("several orchestrators share sessions through Redis: give --redis-url")
+    registry = ["--redis-url", args.redis_url, "--heartbeat-s", str(args.heartbeat_s),
+                "--heartbeat-ttl-s", str(args.heartbeat_ttl_s)] if args.redis_url else []
+    roles = []
+    for pool, count, module, flags in (
+        ("target", args.target_workers, "target_service", ["--model", args.target_model]),
+        ("draft", args.draft_workers, "draft_service", ["--model", args.draft_model, "--default-drafter", args.drafter]),
+    ):
+        for index in range(count):
+            address = f"127.0.0.1:{free_port()}"
+            worker_flags = [*flags, "--address", address, "--threads", str(args.threads), *registry]
+            if pool == "target" and args.draft_target_delay_ms > 0:
+                proxy = _delay_proxy(f"{pool}-{index}", address, args.draft_target_delay_ms)
+                roles.append(proxy)
+                address = proxy.address  # everyone reaches this target through the delay
+                worker_flags += ["--advertise-address", address]
+            roles.append(Role(f"{pool}-{index}", pool, module, worker_flags, address))
+    if args.redis_url:
+        discovery = ["--redis-url", args.redis_url, "--worker-refresh-s", str(min(1.0, args.heartbeat_s))]
+    else:
+        discovery = ["--target-addresses", ",".join(r.address for r in roles if r.pool == "target"),
+                     "--draft-addresses", ",".join(r.address for r in roles if r.pool == "draft")]
+    for index in range(args.orchestrators):
+        port = args.port if index == 0 and args.port else free_port()
+        address = f"127.0.0.1:{port}"
+        name = "orchestrator" if index == 0 else f"orchestrator-{index}"
+        roles.append(Role(name, "orchestrator", "orchestrator", ["--address", address, *discovery], address))
+    return roles
+
+
+def _delay_proxy(name: str, upstream: str, delay_ms: float) -> Role:
+    address = f"127.0.0.1:{free_port()}"
+    return Role(f"{name}-delay", "proxy", "launcher.delay_proxy",
+                ["--listen", address, "--upstream", upstream, "--delay-ms", str(delay_ms)], address)
+
+
+def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str:
+    """Starts every role (of layout(args) unless given); returns the first orchestrator's
+    address once all are healthy."""
+    roles = roles or layout(args)
+    workers = [r for r in roles if r.pool != "orchestrator"]
+    for role in workers:
+        cluster.start(role.name, role.module, role.args)
+    for role in workers:
+        if role.pool != "proxy":  # a worker behind a proxy is checked through it
+            cluster.wait_healthy(role.name, role.address, args.startup_timeout)
+    orchestrators = [r for r in roles if r.pool == "orchestrator"]
+    for role in orchestrators:
+        cluster.start(role.name, role.module, role.args)
+    for role in orchestrators:
+        cluster.wait_healthy(role.name, role.address, args.startup_timeout)
+    return orchestrators[0].address
