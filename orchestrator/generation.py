@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
@@ -58,6 +58,18 @@ class Chunk:
     text_delta: str
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED  # set on the last chunk
     stats: common_pb2.GenerationStats | None = None  # on the last chunk
+    sources: list[int] = field(default_factory=list)  # TokenSource of each of token_ids
+
+
+def token_sources(round_stats: common_pb2.RoundStats) -> list[int]:
+    """How each token a round committed was produced: its accepted draft tokens, then the
+    target's recovered or bonus token; a round that drafted nothing (a stretch, or a
+    drafter with no proposal) is the target's alone."""
+    if round_stats.stretch or round_stats.num_drafted == 0:
+        return [orchestrator_pb2.TOKEN_SOURCE_TARGET]
+    last = (orchestrator_pb2.TOKEN_SOURCE_RECOVERED
+            if round_stats.next_token_kind == common_pb2.NEXT_TOKEN_KIND_RECOVERED else orchestrator_pb2.TOKEN_SOURCE_BONUS)
+    return [orchestrator_pb2.TOKEN_SOURCE_ACCEPTED] * round_stats.num_accepted + [last]
 
 
 @dataclass
@@ -90,6 +102,7 @@ class Generation:
         self.target: Worker | None = None  # the workers serving the call, as placed
         self.draft: Worker | None = None
         self.generated: list[int] = []  # tokens received from the workers (committed by the target)
+        self.sources: list[int] = []  # how each token was produced (TokenSource), aligned with generated
         self.synced_len = 0  # tokens both workers certainly hold (base of the last stream)
         self._in_flight = contextlib.ExitStack()  # counts the call on its workers' load
 
@@ -318,6 +331,13 @@ class Generation:
     def _generate(self, plan: Plan, lease: Lease) -> Iterator[Chunk]:
         assembler = TextAssembler(self.tokenizer, self.request.stop)
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        sent = 0  # tokens released to the client so far
+
+        def sources(released: list[int]) -> list[int]:
+            nonlocal sent
+            sent += len(released)
+            return self.sources[sent - len(released):sent]
+
         try:
             for token_ids, finish in self._rounds_with_failover(plan):
                 released, delta = assembler.add(token_ids)
@@ -326,7 +346,7 @@ class Generation:
                     finish = STOP_STRING
                     break
                 if released or delta:
-                    yield Chunk(released, delta)
+                    yield Chunk(released, delta, sources=sources(released))
                 if not self.context.is_active():
                     finish = CANCELLED
                     break
@@ -336,7 +356,7 @@ class Generation:
         self.stats.total_ns = time.perf_counter_ns() - self.start_ns
         if self.generated:
             instruments().time_per_output_token.record(self.stats.total_ns * 1e-9 / len(self.generated))
-        yield Chunk(released, delta, finish, self._stats_proto())
+        yield Chunk(released, delta, finish, self._stats_proto(), sources(released))
 
     def _rounds_with_failover(self, plan: Plan):
         """The rounds of _rounds; when a worker is lost, the remaining ones from new workers."""
@@ -378,6 +398,7 @@ class Generation:
         for update in self.call:
             record.draft.committed_len = update.committed_len  # the draft holds each round's tokens
             self.stats.record_round(round_stats_from_proto(update.round, len(update.token_ids)))
+            self.sources += token_sources(update.round)[: len(update.token_ids)]
             yield list(update.token_ids), update.finish_reason
 
     def _decode_alone(self, plan: Plan):
@@ -389,9 +410,11 @@ class Generation:
         self.call = self.target.stub.Decode(request, timeout=self.deadline.remaining())
         self.context.add_callback(self.call.cancel)
         for token in self.call:
-            self.stats.record_round(RoundStats(self.stats.num_rounds, token.committed_len - 1, 0, 0, 1,
-                                               NextTokenKind.BONUS, 0, token.compute_ns, token.compute_ns,
-                                               step=step_load_from_proto(token.step)))
+            self.stats.record_round(RoundStats(
+                index=self.stats.num_rounds, base_len=token.committed_len - 1, num_drafted=0, num_accepted=0,
+                num_committed=1, next_token_kind=NextTokenKind.BONUS, draft_ns=0, verify_ns=token.compute_ns,
+                target_compute_ns=token.compute_ns, step=step_load_from_proto(token.step)))
+            self.sources.append(orchestrator_pb2.TOKEN_SOURCE_TARGET)
             yield [token.token_id], self._finish_of_decode(plan.params, len(self.generated) + 1, token.token_id)
 
     def _remaining_params(self, params: SamplingParams) -> SamplingParams:

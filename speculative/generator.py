@@ -213,8 +213,10 @@ class _Loop:
         if not survives:  # else the draft already holds the verdict's tokens, and the proposal ahead
             _apply_to_draft(self.draft, current.base_len, result)
         stats = RoundStats(
-            current.index, current.base_len, len(current.proposal), result.verdict.num_accepted, len(result.token_ids),
-            result.verdict.next_token_kind, current.draft_ns, verify_ns, result.target_compute_ns, step=result.step,
+            index=current.index, base_len=current.base_len, num_drafted=len(current.proposal),
+            num_accepted=result.verdict.num_accepted, num_committed=len(result.token_ids),
+            next_token_kind=result.verdict.next_token_kind, draft_ns=current.draft_ns, verify_ns=verify_ns,
+            target_compute_ns=result.target_compute_ns, step=result.step,
         )
         yield from self._commit(result, stats)
 
@@ -259,8 +261,10 @@ def _solo_stretch(verifier: Verifier, draft: DraftSession, base_len: int, num_to
         for result in tokens:
             now = time.perf_counter_ns()
             draft.append(result.token_ids)
-            stats = RoundStats(0, base_len, 0, 0, len(result.token_ids), result.verdict.next_token_kind,
-                               0, now - last, result.target_compute_ns, streamed=True, step=result.step)
+            stats = RoundStats(index=0, base_len=base_len, num_drafted=0, num_accepted=0,
+                               num_committed=len(result.token_ids), next_token_kind=result.verdict.next_token_kind,
+                               draft_ns=0, verify_ns=now - last, target_compute_ns=result.target_compute_ns,
+                               streamed=True, step=result.step)
             base_len, last = base_len + len(result.token_ids), now
             yield stats, result
     finally:

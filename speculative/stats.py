@@ -27,7 +27,7 @@ class StepLoad:
     cost_per_token_ns: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoundStats:
     index: int  # 0-based round number within the request
     base_len: int  # committed length the proposal extended, in tokens

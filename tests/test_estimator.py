@@ -18,15 +18,20 @@ MS = 1_000_000  # nanoseconds
 
 def round_(num_drafted, num_accepted, compute_ms, overhead_ms=0.0, draft_ms=0.0, step=None):
     """A round's statistics and its elapsed time: drafting + target compute + overhead."""
-    stats = RoundStats(0, 0, num_drafted, num_accepted, num_accepted + 1, NextTokenKind.BONUS,
-                       int(draft_ms * MS), int((compute_ms + overhead_ms) * MS), int(compute_ms * MS), step=step)
+    stats = RoundStats(index=0, base_len=0, num_drafted=num_drafted, num_accepted=num_accepted,
+                       num_committed=num_accepted + 1, next_token_kind=NextTokenKind.BONUS,
+                       draft_ns=int(draft_ms * MS), verify_ns=int((compute_ms + overhead_ms) * MS),
+                       target_compute_ns=int(compute_ms * MS), step=step)
     return stats, int((draft_ms + compute_ms + overhead_ms) * MS)
 
 
 def streamed(compute_ms, overhead_ms=0.0):
     """One token of a stretch."""
     elapsed = int((compute_ms + overhead_ms) * MS)
-    return RoundStats(0, 0, 0, 0, 1, NextTokenKind.BONUS, 0, elapsed, int(compute_ms * MS), streamed=True), elapsed
+    stats = RoundStats(index=0, base_len=0, num_drafted=0, num_accepted=0, num_committed=1,
+                       next_token_kind=NextTokenKind.BONUS, draft_ns=0, verify_ns=elapsed,
+                       target_compute_ns=int(compute_ms * MS), streamed=True)
+    return stats, elapsed
 
 
 def settled(estimator, rounds, times=100):

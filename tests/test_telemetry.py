@@ -456,7 +456,8 @@ channel = grpc.insecure_channel("127.0.0.1:1")
 assert installed.intercept_channel(channel) is channel
 assert type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider"
 assert type(metrics.get_meter_provider()).__name__ == "_ProxyMeterProvider"
-stats = RoundStats(0, 10, 4, 2, 3, NextTokenKind.RECOVERED, 1000, 5000, 4000)
+stats = RoundStats(index=0, base_len=10, num_drafted=4, num_accepted=2, num_committed=3,
+                   next_token_kind=NextTokenKind.RECOVERED, draft_ns=1000, verify_ns=5000, target_compute_ns=4000)
 result = RoundResult([1, 2, 3], stats, None)
 update = draft_pb2.SpeculateUpdate()
 plan = SimpleNamespace(policy=FixedK(4))
