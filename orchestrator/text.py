@@ -45,6 +45,10 @@ class TextAssembler:
         self.emitted_chars = 0
         self.emitted_tokens = 0
         self.stopped_at: int | None = None  # character index of the stop string found
+        # The text of each token of the last release, concatenating to its text (a
+        # character split across tokens goes to the first, text of a token not yet
+        # released to the last released one); empty when no token was released.
+        self.pieces: list[str] = []
 
     def add(self, token_ids: Sequence[int]) -> tuple[list[int], str]:
         """Adds tokens; returns the tokens and text now final. Sets stopped_at on a stop."""
@@ -77,13 +81,21 @@ class TextAssembler:
 
     def _release(self, text: str, final: int) -> tuple[list[int], str]:
         count = self.emitted_tokens
-        while count < len(self.token_ids) and len(self._decode(self.token_ids[: count + 1])) <= final:
+        ends = []  # where the text of each released token ends
+        while count < len(self.token_ids) and (end := len(self._decode(self.token_ids[: count + 1]))) <= final:
             count += 1
+            ends.append(end)
         if self.stopped_at is None and final >= len(text):
+            ends += [final] * (len(self.token_ids) - count)
             count = len(self.token_ids)
         tokens, self.emitted_tokens = self.token_ids[self.emitted_tokens : count], count
         delta = text[self.emitted_chars : final] if final > self.emitted_chars else ""
-        self.emitted_chars = max(self.emitted_chars, final)
+        start, self.emitted_chars = self.emitted_chars, max(self.emitted_chars, final)
+        self.pieces = []
+        for index, end in enumerate(ends):
+            stop = self.emitted_chars if index == len(ends) - 1 else min(max(end, start), self.emitted_chars)
+            self.pieces.append(text[start:stop])
+            start = stop
         return tokens, delta
 
     def _decode(self, token_ids) -> str:

@@ -14,6 +14,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 END_OF_TEXT = "<|endoftext|>"
 TINY_VOCAB_SIZE = 257  # 256 bytes + END_OF_TEXT
 TINY_CONTEXT_LENGTH = 1024  # tokens
+# A minimal chat template (plain bytes, no special tokens), so that chat requests (the
+# orchestrator's ChatMessages, the HTTP API's /v1/chat/completions) run on tiny models.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -23,7 +29,9 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([END_OF_TEXT])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def tiny_llama(seed: int, hidden_size: int = 64, num_layers: int = 2) -> LlamaForCausalLM:

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x9b\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x15\n\rinclude_stats\x18\x08 \x01(\x08\x42\x08\n\x06prompt\"\xa4\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\"\xa7\x01\n\rGenerateChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\"\x8f\x01\n\x14\x43reateSessionRequest\x12\x15\n\rsystem_prompt\x18\x01 \x01(\t\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x9c\x02\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1c\n\x14num_committed_tokens\x18\x02 \x01(\x05\x12$\n\x06target\x18\x03 \x01(\x0b\x32\x14.specdec.v1.KvHandle\x12#\n\x05\x64raft\x18\x04 \x01(\x0b\x32\x14.specdec.v1.KvHandle\x12\x17\n\x0f\x63reated_unix_ms\x18\x05 \x01(\x03\x12\x19\n\x11last_used_unix_ms\x18\x06 \x01(\x03\x12,\n\x08sampling\x18\x07 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\"\x14\n\x12ListWorkersRequest\":\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.specdec.v1.Worker2\xce\x03\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x12\x46\n\rCreateSession\x12 .specdec.v1.CreateSessionRequest\x1a\x13.specdec.v1.Session\x12@\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x13.specdec.v1.Session\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12N\n\x0bListWorkers\x12\x1e.specdec.v1.ListWorkersRequest\x1a\x1f.specdec.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x9b\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x15\n\rinclude_stats\x18\x08 \x01(\x08\x42\x08\n\x06prompt\"\xef\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12.\n\rtoken_sources\x18\x06 \x03(\x0e\x32\x17.specdec.v1.TokenSource\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\"\x9c\x02\n\rGenerateChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12.\n\rtoken_sources\x18\x06 \x03(\x0e\x32\x17.specdec.v1.TokenSource\x12\x13\n\x0btoken_texts\x18\x07 \x03(\t\x12\x13\n\x0bnum_drafted\x18\x08 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\x05\"\x8f\x01\n\x14\x43reateSessionRequest\x12\x15\n\rsystem_prompt\x18\x01 \x01(\t\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x9c\x02\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1c\n\x14num_committed_tokens\x18\x02 \x01(\x05\x12$\n\x06target\x18\x03 \x01(\x0b\x32\x14.specdec.v1.KvHandle\x12#\n\x05\x64raft\x18\x04 \x01(\x0b\x32\x14.specdec.v1.KvHandle\x12\x17\n\x0f\x63reated_unix_ms\x18\x05 \x01(\x03\x12\x19\n\x11last_used_unix_ms\x18\x06 \x01(\x03\x12,\n\x08sampling\x18\x07 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\"\x14\n\x12ListWorkersRequest\":\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.specdec.v1.Worker*\x93\x01\n\x0bTokenSource\x12\x1c\n\x18TOKEN_SOURCE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOKEN_SOURCE_ACCEPTED\x10\x01\x12\x1a\n\x16TOKEN_SOURCE_RECOVERED\x10\x02\x12\x16\n\x12TOKEN_SOURCE_BONUS\x10\x03\x12\x17\n\x13TOKEN_SOURCE_TARGET\x10\x04\x32\xce\x03\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x12\x46\n\rCreateSession\x12 .specdec.v1.CreateSessionRequest\x1a\x13.specdec.v1.Session\x12@\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x13.specdec.v1.Session\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12N\n\x0bListWorkers\x12\x1e.specdec.v1.ListWorkersRequest\x1a\x1f.specdec.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TOKENSOURCE']._serialized_start=1572
+  _globals['_TOKENSOURCE']._serialized_end=1719
   _globals['_TOKENIDS']._serialized_start=70
   _globals['_TOKENIDS']._serialized_end=93
   _globals['_CHATMESSAGE']._serialized_start=95
@@ -41,19 +43,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=201
   _globals['_GENERATEREQUEST']._serialized_end=484
   _globals['_GENERATERESPONSE']._serialized_start=487
-  _globals['_GENERATERESPONSE']._serialized_end=651
-  _globals['_GENERATECHUNK']._serialized_start=654
-  _globals['_GENERATECHUNK']._serialized_end=821
-  _globals['_CREATESESSIONREQUEST']._serialized_start=824
-  _globals['_CREATESESSIONREQUEST']._serialized_end=967
-  _globals['_GETSESSIONREQUEST']._serialized_start=969
-  _globals['_GETSESSIONREQUEST']._serialized_end=1008
-  _globals['_SESSION']._serialized_start=1011
-  _globals['_SESSION']._serialized_end=1295
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1297
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1317
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1319
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1377
-  _globals['_ORCHESTRATOR']._serialized_start=1380
-  _globals['_ORCHESTRATOR']._serialized_end=1842
+  _globals['_GENERATERESPONSE']._serialized_end=726
+  _globals['_GENERATECHUNK']._serialized_start=729
+  _globals['_GENERATECHUNK']._serialized_end=1013
+  _globals['_CREATESESSIONREQUEST']._serialized_start=1016
+  _globals['_CREATESESSIONREQUEST']._serialized_end=1159
+  _globals['_GETSESSIONREQUEST']._serialized_start=1161
+  _globals['_GETSESSIONREQUEST']._serialized_end=1200
+  _globals['_SESSION']._serialized_start=1203
+  _globals['_SESSION']._serialized_end=1487
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1489
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1509
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1511
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1569
+  _globals['_ORCHESTRATOR']._serialized_start=1722
+  _globals['_ORCHESTRATOR']._serialized_end=2184
 # @@protoc_insertion_point(module_scope)
