@@ -1,6 +1,7 @@
 """`python -m client "prompt"`: generate through the orchestrator, streaming the text.
 
     python -m client "Summarize: ..." --address 127.0.0.1:50050 --k 4 --drafter ngram
+    python -m client "Hello" --tls-ca ca.pem --api-key "$SPECDEC_API_KEY"     # TLS, an API key
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import sys
 
 import grpc
 
+from service_common.security import client_credentials
+from service_common.server import channel
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from speculative.errors import InvalidArgument
 
 
 def build_request(args) -> orchestrator_pb2.GenerateRequest:
@@ -64,10 +68,21 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline of the call, seconds")
+    parser.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", ""),
+                        help="API key, sent as 'authorization: Bearer KEY' (env SPECDEC_API_KEY)")
+    parser.add_argument("--tls-ca", default="", help="PEM file of the CA that signed the orchestrator's "
+                                                     "certificate: connect with TLS; empty = plaintext")
+    parser.add_argument("--tls-cert", default="", help="PEM client certificate, for an orchestrator that asks for one")
+    parser.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
     args = parser.parse_args(argv)
-    stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(args.address))
     try:
-        for chunk in stub.GenerateStream(build_request(args), timeout=args.timeout):
+        credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+    except InvalidArgument as error:
+        parser.error(str(error))
+    stub = orchestrator_pb2_grpc.OrchestratorStub(channel(args.address, credentials=credentials))
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+    try:
+        for chunk in stub.GenerateStream(build_request(args), timeout=args.timeout, metadata=metadata):
             if chunk.session_id:
                 session_id = chunk.session_id
             print(chunk.text_delta, end="", flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service_common.options import RegistryConfig, TelemetryConfig
+from service_common.options import RegistryConfig, ServerConfig, TelemetryConfig
 from service_common.server import advertised_address, default_worker_id
 from speculative.drafters import DEFAULT_DRAFT_TOP_K
 from speculative.errors import InvalidArgument
@@ -15,7 +15,7 @@ ENV_PREFIX = "DRAFT"
 
 
 @dataclass
-class DraftConfig(RegistryConfig, TelemetryConfig):
+class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # All interfaces, the port after the target's 50051; ":0" binds a free port (tests).
     address: str = "0.0.0.0:50052"
     # The small model of the "model" and "ngram+model" drafters (packaged name, HF id,

@@ -28,6 +28,7 @@ from service_common.convert import (
     step_load_from_proto,
 )
 from service_common.deadlines import Deadline
+from service_common.security import Tls
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -80,7 +81,8 @@ class TargetConnections:
     target's model info, asked once per address, and the costs adaptive calls measured
     with it, per drafter (they seed the next call's policy)."""
 
-    def __init__(self):
+    def __init__(self, tls: Tls | None = None):
+        self.tls = tls  # with it, only targets whose certificate the cluster CA signed are reached
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, target_pb2_grpc.TargetServiceStub] = {}
@@ -99,7 +101,7 @@ class TargetConnections:
     def stub(self, address: str) -> target_pb2_grpc.TargetServiceStub:
         with self._lock:
             if address not in self._stubs:
-                self._channels[address] = channel(address)
+                self._channels[address] = channel(address, self.tls)
                 self._stubs[address] = target_pb2_grpc.TargetServiceStub(self._channels[address])
             return self._stubs[address]
 

@@ -13,6 +13,7 @@ from service_common import config as config_flags
 from service_common import server as common_server
 from service_common import telemetry
 from service_common.logs import configure_logging
+from service_common.security import tls_of
 from service_common.registry import create_worker_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from speculative.errors import SpeculativeError
@@ -45,7 +46,7 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
     drafters = Drafters(loaded_model, config.default_drafter, config.draft_top_k,
                         config.prompt_lookup_min, config.prompt_lookup_max, compute)
     servicer = DraftServicer(config, drafters, SessionCache(config.max_sessions, config.max_cached_tokens),
-                             TargetConnections())
+                             TargetConnections(tls_of(config)))
 
     service = create_worker_service(
         config, lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s), SERVICE_NAME,

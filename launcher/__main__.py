@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.cluster import Cluster, parse_args, start_system
+from launcher.cluster import Cluster, parse_args, start_system, tls_files
 
 
 def main(argv=None) -> int:
@@ -29,8 +29,13 @@ def main(argv=None) -> int:
         started = time.monotonic()
         address = start_system(args, cluster)
         print(f"ready in {time.monotonic() - started:.0f} s: orchestrator at {address}", file=sys.stderr)
+        tls = tls_files(args)
+        if tls:
+            print(f"TLS: python -m client PROMPT --address {address} --tls-ca {tls['client'].ca}", file=sys.stderr)
         if args.prompt is not None:
             client_args = [a for a in args.client_args if a != "--"]
+            if tls:
+                client_args += ["--tls-ca", tls["client"].ca]
             return subprocess.call([sys.executable, "-m", "client", args.prompt, "--address", address, *client_args])
         stop = threading.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -18,6 +18,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service_common.security import Tls, TlsFiles, write_throwaway_pki
+from service_common.server import channel
+
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -31,6 +34,7 @@ class Cluster:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.tls: Tls | None = None  # a TLS system: health checks present the client certificate
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, module: str, args: list[str]) -> None:
@@ -40,7 +44,7 @@ class Cluster:
         self.processes.append((name, process))
 
     def wait_healthy(self, name: str, address: str, timeout_s: float) -> None:
-        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+        stub = health_pb2_grpc.HealthStub(channel(address, self.tls))
         deadline = time.monotonic() + timeout_s
         process = dict(self.processes)[name]
         while time.monotonic() < deadline:
@@ -83,6 +87,12 @@ def parse_args(argv):
                         help="one-way delay added between draft and target workers (a delaying TCP proxy in "
                              "front of each target; the orchestrator reaches targets through it too)")
     parser.add_argument("--port", type=int, default=50050, help="the first orchestrator's port (0 = any free port)")
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS between all roles and TLS to the orchestrator, with a throwaway CA and "
+                             "certificates made in LOG_DIR/tls (the client needs --tls-ca LOG_DIR/tls/ca.pem)")
+    parser.add_argument("--api-keys", default="", metavar="FILE",
+                        help="the orchestrator's API keys file (python -m service_common.auth add NAME FILE); "
+                             "the client then needs --api-key")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = default)")
     parser.add_argument("--log-dir", default=".run/logs")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
@@ -108,6 +118,7 @@ def layout(args) -> list[Role]:
         raise SystemExit("several orchestrators share sessions through Redis: give --redis-url")
     registry = ["--redis-url", args.redis_url, "--heartbeat-s", str(args.heartbeat_s),
                 "--heartbeat-ttl-s", str(args.heartbeat_ttl_s)] if args.redis_url else []
+    tls = tls_files(args)
     roles = []
     for pool, count, module, flags in (
         ("target", args.target_workers, "target_service", ["--model", args.target_model]),
@@ -115,7 +126,8 @@ def layout(args) -> list[Role]:
     ):
         for index in range(count):
             address = f"127.0.0.1:{free_port()}"
-            worker_flags = [*flags, "--address", address, "--threads", str(args.threads), *registry]
+            worker_flags = [*flags, "--address", address, "--threads", str(args.threads), *registry,
+                            *(tls[pool].flags() if tls else [])]
             if pool == "target" and args.draft_target_delay_ms > 0:
                 proxy = _delay_proxy(f"{pool}-{index}", address, args.draft_target_delay_ms)
                 roles.append(proxy)
@@ -131,8 +143,20 @@ def layout(args) -> list[Role]:
         port = args.port if index == 0 and args.port else free_port()
         address = f"127.0.0.1:{port}"
         name = "orchestrator" if index == 0 else f"orchestrator-{index}"
-        roles.append(Role(name, "orchestrator", "orchestrator", ["--address", address, *discovery], address))
+        security = [*(tls["orchestrator"].flags() if tls else []),
+                    *(["--api-keys-file", str(Path(args.api_keys).resolve())] if args.api_keys else [])]
+        roles.append(Role(name, "orchestrator", "orchestrator", ["--address", address, *discovery, *security], address))
     return roles
+
+
+def tls_files(args) -> dict[str, TlsFiles] | None:
+    """Where a TLS system's certificates are (LOG_DIR/tls), per role; None without --tls."""
+    if not args.tls:
+        return None
+    directory = Path(args.log_dir).resolve() / "tls"
+    return {role: TlsFiles(str(directory / f"{role}.pem"), str(directory / f"{role}-key.pem"),
+                           str(directory / "ca.pem"))
+            for role in ("orchestrator", "target", "draft", "client")}
 
 
 def _delay_proxy(name: str, upstream: str, delay_ms: float) -> Role:
@@ -145,6 +169,10 @@ def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str
     """Starts every role (of layout(args) unless given); returns the first orchestrator's
     address once all are healthy."""
     roles = roles or layout(args)
+    tls = tls_files(args)
+    if tls:  # a throwaway CA and a certificate per role, made anew for each run
+        write_throwaway_pki(Path(tls["client"].ca).parent)
+        cluster.tls = tls["client"].load()
     workers = [r for r in roles if r.pool != "orchestrator"]
     for role in workers:
         cluster.start(role.name, role.module, role.args)

@@ -32,6 +32,7 @@ from speculative.limits import validate_num_speculative_tokens
 from speculative.sampling import SamplingParams
 from speculative.stats import GenerationStats, RoundStats
 from orchestrator.config import OrchestratorConfig
+from orchestrator.limits import check_max_new_tokens, check_prompt_tokens
 from orchestrator.store import Lease, SessionRecord, SessionStore, WorkerHandle
 from orchestrator.text import TextAssembler, common_prefix_length, render_chat
 from orchestrator.workers import DRAFT, TARGET, Worker, WorkerPool, close_worker_sessions
@@ -87,9 +88,10 @@ class Plan:
 
 class Generation:
     def __init__(self, config: OrchestratorConfig, pool: WorkerPool, store: SessionStore, tokenizer,
-                 request: orchestrator_pb2.GenerateRequest, context: grpc.ServicerContext):
+                 request: orchestrator_pb2.GenerateRequest, context: grpc.ServicerContext, owner: str = ""):
         self.config, self.pool, self.store, self.tokenizer = config, pool, store, tokenizer
         self.request, self.context = request, context
+        self.owner = owner  # the API key's name: the session must be its, a new one becomes its
         self.stats = GenerationStats()
         self.num_prefill_tokens = 0  # tokens the target prefilled for this call
         self.num_failovers = 0
@@ -109,7 +111,8 @@ class Generation:
     def run(self) -> Iterator[Chunk]:
         self._check_stop_strings()
         with self.store.lease(self.session_id) as lease, self._in_flight:
-            record = SessionRecord(self.session_id, []) if self.is_new else self.store.get(self.session_id)
+            record = (SessionRecord(self.session_id, [], owner=self.owner) if self.is_new
+                      else self.store.get_owned(self.session_id, self.owner))
             plan = self._plan(record)
             self._place(plan)
             yield from self._generate(plan, lease)
@@ -122,6 +125,8 @@ class Generation:
         tokens, keep = self._tokens(record)
         if not tokens:
             raise InvalidArgument("prompt is empty: give text, token ids or chat messages")
+        check_prompt_tokens(self.config, len(tokens))
+        check_max_new_tokens(self.config, params.max_new_tokens)
         k = speculation.num_speculative_tokens if speculation.HasField("num_speculative_tokens") else self.config.default_k
         return Plan(record, tokens, keep, params, validate_num_speculative_tokens(k),
                     speculation.drafter, speculation.adaptive)
@@ -170,11 +175,13 @@ class Generation:
     def _check_stop_strings(self) -> None:
         stops = self.request.stop
         if len(stops) > self.config.max_stop_strings:
-            raise InvalidArgument(f"at most {self.config.max_stop_strings} stop strings, got {len(stops)}")
+            raise InvalidArgument(f"at most {self.config.max_stop_strings} stop strings (max_stop_strings), "
+                                  f"got {len(stops)}")
         for stop in stops:
             if not stop or len(stop) > self.config.max_stop_string_chars:
                 raise InvalidArgument(
-                    f"stop strings must have 1 to {self.config.max_stop_string_chars} characters, got {len(stop)}"
+                    f"stop strings must have 1 to {self.config.max_stop_string_chars} characters "
+                    f"(max_stop_string_chars), got {len(stop)}"
                 )
 
     # 2. Place: a target (and a draft) session holding exactly the committed tokens.

@@ -19,17 +19,25 @@ import threading
 import redis
 
 from service_common.redis_client import connect, unavailable_on_error
+from service_common.security import Tls
 from orchestrator.store import Lease, SessionRecord, SessionStore, busy, not_found
 
 log = logging.getLogger(__name__)
 
 RECORD_KEY = "specdec:session:{}"
 LEASE_KEY = "specdec:lease:{}"
+# The ids of an API key's sessions; ids whose record expired are pruned when counted.
+OWNER_KEY = "specdec:owner:{}"
 
-# KEYS: record, lease; ARGV: token ("" = a new session, no lease), value, ttl ms.
+# KEYS: record, lease, owner's index; ARGV: token ("" = a new session, no lease), value,
+# ttl ms, session id, owner ("" = none).
 SAVE_IF_LEASED = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+if ARGV[5] ~= '' then
+  redis.call('SADD', KEYS[3], ARGV[4])
+  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+end
 return 1
 """
 # KEYS: record, lease; ARGV: token.
@@ -52,9 +60,9 @@ return 1
 
 
 class RedisSessionStore(SessionStore):
-    def __init__(self, url: str, ttl_s: float, lease_ttl_s: float):
+    def __init__(self, url: str, ttl_s: float, lease_ttl_s: float, tls: Tls | None = None):
         self.url = url
-        self.client = connect(url)
+        self.client = connect(url, tls)
         self._ttl_ms = int(ttl_s * 1000)
         self._lease_ttl_ms = int(lease_ttl_s * 1000)
         self._save = self.client.register_script(SAVE_IF_LEASED)
@@ -70,8 +78,9 @@ class RedisSessionStore(SessionStore):
     def put(self, record: SessionRecord, lease: Lease | None = None) -> None:
         value = json.dumps(record.to_json())
         with unavailable_on_error(self.url, f"saving session {record.session_id!r}"):
-            saved = self._save(keys=self._keys(record.session_id),
-                               args=[lease.token if lease else "", value, self._ttl_ms])
+            saved = self._save(keys=[*self._keys(record.session_id), OWNER_KEY.format(record.owner)],
+                               args=[lease.token if lease else "", value, self._ttl_ms, record.session_id,
+                                     record.owner])
         if not saved:
             lease.lost = True
             raise busy(record.session_id)
@@ -107,6 +116,19 @@ class RedisSessionStore(SessionStore):
                 self._release(keys=[LEASE_KEY.format(session_id)], args=[lease.token])
             except redis.RedisError as error:  # it expires by itself
                 log.warning("releasing the lease of %s: %s", session_id, error)
+
+    def count_owned(self, owner: str) -> int:
+        index = OWNER_KEY.format(owner)
+        with unavailable_on_error(self.url, f"counting the sessions of {owner!r}"):
+            ids = [i.decode() for i in self.client.smembers(index)]
+            with self.client.pipeline(transaction=False) as pipe:
+                for session_id in ids:
+                    pipe.exists(RECORD_KEY.format(session_id))
+                alive = pipe.execute() if ids else []
+            gone = [i for i, exists in zip(ids, alive) if not exists]
+            if gone:
+                self.client.srem(index, *gone)
+        return len(ids) - len(gone)
 
     def close(self) -> None:
         self._stop.set()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import uuid
 
+from service_common.auth import current_caller
 from service_common.status import rpc_errors
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Generation
+from orchestrator.limits import check_max_new_tokens, check_prompt_tokens, check_session_quota
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import render_chat
 from orchestrator.tokenizer import TargetTokenizer
@@ -46,16 +48,27 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             yield message
 
     def _generation(self, request, context) -> Generation:
-        return Generation(self.config, self.pool, self.store, self.tokenizer.get(), request, context)
+        caller = current_caller()
+        if request.session_id:
+            # Before the session's lease is taken: another key's call must not make the
+            # owner's busy, nor learn from "busy" that the session exists.
+            self.store.get_owned(request.session_id, caller)
+        else:
+            check_session_quota(self.config, self.store, caller)
+        return Generation(self.config, self.pool, self.store, self.tokenizer.get(), request, context, caller)
 
     @rpc_errors
     def CreateSession(self, request, context):
-        record = SessionRecord(uuid.uuid4().hex, [])
+        caller = current_caller()
+        check_session_quota(self.config, self.store, caller)
+        record = SessionRecord(uuid.uuid4().hex, [], owner=caller)
         if request.system_prompt:
             # Rendered now, prefilled on the first Generate (which places the session).
             record.messages = [{"role": "system", "content": request.system_prompt}]
             record.token_ids = render_chat(self.tokenizer.get(), record.messages, add_generation_prompt=False)
+            check_prompt_tokens(self.config, len(record.token_ids))
         if request.HasField("sampling"):
+            check_max_new_tokens(self.config, request.sampling.max_new_tokens)
             record.sampling = request.sampling.SerializeToString()
         if request.HasField("speculation"):
             record.speculation = request.speculation.SerializeToString()
@@ -64,12 +77,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     @rpc_errors
     def GetSession(self, request, context):
-        return self._describe(self.store.get(request.session_id))
+        return self._describe(self.store.get_owned(request.session_id, current_caller()))
 
     @rpc_errors
     def CloseSession(self, request, context):
+        self.store.get_owned(request.session_id, current_caller())  # before the lease: as in _generation
         with self.store.lease(request.session_id) as lease:
-            record = self.store.get(request.session_id)
+            record = self.store.get_owned(request.session_id, current_caller())
             close_worker_sessions(self.pool, ((TARGET, record.target), (DRAFT, record.draft)),
                                   self.config.rpc_timeout_s)
             self.store.delete(record.session_id, lease)

@@ -50,6 +50,9 @@ class SessionRecord:
     sampling: bytes = b""  # serialized SamplingParams defaults of the session
     speculation: bytes = b""  # serialized SpeculationParams defaults of the session
     created_ms: int = field(default_factory=now_ms)
+    # The name of the API key that created the session: only it may use the session
+    # ("" without API keys). Records saved before owners existed read as "".
+    owner: str = ""
     last_used_ms: int = field(default_factory=now_ms)
 
     def to_json(self) -> dict:
@@ -94,6 +97,18 @@ class SessionStore(abc.ABC):
     def lease(self, session_id: str):
         """Context manager yielding a Lease: exclusive use of a session for one call, or
         SessionBusy."""
+
+    @abc.abstractmethod
+    def count_owned(self, owner: str) -> int:
+        """Sessions of owner that have not expired."""
+
+    def get_owned(self, session_id: str, owner: str) -> SessionRecord:
+        """The record, when owner's; another owner's session is NotFound with the very
+        words of a missing one, so that its existence is not revealed."""
+        record = self.get(session_id)
+        if record.owner != owner:
+            raise not_found(session_id)
+        return record
 
     def close(self) -> None:
         """Stops background work (lease renewal)."""
@@ -146,6 +161,11 @@ class InMemorySessionStore(SessionStore):
         finally:
             with self._lock:
                 self._leases.pop(session_id, None)
+
+    def count_owned(self, owner: str) -> int:
+        with self._lock:
+            self._expire()
+            return sum(1 for record in self._records.values() if record.owner == owner)
 
     def _expire(self) -> None:
         now = now_ms()

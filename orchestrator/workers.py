@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from service_common.registry import WorkerRegistry
+from service_common.security import Tls
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -68,15 +69,17 @@ class Worker:
 Discover = Callable[[], list[common_pb2.Worker]]
 
 
-def registry_discovery(url: str) -> Discover:
-    return WorkerRegistry(url).workers
+def registry_discovery(url: str, tls: Tls | None = None) -> Discover:
+    return WorkerRegistry(url, tls).workers
 
 
-def static_discovery(target_addresses: list[str], draft_addresses: list[str], rpc_timeout_s: float) -> Discover:
-    """Polls each address's Info; a worker that does not answer is left out."""
-    stubs = [(common_pb2.WORKER_POOL_TARGET, a, target_pb2_grpc.TargetServiceStub(channel(a)))
+def static_discovery(target_addresses: list[str], draft_addresses: list[str], rpc_timeout_s: float,
+                     tls: Tls | None = None) -> Discover:
+    """Polls each address's Info; a worker that does not answer is left out (with TLS,
+    one whose certificate the cluster CA did not sign never answers)."""
+    stubs = [(common_pb2.WORKER_POOL_TARGET, a, target_pb2_grpc.TargetServiceStub(channel(a, tls)))
              for a in target_addresses]
-    stubs += [(common_pb2.WORKER_POOL_DRAFT, a, draft_pb2_grpc.DraftServiceStub(channel(a)))
+    stubs += [(common_pb2.WORKER_POOL_DRAFT, a, draft_pb2_grpc.DraftServiceStub(channel(a, tls)))
               for a in draft_addresses]
 
     def discover() -> list[common_pb2.Worker]:
@@ -96,9 +99,18 @@ def static_discovery(target_addresses: list[str], draft_addresses: list[str], rp
 
 
 class WorkerPool:
-    def __init__(self, discover: Discover, refresh_s: float):
+    """vet: admit a discovered worker only once it has answered Info as the worker its
+    record names, over this pool's channels. With TLS that is the registry's proof: a
+    record anyone wrote into Redis joins only if a worker holding a certificate the
+    cluster CA signed stands behind it."""
+
+    def __init__(self, discover: Discover, refresh_s: float, tls: Tls | None = None, vet: bool = False,
+                 vet_timeout_s: float = 2.0):
         self.discover = discover
         self.refresh_s = refresh_s
+        self.tls, self.vet, self.vet_timeout_s = tls, vet, vet_timeout_s
+        self._vetted: dict[tuple[str, str], str] = {}  # (pool, address) -> the worker id that answered
+        self._refused: set[tuple[str, str, str]] = set()  # (pool, address, worker id) refused, logged once
         self._workers: list[Worker] = []
         self._stubs: dict[tuple[str, str], object] = {}
         self._placed: collections.Counter[str] = collections.Counter()  # calls in flight per address
@@ -120,6 +132,8 @@ class WorkerPool:
         self.discovery_error = None
         workers = [Worker(POOL_OF_PROTO[r.pool], r, self._stub(POOL_OF_PROTO[r.pool], r.address))
                    for r in records if r.pool in POOL_OF_PROTO]
+        if self.vet:
+            workers = [w for w in workers if self._answers_as_recorded(w)]
         with self._lock:
             self._workers = workers
             beats = {w.address: w.record.last_heartbeat_unix_ms for w in workers}
@@ -140,8 +154,29 @@ class WorkerPool:
     def _stub(self, pool: str, address: str):
         key = (pool, address)
         if key not in self._stubs:
-            self._stubs[key] = STUB_OF_POOL[pool](channel(address))
+            self._stubs[key] = STUB_OF_POOL[pool](channel(address, self.tls))
         return self._stubs[key]
+
+    def _answers_as_recorded(self, worker: Worker) -> bool:
+        """Vetting: once per (pool, address, worker id), the worker must answer Info
+        with the id its record names; until it does it is left out (asked again at
+        each refresh)."""
+        key = (worker.pool, worker.address)
+        if self._vetted.get(key) == worker.worker_id:
+            return True
+        try:
+            answer = worker.stub.Info(common_pb2.InfoRequest(), timeout=self.vet_timeout_s)
+            refusal = None if answer.worker_id == worker.worker_id else f"worker {answer.worker_id!r} answers there"
+        except grpc.RpcError as error:
+            refusal = f"{error.code().name}: {error.details()}"
+        if refusal is None:
+            self._vetted[key] = worker.worker_id
+            return True
+        if (*key, worker.worker_id) not in self._refused:
+            self._refused.add((*key, worker.worker_id))
+            log.warning("registered %s worker %s at %s left out of the pool: %s", worker.pool, worker.worker_id,
+                        worker.address, refusal)
+        return False
 
     # Views.
 

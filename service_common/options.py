@@ -32,3 +32,27 @@ class RegistryConfig:
     heartbeat_s: float = _option(1.0, "seconds between heartbeats (load is refreshed with each)")
     # A worker that misses heartbeats for this long leaves its pool.
     heartbeat_ttl_s: float = _option(5.0, "seconds a registration lives without a heartbeat")
+
+
+@dataclass
+class ServerConfig:
+    """What every role's gRPC server and its calls to other roles share: TLS
+    (docs/security.md), a plaintext health-only port for probes, the message size limit."""
+
+    # All three, or none (plaintext, the default on loopback). With them the server
+    # accepts only peers whose certificate the CA signed, and every call to another
+    # role presents this role's certificate and trusts only servers the CA signed.
+    tls_cert: str = _option("", "PEM file: this role's certificate (chain); with tls_key and tls_ca turns TLS on")
+    tls_key: str = _option("", "PEM file: this role's private key")
+    tls_ca: str = _option("", "PEM file: the cluster CA that signs every role's certificate")
+    # Pods are dialled by IP; a pool's certificates then share one DNS name (e.g.
+    # specdec-worker) that callers expect instead of the IP.
+    tls_server_name: str = _option("", "name expected in the certificates of the servers this role calls; "
+                                       "empty = the host dialled")
+    # Kubernetes' gRPC probes present no client certificate: they need a port of their
+    # own that serves nothing but grpc.health.v1, in plaintext. Empty = no such port.
+    health_address: str = _option("", "host:port of a plaintext server with only the gRPC health service "
+                                      "(for probes under TLS); empty = none")
+    # Proposals and prompts are small: 16 MiB bounds what one message can make a server
+    # hold; a larger one is RESOURCE_EXHAUSTED by gRPC itself.
+    max_message_bytes: int = _option(16 * 1024 * 1024, "largest gRPC message received, in bytes")

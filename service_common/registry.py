@@ -19,7 +19,8 @@ from google.protobuf import json_format
 
 from service_common import telemetry
 from service_common.redis_client import connect, describe, unavailable_on_error
-from service_common.server import Service, create_server
+from service_common.security import Tls, tls_of
+from service_common.server import Service, add_health_port, create_server
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,9 @@ def record_key(pool: int, worker_id: str) -> str:
 
 
 class WorkerRegistry:
-    def __init__(self, url: str):
+    def __init__(self, url: str, tls: Tls | None = None):
         self.url = url
-        self.client = connect(url)
+        self.client = connect(url, tls)
 
     def announce(self, record: common_pb2.Worker, ttl_s: float) -> None:
         """Writes (or refreshes) a worker's record for ttl_s seconds."""
@@ -128,17 +129,22 @@ def create_worker_service(config, register: Callable[[grpc.Server], None], servi
     config.redis_url (a RegistryConfig) is set, its membership of `pool` while it serves
     (without Redis the orchestrator is given worker addresses instead). max_calls: the
     long calls it holds at once (default: one per session)."""
+    tls = tls_of(config)
     server, port, health = create_server(
         config.address, register, [service_name],
         # Each Verify, Decode or Speculate stream holds a thread for its rounds (about one
         # per session), plus headroom for unary calls and health checks.
         max_workers=(max_calls or config.max_sessions) + 16,
         interceptors=telemetry.current().server_interceptors(),
+        # Workers answer only other roles: with TLS, only peers the cluster CA signed.
+        tls=tls, require_client_auth=True, max_message_bytes=config.max_message_bytes,
     )
     service = Service(server, port, health)
+    if config.health_address:
+        add_health_port(service, config.health_address)
     if config.redis_url:
         address = config.resolved_advertise_address(port)
-        heartbeat = Heartbeat(WorkerRegistry(config.redis_url), lambda: worker_record(pool, address, info()),
+        heartbeat = Heartbeat(WorkerRegistry(config.redis_url, tls), lambda: worker_record(pool, address, info()),
                               config.heartbeat_s, config.heartbeat_ttl_s)
         service.on_started.append(heartbeat.start)
         service.on_stopping.append(heartbeat.stop)

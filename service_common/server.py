@@ -21,6 +21,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service_common import telemetry
+from service_common.malformed import MalformedRequests
+from service_common.security import Tls
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +44,19 @@ def create_server(
     service_names: Sequence[str],
     max_workers: int = 64,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    tls: Tls | None = None,
+    require_client_auth: bool = True,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Builds (does not start) a server; returns it, the bound port and its health servicer.
 
-    address "host:0" binds a free port (tests).
+    address "host:0" binds a free port (tests). With tls the port speaks only TLS and,
+    with require_client_auth, only to clients whose certificate the CA signed.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=list(interceptors),
-        options=CHANNEL_OPTIONS,
+        interceptors=[MalformedRequests(), *interceptors],  # first: the others see parsed requests
+        options=message_options(max_message_bytes),
     )
     register(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -60,10 +66,32 @@ def create_server(
     reflection.enable_server_reflection(
         [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, tls.server_credentials(require_client_auth))
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     return server, port, health_servicer
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """CHANNEL_OPTIONS with another limit on the size of a message."""
+    return [(name, max_message_bytes if name.endswith("_message_length") else value)
+            for name, value in CHANNEL_OPTIONS]
+
+
+def add_health_port(service: Service, address: str) -> int:
+    """Serves service's health status, and nothing else, in plaintext on address (for
+    probes that cannot do TLS); started and stopped with the service. Returns the port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=message_options(64 * 1024))
+    health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the health port to {address}")
+    service.on_started.append(server.start)
+    service.on_stopping.append(lambda: server.stop(None))
+    return port
 
 
 @dataclass
@@ -189,9 +217,20 @@ def _next(messages: queue.Queue, producer: threading.Thread):
                 return _READ_AHEAD_DONE
 
 
-def channel(address: str) -> grpc.Channel:
-    """A client channel; its calls carry the trace context when tracing is on."""
-    return telemetry.current().intercept_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+def channel(address: str, tls: Tls | None = None, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """The one way a client channel is made: plaintext, or TLS with a role's
+    certificate (tls) or a client's credentials; its calls carry the trace context when
+    tracing is on."""
+    options = list(CHANNEL_OPTIONS)
+    if tls is not None:
+        credentials = tls.channel_credentials()
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+    if credentials is None:
+        raw = grpc.insecure_channel(address, options=options)
+    else:
+        raw = grpc.secure_channel(address, credentials, options=options)
+    return telemetry.current().intercept_channel(raw)
 
 
 def default_worker_id(role: str) -> str:

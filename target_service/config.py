@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from service_common.options import RegistryConfig, TelemetryConfig
+from service_common.options import RegistryConfig, ServerConfig, TelemetryConfig
 from service_common.server import advertised_address, default_worker_id
 
 ENV_PREFIX = "TARGET"
@@ -17,7 +17,7 @@ def _option(default, help_text: str):
 
 
 @dataclass
-class TargetConfig(RegistryConfig, TelemetryConfig):
+class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # All interfaces, the conventional first gRPC port; ":0" binds a free port (tests).
     address: str = _option("0.0.0.0:50051", "host:port to listen on; port 0 picks a free port (logged)")
     # The packaged SmolLM2-135M runs anywhere without a download; a real deployment

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from launcher.cluster import Cluster, layout, parse_args, start_system
+from service_common.server import channel
 from specdec.v1 import orchestrator_pb2_grpc
 
 
@@ -22,6 +23,7 @@ class LocalSystem:
         self.args = parse_args([])
         self.args.target_model, self.args.draft_model = target_model, draft_model
         self.args.port, self.args.threads, self.args.startup_timeout = 0, 1, 120.0
+        self.args.http_port = -1  # no HTTP API unless a test asks for one (http_port=0: any free port)
         self.args.log_dir = log_dir or tempfile.mkdtemp(prefix="specdec-logs-")
         for name, value in launcher_options.items():
             if not hasattr(self.args, name):
@@ -46,10 +48,16 @@ class LocalSystem:
         self.cluster.stop()
 
     def orchestrator(self, index: int):
-        """A stub of the index-th orchestrator replica."""
+        """A stub of the index-th orchestrator replica (over TLS, with the client's
+        certificate, in a system started with tls=True)."""
         address = [r.address for r in self.roles if r.pool == "orchestrator"][index]
-        self.channels.append(grpc.insecure_channel(address))
+        self.channels.append(channel(address, self.cluster.tls))
         return orchestrator_pb2_grpc.OrchestratorStub(self.channels[-1])
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP API (started with http_port=0)."""
+        return "http://" + next(r.address for r in self.roles if r.pool == "http")
 
     def role(self, address: str):
         return next(r for r in self.roles if r.address == address)
