@@ -2,8 +2,8 @@
 between draft and target (`--draft-target-delay-ms`): the round trip costs more than a
 round can win against ~1 ms tiny-model steps, so adaptive calls have the target decode
 stretches alone (on the draft's Verify stream, each token relayed as an update).
-Output stays exactly target-only greedy; seeded sampling stays a run of the requested
-length; a session continues across calls.
+Output stays exactly target-only greedy; seeded sampling draws what the in-process
+generator draws with the same decisions; a session continues across calls.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from specdec.v1 import common_pb2, orchestrator_pb2
+from speculative.drafters import ModelDrafter
 from speculative.generator import SpeculativeGenerator
+from speculative.policy import Action, SpeculationPolicy, Turn
 from speculative.sampling import SamplingParams
 from tests.system import LocalSystem
 
@@ -68,8 +70,55 @@ def test_a_session_continues_across_stretches(slow_system, tiny_target, prompt_i
     assert list(second.token_ids) == expected
 
 
-def test_seeded_sampling_through_stretches_yields_the_requested_tokens(slow_system, prompt_ids):
+class ReplayedDecisions(SpeculationPolicy):
+    """The decisions a call made through the services, replayed in process: k per round,
+    and the length of each stretch."""
+
+    def __init__(self, actions: list[Action]):
+        self.max_k, self.actions = max(a.k for a in actions), list(actions)
+
+    def next_action(self, remaining=None, turn=Turn.DRAFT) -> Action:
+        assert turn is Turn.DRAFT, "a replayed k proposes what it proposed before"
+        return self.actions.pop(0)
+
+
+def _decisions(chunks) -> list[Action]:
+    """The call's decisions from its chunks: a round ends with its recovered or bonus
+    token (or, cut by a stop token or the length, with an accepted one) in the chunk
+    that counts its drafts; consecutive tokens the target decoded alone are one stretch."""
+    actions: list[Action] = []
+    for chunk in chunks:  # a chunk may hold several updates (text held back)
+        ends = 0
+        for source in chunk.token_sources:
+            if source == orchestrator_pb2.TOKEN_SOURCE_TARGET:
+                stretched = actions[-1].stretch if actions and actions[-1].stretch else 0
+                actions[len(actions) - bool(stretched):] = [Action(stretch=stretched + 1)]
+            elif source != orchestrator_pb2.TOKEN_SOURCE_ACCEPTED:
+                ends += 1
+                actions.append(Action(k=chunk.num_drafted))
+        assert ends <= 1 or chunk.num_drafted == 0, "the drafts of one round per chunk"
+        if not ends and chunk.num_drafted:  # a round cut by a stop token or the length
+            actions.append(Action(k=chunk.num_drafted))
+    return actions
+
+
+def test_seeded_sampling_through_stretches_equals_the_same_decisions_in_process(tiny_target, prompt_ids):
+    """Which tokens a seeded sampled call draws depends on its decisions (k per round,
+    stretches), which follow measured times; given the same decisions, the services
+    draw exactly what the in-process generator draws. The draft drafts nothing ahead
+    here (--no-pipeline): an abandoned proposal ahead consumes draft draws that a replay
+    from the chunks cannot know of."""
     sampling = common_pb2.SamplingParams(temperature=0.9, seed=11, max_new_tokens=MAX_NEW_TOKENS)
-    response = slow_system.stub.Generate(_request(prompt_ids[2], "model", sampling), timeout=120)
-    assert len(response.token_ids) == MAX_NEW_TOKENS or response.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN
-    assert response.stats.num_streamed_tokens > 0
+    params = _greedy(tiny_target).replace(temperature=0.9, seed=11)
+    replayed: list[Action] = []
+    system = LocalSystem(draft_model="tiny-random:1", draft_target_delay_ms=DELAY_MS)  # drafts the target accepts
+    next(r for r in system.roles if r.pool == "draft").args.append("--no-pipeline")
+    with system:
+        for ids in prompt_ids[:4]:
+            chunks = list(system.stub.GenerateStream(_request(ids, "model", sampling), timeout=120))
+            decisions = _decisions(chunks)
+            expected = SpeculativeGenerator(tiny_target, ModelDrafter(tiny_target)).generate(
+                ids, params, k=ReplayedDecisions(decisions))
+            assert [t for c in chunks for t in c.token_ids] == expected.token_ids, decisions
+            replayed += decisions
+    assert any(a.stretch for a in replayed) and any(a.k for a in replayed), replayed

@@ -6,12 +6,13 @@ import time
 
 import pytest
 
-from orchestrator.redis_store import LEASE_KEY, RedisSessionStore
+from orchestrator.redis_store import LEASE_KEY, RECORD_KEY, RedisSessionStore
 from orchestrator.store import SessionBusy, SessionRecord, WorkerHandle
 from service_common.registry import Heartbeat, WorkerRegistry, worker_record
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2
 from speculative.errors import NotFound
+from tests.polling import holds_for, wait_until
 
 TARGET = common_pb2.WORKER_POOL_TARGET
 
@@ -35,7 +36,8 @@ def test_a_record_round_trips_and_expires_when_idle(redis_server):
     record = _record()
     store.put(record)
     assert store.get("s1") == record
-    time.sleep(0.7)
+    wait_until(lambda: not redis_server.client().exists(RECORD_KEY.format("s1")), "the idle record expired",
+               timeout_s=5)
     with pytest.raises(NotFound, match="'s1' not found"):
         store.get("s1")
     store.close()
@@ -58,8 +60,8 @@ def test_a_session_is_leased_by_one_call_at_a_time(store, redis_server):
 
 def test_the_lease_is_renewed_while_a_call_runs(store, redis_server):
     with store.lease("s1") as lease:
-        time.sleep(4)  # longer than the 3 s lease TTL
-        assert redis_server.client().get(LEASE_KEY.format("s1")).decode() == lease.token
+        holds_for(lambda: (redis_server.client().get(LEASE_KEY.format("s1")) or b"").decode() == lease.token,
+                  "the lease is ours", duration_s=4)  # longer than the 3 s lease TTL
         store.put(_record(), lease)
 
 
@@ -102,8 +104,7 @@ def test_a_worker_is_in_the_registry_while_it_heartbeats(redis_server):
     (worker,) = registry.workers()
     assert (worker.worker_id, worker.address, worker.model.model_id) == ("t-1", "127.0.0.1:7", "m")
     load["active"] = 5
-    time.sleep(0.5)
-    assert registry.workers()[0].load.active_sessions == 5  # load travels with the heartbeat
+    wait_until(lambda: registry.workers()[0].load.active_sessions == 5, "the load travels with the heartbeat")
     heartbeat.stop()  # a graceful stop withdraws at once
     assert registry.workers() == []
 
@@ -112,8 +113,7 @@ def test_a_worker_that_stops_heartbeating_leaves_within_its_ttl(redis_server):
     registry = WorkerRegistry(redis_server.url)
     registry.announce(worker_record(TARGET, "127.0.0.1:7", _info("t-1")), ttl_s=0.5)
     assert len(registry.workers()) == 1
-    time.sleep(0.6)
-    assert registry.workers() == []
+    wait_until(lambda: registry.workers() == [], "the worker left after its 0.5 s TTL", timeout_s=2)
     assert redis_server.client().zcard("specdec:workers") == 0  # the index is pruned too
 
 
@@ -123,8 +123,7 @@ def test_heartbeats_ride_out_a_redis_outage(redis_server):
                           interval_s=0.2, ttl_s=1.0)
     heartbeat.start()
     redis_server.stop()
-    time.sleep(1.5)  # heartbeats fail meanwhile (logged, not raised)
+    time.sleep(1.5)  # the outage: heartbeats fail meanwhile (logged, not raised)
     redis_server.start()
-    time.sleep(0.5)
-    assert [w.worker_id for w in registry.workers()] == ["t-1"]
+    wait_until(lambda: [w.worker_id for w in registry.workers()] == ["t-1"], "the heartbeat re-registered it")
     heartbeat.stop()

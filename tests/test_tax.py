@@ -15,6 +15,7 @@ from speculative.model_session import ModelSession
 from speculative.sampling import SamplingParams
 from speculative.step_scheduler import StepScheduler
 from speculative.target import TargetSession
+from tests.polling import holds_for
 
 LOGIT_TOLERANCE = 1e-4  # one row's fp32 logits in a pass of other rows: summation order only
 
@@ -117,8 +118,8 @@ def test_read_ahead_computes_the_next_message_while_the_last_is_sent():
     deadline = time.monotonic() + 5
     while len(produced) < 2 and time.monotonic() < deadline:  # gRPC "sends" message 0 meanwhile
         time.sleep(0.01)
-    time.sleep(0.05)
-    assert len(produced) in (2, 3)  # message 1 is ready, at most one more computed: backpressure
+    # message 1 is ready, at most one more computed: backpressure
+    holds_for(lambda: len(produced) in (2, 3), "at most one message computed ahead", duration_s=0.1)
     assert list(stream) == [1, 2, 3, 4]
 
 
