@@ -35,9 +35,8 @@ class RegistryConfig:
 
 
 @dataclass
-class ServerConfig:
-    """What every role's gRPC server and its calls to other roles share: TLS
-    (docs/security.md), a plaintext health-only port for probes, the message size limit."""
+class TlsConfig:
+    """A role's TLS files (docs/security.md): for its server and its calls to other roles."""
 
     # All three, or none (plaintext, the default on loopback). With them the server
     # accepts only peers whose certificate the CA signed, and every call to another
@@ -49,6 +48,13 @@ class ServerConfig:
     # specdec-worker) that callers expect instead of the IP.
     tls_server_name: str = _option("", "name expected in the certificates of the servers this role calls; "
                                        "empty = the host dialled")
+
+
+@dataclass
+class ServerConfig(TlsConfig):
+    """What every role's gRPC server shares: TLS, a plaintext health-only port for
+    probes, the message size limit."""
+
     # Kubernetes' gRPC probes present no client certificate: they need a port of their
     # own that serves nothing but grpc.health.v1, in plaintext. Empty = no such port.
     health_address: str = _option("", "host:port of a plaintext server with only the gRPC health service "

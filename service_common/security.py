@@ -71,6 +71,18 @@ def tls_of(config) -> Tls | None:
     return Tls.from_files(config.tls_cert, config.tls_key, config.tls_ca, config.tls_server_name)
 
 
+def aio_channel(address: str, tls: Tls | None, options) -> grpc.aio.Channel:
+    """service_common.server.channel() for asyncio clients (the HTTP front), which do
+    not import the telemetry that one wraps channels in: plaintext, or TLS with a
+    role's certificate."""
+    options = list(options)
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+
+
 def client_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials:
     """For a client outside the cluster (python -m client): trusts servers the CA
     signed; presents a certificate only when given one (an orchestrator may ask)."""

@@ -193,6 +193,8 @@ def test_healthcheck_reports_the_health_service():
     try:
         assert healthcheck.ports({"DRAFT_ADDRESS": f"0.0.0.0:{port}"}) == [port]
         assert healthcheck.ports({}) == [50050, 50051, 50052]
+        # Under TLS the role's port asks for a client certificate: the health-only port answers.
+        assert healthcheck.ports({"DRAFT_ADDRESS": "0.0.0.0:1", "DRAFT_HEALTH_ADDRESS": f"0.0.0.0:{port}"}) == [port]
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         assert healthcheck.serving(port)
         servicer.enter_graceful_shutdown()  # what SIGTERM does: NOT_SERVING while draining
@@ -299,8 +301,11 @@ def test_services_probes_and_resources(rendered, overlay):
         assert service["spec"]["ports"][0]["port"] == role.port
         pod, container = role_container(objects, role.name)
         assert {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"] == role.port
+        # Under TLS (components/tls) kubelet's probes ask the plaintext health-only port.
+        health = role_settings(objects, role.name).env.get(f"{role.prefix()}_HEALTH_ADDRESS")
+        probe_port = int(health.rpartition(":")[2]) if health else role.port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == role.port, (role.name, probe)
+            assert container[probe]["grpc"]["port"] == probe_port, (role.name, probe)
         assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         # Metrics on: the HPA's gauges come from this endpoint.
