@@ -24,13 +24,10 @@ from service_common.convert import (
 from service_common.deadlines import Deadline
 from service_common.telemetry import instruments
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
-from speculative.drafters import check_drafter_name
 from speculative.errors import InvalidArgument
-from speculative.generator import FinishReason
-from speculative.rejection import NextTokenKind
 from speculative.limits import validate_num_speculative_tokens
-from speculative.sampling import SamplingParams
 from speculative.stats import GenerationStats, RoundStats
+from speculative.types import FinishReason, NextTokenKind, SamplingParams, check_drafter_name
 from orchestrator.config import OrchestratorConfig
 from orchestrator.limits import check_max_new_tokens, check_prompt_tokens
 from orchestrator.store import Lease, SessionRecord, SessionStore, WorkerHandle

@@ -38,7 +38,8 @@ def create_server(config: OrchestratorConfig, tokenizer=None) -> Service:
     pool = WorkerPool(_discovery(config, tls), config.worker_refresh_s, tls, vet=bool(tls and config.redis_url))
     pool.start()
     store = _store(config, tls)
-    servicer = OrchestratorServicer(config, pool, store, TargetTokenizer(pool, config.tokenizer, tokenizer))
+    servicer = OrchestratorServicer(config, pool, store, TargetTokenizer(pool, config.tokenizer, tokenizer,
+                                                                          config.rpc_timeout_s))
     server, port, health = create_grpc_server(
         config.address, lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s), [SERVICE_NAME],
         # A thread per call in flight (streams hold theirs), headroom for health checks.

@@ -1,16 +1,22 @@
-"""Proto messages <-> core types. Proto3 zero values mean "default" (see common.proto)."""
+"""Proto messages <-> core types. Proto3 zero values mean "default" (see common.proto).
+
+Imported by the orchestrator, which loads no torch: what needs torch (the draft's
+distributions, prompt lookup) is imported by the functions that convert it, which only
+the workers call.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from specdec.v1 import common_pb2
-from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument
-from speculative.generator import FinishReason
-from speculative.rejection import NextTokenKind
-from speculative.sampling import SamplingParams, SparseProbs
 from speculative.stats import GenerationStats, RoundStats, StepLoad
+from speculative.types import FinishReason, NextTokenKind, SamplingParams
+
+if TYPE_CHECKING:
+    from speculative.drafters import LookupStop
+    from speculative.sampling import SparseProbs
 
 NEXT_TOKEN_KIND_TO_PROTO = {
     NextTokenKind.RECOVERED: common_pb2.NEXT_TOKEN_KIND_RECOVERED,
@@ -50,6 +56,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def lookup_stop_from_proto(message: common_pb2.LookupStop) -> LookupStop:
     """InvalidArgument for sizes prompt lookup refuses."""
+    from speculative.drafters import LookupStop
+
     return LookupStop(message.min_ngram, message.max_ngram)
 
 
@@ -63,6 +71,10 @@ def sparse_from_proto(message: common_pb2.SparseDistribution) -> SparseProbs:
             f"a draft distribution needs as many probs as token ids (>= 1), got "
             f"{len(message.token_ids)} ids and {len(message.probs)} probs"
         )
+    import torch
+
+    from speculative.sampling import SparseProbs
+
     return SparseProbs(torch.tensor(list(message.token_ids), dtype=torch.long), torch.tensor(list(message.probs)))
 
 

@@ -23,19 +23,8 @@ from speculative.fingerprint import ANY_VOCABULARY
 from speculative.loading import LoadedModel
 from speculative.model_session import ForwardSteps, ModelSession, run_alone
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
+from speculative.types import DRAFTER_NAMES, MODEL, NGRAM, NGRAM_THEN_MODEL, check_drafter_name  # noqa: F401 - their home before
 
-# The drafters a draft worker offers, by the names of the API (SpeculationParams.drafter).
-MODEL = "model"  # the worker's small model
-NGRAM = "ngram"  # prompt lookup, no model
-NGRAM_THEN_MODEL = "ngram+model"  # prompt lookup where it finds text to copy, the model elsewhere
-DRAFTER_NAMES = (MODEL, NGRAM, NGRAM_THEN_MODEL)
-
-
-def check_drafter_name(name: str) -> None:
-    """InvalidArgument unless `name` is a drafter of the API or empty (the worker's default)."""
-    if name and name not in DRAFTER_NAMES:
-        names = ", ".join(repr(known) for known in DRAFTER_NAMES)
-        raise InvalidArgument(f"unknown drafter {name!r}: drafter must be one of {names} or empty (the worker's default)")
 # Longest suffix prompt lookup will search for, in tokens: each size is one scan of the
 # context (the target runs one per token of a stretch that ends at text to copy), and
 # suffixes this long find nothing shorter ones do not (common settings are 2 to 5).

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,11 +23,7 @@ from speculative.policy import Action, AdaptiveK, FixedK, MeasuredCosts, Specula
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.stats import GenerationStats, RoundStats, per_token_ns
 from speculative.target import TargetSession, VerifyResult
-
-
-class FinishReason(enum.Enum):
-    LENGTH = "length"  # max_new_tokens or the context length reached
-    STOP_TOKEN = "stop_token"  # a stop token id was generated (it is included)
+from speculative.types import FinishReason
 
 
 class Verifier(Protocol):

@@ -18,7 +18,6 @@ norm(max(0, target_probs - draft_probs)). The output then follows the target exa
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,11 +25,7 @@ import torch
 
 from speculative.errors import InvalidArgument
 from speculative.sampling import SparseProbs, greedy_tokens, sample_from
-
-
-class NextTokenKind(enum.Enum):
-    RECOVERED = "recovered"  # replaces the first rejected draft token
-    BONUS = "bonus"  # follows a fully accepted proposal
+from speculative.types import NextTokenKind
 
 
 @dataclass(frozen=True)

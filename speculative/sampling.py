@@ -7,49 +7,13 @@ CPU, so a seed reproduces a run on any device.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from speculative.errors import InvalidArgument
+from speculative.types import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the target's next-token distribution is turned into tokens."""
-
-    temperature: float = 0.0  # 0 = greedy argmax; > 0 divides the logits
-    top_k: int = 0  # keep the k most likely tokens; 0 = disabled
-    top_p: float = 1.0  # keep the smallest set with this much probability; 1 = disabled
-    seed: int | None = None  # None = a fresh random seed per request
-    max_new_tokens: int = 64  # hard limit on generated tokens
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # e.g. the EOS id
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self) -> SamplingParams:
-        """Raises InvalidArgument naming the first bad field; returns self."""
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise InvalidArgument(
-                f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}"
-            )
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise InvalidArgument(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise InvalidArgument(f"seed must be in [0, 2**63), got {self.seed}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidArgument(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
-        return self
-
-    def replace(self, **changes) -> SamplingParams:
-        return dataclasses.replace(self, **changes)
+__all__ = ["SamplingParams", "SparseProbs", "greedy_tokens", "logits_to_probs", "make_generator", "sample_from"]
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from speculative.rejection import NextTokenKind
+from speculative.types import NextTokenKind
 
 
 @dataclass(frozen=True)

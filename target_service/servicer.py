@@ -15,6 +15,8 @@ stretch on a Verify stream).
 from __future__ import annotations
 
 import contextlib
+import functools
+import gzip
 import logging
 import time
 import uuid
@@ -32,7 +34,8 @@ from speculative.target import TargetSession, VerifyResult
 from service_common.convert import NEXT_TOKEN_KIND_TO_PROTO, lookup_stop_from_proto, sampling_from_proto, sparse_from_proto
 from service_common import telemetry
 from service_common.deadlines import time_remaining
-from service_common.status import rpc_errors
+from service_common.status import FailedPrecondition, rpc_errors
+from speculative.loading import LoadedModel
 from target_service.admission import Admission
 from target_service.sessions import SessionCache
 
@@ -155,6 +158,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 mean_batch_tokens=load.mean_batch_tokens, max_batch_tokens=load.max_batch_tokens,
             ),
         )
+
+    @rpc_errors
+    def GetTokenizer(self, request, context):
+        return self._served_tokenizer
+
+    @functools.cached_property
+    def _served_tokenizer(self) -> target_pb2.GetTokenizerResponse:
+        return served_tokenizer(self.sessions.loaded)
 
     def _load(self) -> telemetry.WorkerLoad:
         load = self.sessions.load()
@@ -404,3 +415,34 @@ def _verdict(proposal: target_pb2.Proposal, result: VerifyResult, context_length
     if base_len is not None:
         verdict.base_len = base_len
     return verdict
+
+
+def served_tokenizer(loaded: LoadedModel) -> target_pb2.GetTokenizerResponse:
+    """The model's tokenizer as GetTokenizer serves it (orchestrator/tokenizer.py rebuilds it)."""
+    tokenizer = loaded.tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise FailedPrecondition(
+            f"model {loaded.name!r} has no tokenizer of the tokenizers library to serve: "
+            "start the orchestrator with --tokenizer")
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: the one transformers uses by default
+        template = template.get("default")
+    return target_pb2.GetTokenizerResponse(
+        # mtime=0: the same tokenizer gives the same bytes on every worker.
+        tokenizer_json_gzip=gzip.compress(backend.to_str().encode(), compresslevel=6, mtime=0),
+        chat_template=template or "",
+        special_tokens={name: str(token) for name, token in tokenizer.special_tokens_map.items()},
+        clean_up_tokenization_spaces=_cleans_up_spaces(tokenizer, backend),
+        fingerprint=loaded.fingerprint,
+        model_id=loaded.name,
+    )
+
+
+def _cleans_up_spaces(tokenizer, backend) -> bool:
+    """Whether transformers' decode removes spaces before punctuation for this tokenizer:
+    its setting, which transformers ignores for BPE models unless told it really means it."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    return type(backend.model).__name__ != "BPE" or bool(forced)

@@ -106,3 +106,30 @@ class DecodeToken(_message.Message):
     compute_ns: int
     step: _common_pb2.StepLoad
     def __init__(self, token_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., compute_ns: _Optional[int] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTokenizerResponse(_message.Message):
+    __slots__ = ("tokenizer_json_gzip", "chat_template", "special_tokens", "clean_up_tokenization_spaces", "fingerprint", "model_id")
+    class SpecialTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TOKENIZER_JSON_GZIP_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLEAN_UP_TOKENIZATION_SPACES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json_gzip: bytes
+    chat_template: str
+    special_tokens: _containers.ScalarMap[str, str]
+    clean_up_tokenization_spaces: bool
+    fingerprint: str
+    model_id: str
+    def __init__(self, tokenizer_json_gzip: _Optional[bytes] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., clean_up_tokenization_spaces: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...

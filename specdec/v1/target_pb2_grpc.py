@@ -74,6 +74,11 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/specdec.v1.TargetService/GetTokenizer',
+                request_serializer=specdec_dot_v1_dot_target__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.GetTokenizerResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -138,6 +143,14 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The served model's tokenizer and chat template: what an orchestrator needs to
+        turn text into token ids and back without a model file (or torch) of its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +188,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=specdec_dot_v1_dot_common__pb2.InfoRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_common__pb2.InfoResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.GetTokenizerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,6 +388,33 @@ class TargetService:
             '/specdec.v1.TargetService/Info',
             specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
             specdec_dot_v1_dot_common__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.TargetService/GetTokenizer',
+            specdec_dot_v1_dot_target__pb2.GetTokenizerRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.GetTokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,

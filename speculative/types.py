@@ -1,0 +1,78 @@
+"""The vocabulary the core shares with the services: sampling parameters, drafter names,
+why a generation finished, what kind of token a verdict adds.
+
+Free of torch on purpose (like limits.py and stats.py): the orchestrator validates
+requests and reads results with these types and loads no model runtime. The modules of
+the core that compute with them (sampling.py, rejection.py, drafters.py, generator.py)
+import them from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+
+from speculative.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution is turned into tokens."""
+
+    temperature: float = 0.0  # 0 = greedy argmax; > 0 divides the logits
+    top_k: int = 0  # keep the k most likely tokens; 0 = disabled
+    top_p: float = 1.0  # keep the smallest set with this much probability; 1 = disabled
+    seed: int | None = None  # None = a fresh random seed per request
+    max_new_tokens: int = 64  # hard limit on generated tokens
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # e.g. the EOS id
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> SamplingParams:
+        """Raises InvalidArgument naming the first bad field; returns self."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise InvalidArgument(
+                f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise InvalidArgument(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidArgument(f"seed must be in [0, 2**63), got {self.seed}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgument(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+        return self
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_new_tokens or the context length reached
+    STOP_TOKEN = "stop_token"  # a stop token id was generated (it is included)
+
+
+class NextTokenKind(enum.Enum):
+    RECOVERED = "recovered"  # replaces the first rejected draft token
+    BONUS = "bonus"  # follows a fully accepted proposal
+
+
+# The drafters a draft worker offers, by the names of the API (SpeculationParams.drafter).
+MODEL = "model"  # the worker's small model
+NGRAM = "ngram"  # prompt lookup, no model
+NGRAM_THEN_MODEL = "ngram+model"  # prompt lookup where it finds text to copy, the model elsewhere
+DRAFTER_NAMES = (MODEL, NGRAM, NGRAM_THEN_MODEL)
+
+
+def check_drafter_name(name: str) -> None:
+    """InvalidArgument unless `name` is a drafter of the API or empty (the worker's default)."""
+    if name and name not in DRAFTER_NAMES:
+        names = ", ".join(repr(known) for known in DRAFTER_NAMES)
+        raise InvalidArgument(f"unknown drafter {name!r}: drafter must be one of {names} or empty (the worker's default)")
