@@ -12,14 +12,22 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
 from service_common.security import Tls, TlsFiles, write_throwaway_pki
 from service_common.server import channel
+
+
+# How often a wait looks again: a server is seen within this of serving (the channels'
+# reconnect backoff is capped too, service_common/server.py CHANNEL_OPTIONS).
+POLL_S = 0.1
 
 
 def free_port() -> int:
@@ -43,7 +51,7 @@ class Cluster:
         process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT)
         self.processes.append((name, process))
 
-    def wait_healthy(self, name: str, address: str, timeout_s: float) -> None:
+    def wait_healthy(self, name: str, address: str, timeout_s: float, sees: Sequence[str] = ()) -> None:
         stub = health_pb2_grpc.HealthStub(channel(address, self.tls))
         deadline = time.monotonic() + timeout_s
         process = dict(self.processes)[name]
@@ -53,11 +61,27 @@ class Cluster:
             try:
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                    return self._wait_seen(name, address, sees, deadline)
             except grpc.RpcError:
                 pass
-            time.sleep(0.5)
+            time.sleep(POLL_S)
         raise SystemExit(f"{name} not healthy at {address} after {timeout_s:.0f} s; see {self.log_dir}")
+
+    def _wait_seen(self, name: str, address: str, workers: Sequence[str], deadline: float) -> None:
+        """Until the orchestrator at address holds every worker address in its pools (it
+        reads them every --worker-refresh-s: one that just began serving may be unknown)."""
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel(address, self.tls))
+        missing = set(workers)
+        while missing:
+            try:
+                listed = stub.ListWorkers(orchestrator_pb2.ListWorkersRequest(), timeout=1.0).workers
+                missing -= {worker.address for worker in listed}
+            except grpc.RpcError:
+                pass
+            if missing and time.monotonic() > deadline:
+                raise SystemExit(f"{name} at {address} does not see {sorted(missing)}; see {self.log_dir}")
+            if missing:
+                time.sleep(POLL_S)
 
     def stop(self) -> None:
         for _, process in reversed(self.processes):
@@ -174,14 +198,22 @@ def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str
         write_throwaway_pki(Path(tls["client"].ca).parent)
         cluster.tls = tls["client"].load()
     workers = [r for r in roles if r.pool != "orchestrator"]
-    for role in workers:
+    orchestrators = [r for r in roles if r.pool == "orchestrator"]
+    # Every role at once: an orchestrator serves before its workers do (its calls get
+    # UNAVAILABLE until a target is there) and the models load side by side. With API
+    # keys the launcher cannot ask an orchestrator which workers it holds: it starts
+    # once they serve, and then holds them from its first look.
+    together = [] if args.api_keys else orchestrators
+    for role in [*workers, *together]:
         cluster.start(role.name, role.module, role.args)
     for role in workers:
         if role.pool != "proxy":  # a worker behind a proxy is checked through it
             cluster.wait_healthy(role.name, role.address, args.startup_timeout)
-    orchestrators = [r for r in roles if r.pool == "orchestrator"]
     for role in orchestrators:
-        cluster.start(role.name, role.module, role.args)
+        if role not in together:
+            cluster.start(role.name, role.module, role.args)
+    # Ready = serving and holding every worker: the first call is placed as later ones are.
+    pooled = [r.address for r in workers if r.pool in ("target", "draft")] if together else []
     for role in orchestrators:
-        cluster.wait_healthy(role.name, role.address, args.startup_timeout)
+        cluster.wait_healthy(role.name, role.address, args.startup_timeout, sees=pooled)
     return orchestrators[0].address

@@ -35,6 +35,12 @@ CHANNEL_OPTIONS = [
     # Proposals are latency-bound: keep connections warm between rounds.
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A peer not listening yet (started at the same time, restarting) is tried again at
+    # least every half second: gRPC's default backoff grows to 2 minutes, and a channel
+    # made before its server listened missed it for minutes after it served.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
 ]
 
 

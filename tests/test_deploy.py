@@ -222,7 +222,7 @@ class RecordingCluster:
     def start(self, name: str, module: str, args: list[str]) -> None:
         self.started.append((name, module, list(args)))
 
-    def wait_healthy(self, name: str, address: str, timeout_s: float) -> None:
+    def wait_healthy(self, name: str, address: str, timeout_s: float, sees=()) -> None:
         return None
 
 
