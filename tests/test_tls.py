@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -171,21 +170,19 @@ def test_a_worker_without_a_ca_signed_certificate_never_joins_a_pool(system, red
         assert session.draft.worker_id not in impostors
 
 
-def test_half_a_tls_configuration_is_refused_at_start(tmp_path):
-    files = write_throwaway_pki(tmp_path, roles=("target",))["target"]
-    result = subprocess.run(
-        [sys.executable, "-m", "draft_service", "--address", "127.0.0.1:0", "--tls-cert", files.cert, "--tls-key", files.key],
-        capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "TLS needs tls_cert, tls_key and tls_ca together; missing tls_ca" in result.stderr
-
-
-def test_a_missing_certificate_file_is_named():
+def test_half_a_tls_configuration_is_refused_and_a_missing_file_named(tmp_path):
+    """Refused at start-up (each role's main turns InvalidArgument into exit status 2),
+    never silently served in plaintext."""
+    from draft_service.config import DraftConfig
     from service_common.security import tls_of
-    from target_service.config import TargetConfig
 
+    files = write_throwaway_pki(tmp_path, roles=("draft",))["draft"]
+    with pytest.raises(InvalidArgument, match="TLS needs tls_cert, tls_key and tls_ca together; missing tls_ca"):
+        tls_of(DraftConfig(tls_cert=files.cert, tls_key=files.key))
     with pytest.raises(InvalidArgument, match="tls_key: cannot read '/nonexistent/key.pem'"):
-        tls_of(TargetConfig(tls_cert=__file__, tls_key="/nonexistent/key.pem", tls_ca=__file__))
+        tls_of(DraftConfig(tls_cert=files.cert, tls_key="/nonexistent/key.pem", tls_ca=files.ca))
+    assert tls_of(DraftConfig()) is None
+    assert tls_of(DraftConfig(tls_cert=files.cert, tls_key=files.key, tls_ca=files.ca)).cert.startswith(b"-----BEGIN")
 
 
 @pytest.fixture
