@@ -88,7 +88,7 @@ class _Sent:
 
     base_len: int
     proposal: Proposal
-    draft_ns: int  # drafting it, its guess included
+    draft_ns: int  # drafting its tokens (not the guess: that is drafted after sending)
     sent_ns: int  # when it was sent (time.perf_counter_ns)
     guess: int | None = None  # the draft's next token after it: what a proposal ahead assumes
     index: int = 0  # its Proposal.round, counted from the call's first
@@ -97,7 +97,7 @@ class _Sent:
 class _Loop:
     """One call's rounds. Pipelining (depth 1): while proposal n is verified, proposal
     n + 1 is drafted from the optimistic context (all of n accepted, and the target's own
-    next token equal to the draft's guess, drafted as token k + 1 of n) and sent with
+    next token equal to the draft's guess, drafted once n is sent) and sent with
     that guess as expected_last_token_id. It survives when the verdict on n commits
     exactly that context; otherwise the target discards it (it checks base_len and the
     last token), and the draft rolls back to the verdict and drafts again. Every
@@ -150,7 +150,7 @@ class _Loop:
             self.draft_read_prompt, self.start_ns = True, time.perf_counter_ns()
         k = min(action.k, room - 1)
         pipelined = action.ahead and self.verifier.overlaps and room - k - 1 >= 2
-        sent = self._draft(self.base_len, k, pipelined)
+        sent = self._draft(self.base_len, k)
         if k > 0:
             self.policy.observe_turn(proposed=bool(sent.proposal.token_ids))
         if k > 0 and not sent.proposal.token_ids:  # nothing to verify: a round trip for one token?
@@ -160,20 +160,25 @@ class _Loop:
             if stretch:
                 return stretch
         self._send(sent, None)
+        if pipelined:
+            self._draft_guess(sent, k)
         return sent
 
-    def _draft(self, base_len: int, k: int, guess: bool) -> _Sent:
-        """Drafts k tokens after base_len (and, with `guess`, one more the next proposal
-        will assume)."""
+    def _draft(self, base_len: int, k: int) -> _Sent:
+        """Drafts k tokens after base_len."""
         start = time.perf_counter_ns()
-        proposal = self.draft.propose(k + guess) if k > 0 else EMPTY_PROPOSAL
+        proposal = self.draft.propose(k) if k > 0 else EMPTY_PROPOSAL
         sent = _Sent(base_len, proposal, 0, 0)
-        if guess and len(proposal) == k + 1:  # the last token is the guess, not proposed
-            probs = proposal.draft_probs[:k] if proposal.draft_probs is not None else None
-            sent.proposal, sent.guess = Proposal(proposal.token_ids[:k], probs), proposal.token_ids[k]
         sent.draft_ns = time.perf_counter_ns() - start
         sent.sent_ns = time.perf_counter_ns()
         return sent
+
+    def _draft_guess(self, sent: _Sent, k: int) -> None:
+        """The draft's next token after a full proposal: what a proposal ahead assumes the
+        target's own token will be. Drafted after sending, while the target verifies."""
+        if k > 0 and len(sent.proposal) == k:
+            guess = self.draft.propose(1)
+            sent.guess = guess.token_ids[0] if len(guess) else None
 
     def _send_ahead(self, current: _Sent, k: int) -> None:
         """Drafts and sends the proposal after `current`, assuming all of it accepted and
@@ -186,11 +191,13 @@ class _Loop:
         k = min(k, room - 1)
         if k < 1:
             return
-        ahead = self._draft(base_len, k, room - k - 1 >= 2)
+        ahead = self._draft(base_len, k)
         if not ahead.proposal.token_ids:  # nothing to send: the draft keeps the guess, truncated later
             return
         self._send(ahead, guess)
         self.ahead = ahead
+        if room - k - 1 >= 2:
+            self._draft_guess(ahead, k)
 
     def _send(self, sent: _Sent, expected_last: int | None) -> None:
         sent.index, self.index = self.index, self.index + 1

@@ -102,15 +102,20 @@ class WrongAfter(DraftSession):
     def __init__(self, reference: Sequence[int], prompt: Sequence[int], wrong_at: int, vocab_size: int):
         self.reference, self.tokens = list(reference), list(prompt)
         self.wrong_at, self.vocab_size = wrong_at, vocab_size
+        self.last_proposal = (-1, 0)  # (length after it, its size)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
     def propose(self, k: int) -> Proposal:
+        # A guess (one token right after a proposal) is the proposal's position k.
+        end, size = self.last_proposal
+        first = size if k == 1 and end == self.length else 0
         truth = self.reference[self.length:self.length + k]
-        proposal = [(t + 1) % self.vocab_size if i == self.wrong_at else t for i, t in enumerate(truth)]
+        proposal = [(t + 1) % self.vocab_size if first + i == self.wrong_at else t for i, t in enumerate(truth)]
         self.tokens += proposal
+        self.last_proposal = (self.length, k)
         return Proposal(proposal)
 
     def append(self, token_ids):
