@@ -46,8 +46,10 @@ def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None)
         default_max_new_tokens=config.default_max_new_tokens,
         admission=admission,
     )
-    # A Decode stream's next token is computed while gRPC sends the last one.
+    # A stream's next message (a Decode token, a stretch token, the verdict on a proposal
+    # already received) is computed while gRPC sends the last one.
     servicer.Decode = common_server.read_ahead(servicer.Decode)
+    servicer.Verify = common_server.read_ahead(servicer.Verify)
     service = create_worker_service(
         config, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s), SERVICE_NAME,
         common_pb2.WORKER_POOL_TARGET, lambda: servicer.Info(common_pb2.InfoRequest(), None),
