@@ -245,6 +245,10 @@ class Generation:
         it; opens (prefills) a new one where it has none, lost it, or shares nothing.
         Truncate is bookkeeping (rpc_timeout_s); Extend prefills, under the call's deadline."""
         timeout = self.config.rpc_timeout_s
+        if handle and handle.address == worker.address and worker.pool == DRAFT and handle.drafter != plan.drafter:
+            # A draft session keeps the drafter it was opened with: another one needs a new session.
+            close_worker_sessions(self.pool, ((worker.pool, handle),), timeout)
+            return self._open(worker, tokens, plan)
         if handle and handle.address == worker.address:
             keep = min(keep, handle.committed_len)
             if keep < 1:  # nothing in common (a session keeps at least one token)
@@ -259,7 +263,7 @@ class Generation:
                         session_id=handle.session_id, base_len=keep, token_ids=tokens[keep:]),
                         timeout=self.deadline.remaining())
                     self._count_prefill(worker, response.prefill_ns, len(tokens) - keep)
-                return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(tokens))
+                return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(tokens), handle.drafter)
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.NOT_FOUND:
                     raise
@@ -276,7 +280,8 @@ class Generation:
                 prompt_token_ids=tokens, drafter=plan.drafter), timeout=timeout)
         self._count_prefill(worker, response.prefill_ns, len(tokens))
         handle = response.handle
-        return WorkerHandle(handle.worker_id, worker.address, handle.session_id, handle.committed_len)
+        return WorkerHandle(handle.worker_id, worker.address, handle.session_id, handle.committed_len,
+                            plan.drafter if worker.pool == DRAFT else "")
 
     def _count_prefill(self, worker: Worker, prefill_ns: int, num_tokens: int) -> None:
         self.stats.prefill_ns += prefill_ns

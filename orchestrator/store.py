@@ -38,6 +38,7 @@ class WorkerHandle:
     address: str  # host:port
     session_id: str  # the worker's own id for the session
     committed_len: int  # tokens
+    drafter: str = ""  # a draft session's drafter as requested ("" = the worker's default)
 
 
 @dataclass

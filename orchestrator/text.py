@@ -9,18 +9,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jinja2 import TemplateError
+
 from speculative.errors import InvalidArgument
 
 
 def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidArgument("the target's tokenizer has no chat template: send text or token ids")
+    if not messages:
+        raise InvalidArgument("prompt is empty: the chat has no messages")
     for message in messages:
         if message["role"] not in ("system", "user", "assistant"):
             raise InvalidArgument(f"chat role must be system, user or assistant, got {message['role']!r}")
-    return list(tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-    ))
+    try:
+        return list(tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        ))
+    except (ValueError, TemplateError) as error:  # a template's raise_exception: e.g. roles out of order
+        raise InvalidArgument(f"the chat messages do not fit the target's chat template: {error}") from error
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -59,10 +66,11 @@ class TextAssembler:
         if hits:
             self.stopped_at = min(hits)
             return self._release(text, self.stopped_at)
-        final = len(text) - self.hold_back
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-            final = min(final, len(text) - 1)
-        return self._release(text, final)
+        # An incomplete multi-byte character at the end is no text yet: the characters
+        # held back (those that could begin a stop string) are counted before it, since
+        # it may complete into the rest of a stop string.
+        complete = len(text) - 1 if text.endswith("\ufffd") else len(text)
+        return self._release(text, complete - self.hold_back)
 
     def finish(self) -> tuple[list[int], str]:
         """What is left, at the end of generation (up to the stop string, if one hit)."""
