@@ -82,6 +82,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with (self._admitted(context) as waited_ns,
               self.sessions.use(request.session_id, growth=len(request.token_ids)) as target,
               _prefill_span(request.session_id, request.base_len, len(request.token_ids)) as span):
+            if not request.token_ids:  # as on the draft worker: nothing to extend is a mistake
+                raise InvalidArgument("no token ids given: send at least one")
             start = time.perf_counter_ns()
             self.sessions.compute.submit(target.extend_steps(request.base_len, list(request.token_ids)))
             prefill_ns = time.perf_counter_ns() - start

@@ -472,6 +472,25 @@ class PublicSessions(RuleBasedStateMachine):
             assert list(response.token_ids) == self.reference(history + new, max_new_tokens), speculation
             self.history[session] = history + new + list(response.token_ids)
 
+    @rule(session=sessions, new=st.lists(SMALL_TOKENS, max_size=4),
+          sampling=messages(common_pb2.SamplingParams.DESCRIPTOR, "orchestrator"),
+          speculation=messages(common_pb2.SpeculationParams.DESCRIPTOR, "orchestrator"))
+    def continue_with_random_fields(self, session, new, sampling, speculation):
+        """Refused (nothing changes) or served (sampled tokens, whatever they are, are
+        what the session then holds)."""
+        self._settle(session)
+        history = self.history[session]
+        if sampling.max_new_tokens > 12 or sampling.max_new_tokens == 0:
+            sampling.max_new_tokens = 12  # a long valid generation would only cost time
+        request = orchestrator_pb2.GenerateRequest(session_id=session, sampling=sampling, speculation=speculation)
+        request.token_ids.ids.extend(new)
+        expected = {Code.NOT_FOUND} if history is None else {Code.OK, Code.INVALID_ARGUMENT}
+        status, response = self._call("Generate (random fields)", self.system.stub.Generate, request, expected)
+        if status == Code.OK:
+            self.history[session] = history + new + list(response.token_ids)
+        if history is not None:
+            self.get(session)  # a refused call changed nothing
+
     @rule(session=sessions, new=st.lists(SMALL_TOKENS, max_size=6), speculation=SPECULATION,
           start=st.integers(0, 40), width=st.integers(1, 3))
     def continue_with_stop_string(self, session, new, speculation, start, width):
@@ -682,8 +701,8 @@ class WorkerSessions(RuleBasedStateMachine):
     def extend(self, pair, side, new, off):
         held = self._settle(pair, side)
         expected = {Code.NOT_FOUND} if held is None else {Code.FAILED_PRECONDITION} if off else {Code.OK}
-        if held is not None and not off and not new:
-            expected = {Code.INVALID_ARGUMENT}  # "no token ids given"
+        if held is not None and not new:  # "no token ids given" (the first check that fails)
+            expected = {Code.INVALID_ARGUMENT} | (expected - {Code.OK})
         status, response = self._call(f"{side} Extend", self._stub(side).Extend, common_pb2.ExtendRequest(
             session_id=self._id(pair, side), base_len=len(held or []) + off, token_ids=new), expected)
         if status == Code.OK:
@@ -739,8 +758,10 @@ class WorkerSessions(RuleBasedStateMachine):
             return
         stream = Lockstep(self.target)
         try:
-            for k, right, off, wrong_last, stretch in rounds:
+            for index, (k, right, off, wrong_last, stretch) in enumerate(rounds):
                 proposal = target_pb2.Proposal(session_id=pair.target_id, base_len=len(held) + off)
+                if index == 0:  # greedy from here on, whatever an earlier call set
+                    proposal.sampling.max_new_tokens = 1000
                 if wrong_last and held:
                     proposal.expected_last_token_id = (held[-1] + 1) % (TINY_VOCAB_SIZE - 1)
                 if stretch:
@@ -807,6 +828,54 @@ class WorkerSessions(RuleBasedStateMachine):
             assert len(out) == max_new_tokens and received[-1].finished
         target_held += out
         draft_held += out
+
+    @rule(pair=pairs, draft=st.lists(st.one_of(SMALL_TOKENS, I32), max_size=5),
+          distributions=st.lists(messages(common_pb2.SparseDistribution.DESCRIPTOR, "target"), max_size=5),
+          sampling=st.none() | messages(common_pb2.SamplingParams.DESCRIPTOR, "target"),
+          stretch=st.none() | messages(target_pb2.Stretch.DESCRIPTOR, "target"))
+    def verify_with_random_fields(self, pair, draft, distributions, sampling, stretch):
+        """A proposal at the right length with random tokens, distributions (NaN,
+        negative, not summing to 1, outside the vocabulary), sampling or stretch:
+        refused with INVALID_ARGUMENT and nothing applied, or served and its verdicts
+        are what the session then holds."""
+        held = self._settle(pair, "target")
+        if held is None:
+            return
+        proposal = target_pb2.Proposal(session_id=pair.target_id, base_len=len(held), draft_token_ids=draft,
+                                       draft_distributions=distributions)
+        if sampling is not None:
+            proposal.sampling.CopyFrom(sampling)
+        if stretch is not None:
+            stretch.max_tokens = min(stretch.max_tokens, 8)  # a long stretch would only cost time
+            proposal.stretch.CopyFrom(stretch)
+        status, verdicts = self._call("target Verify (random fields)", self.target.Verify, iter([proposal]),
+                                      {Code.OK, Code.INVALID_ARGUMENT})
+        for verdict in verdicts or []:
+            assert not verdict.discarded
+            accepted = list(draft[: verdict.num_accepted]) if stretch is None else []
+            held += accepted + [verdict.next_token_id]
+            assert verdict.committed_len == len(held)
+
+    @rule(pair=pairs, sampling=messages(common_pb2.SamplingParams.DESCRIPTOR, "draft"),
+          speculation=messages(common_pb2.SpeculationParams.DESCRIPTOR, "draft"))
+    def speculate_with_random_fields(self, pair, sampling, speculation):
+        """Refused, or served: both sessions then hold the tokens it streamed."""
+        target_held, draft_held = self._settle(pair, "target"), self._settle(pair, "draft")
+        if target_held is None or draft_held is None or len(target_held) != len(draft_held):
+            return
+        if sampling.max_new_tokens > 12 or sampling.max_new_tokens == 0:
+            sampling.max_new_tokens = 12  # a long valid generation would only cost time
+        request = draft_pb2.SpeculateRequest(
+            session_id=pair.draft_id, base_len=len(draft_held), sampling=sampling, speculation=speculation,
+            target=common_pb2.KvHandle(worker_address=ADDRESSES["target"], session_id=pair.target_id,
+                                       committed_len=len(target_held)))
+        status, updates = self._call("draft Speculate (random fields)", self.draft.Speculate, request,
+                                     {Code.OK, Code.INVALID_ARGUMENT})
+        out = [t for update in updates or [] for t in update.token_ids]
+        target_held += out
+        draft_held += out
+        if updates:
+            assert updates[-1].committed_len == len(target_held)
 
     @rule(pair=pairs, side=SIDES)
     def close(self, pair, side):
@@ -893,6 +962,19 @@ def test_no_session_is_left_on_the_workers(system, channels, tally, reference):
 
 
 # --- what the fuzzing found: each a regression test -------------------------------------
+
+def test_an_extend_of_no_tokens_is_invalid_argument_on_both_workers(channels):
+    """The target answered OK (and changed nothing), the draft INVALID_ARGUMENT."""
+    for stub, request in ((target_pb2_grpc.TargetServiceStub(channels["target"]),
+                           target_pb2.OpenSessionRequest(prompt_token_ids=[5, 6])),
+                          (draft_pb2_grpc.DraftServiceStub(channels["draft"]),
+                           draft_pb2.DraftOpenSessionRequest(prompt_token_ids=[5, 6]))):
+        session_id = stub.OpenSession(request, timeout=TIMEOUT_S).handle.session_id
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Extend(common_pb2.ExtendRequest(session_id=session_id, base_len=2), timeout=TIMEOUT_S)
+        assert error.value.code() == Code.INVALID_ARGUMENT and "no token ids given" in error.value.details()
+        stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S)
+
 
 def test_a_chat_with_no_messages_is_invalid_argument(system):
     """It was INTERNAL: the chat template raised on an empty conversation."""
