@@ -19,7 +19,7 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from speculative.errors import SpeculativeError
 from speculative.step_scheduler import StepScheduler
 from speculative.loading import LoadedModel, configure_threads, load_model
-from speculative.warmup import warm_up
+from speculative import warmup
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
         loaded_model = compute.run(load_model, config.model, device=config.device, dtype=config.dtype)
     if loaded_model is not None:
         compute.model = loaded_model.model
-        log.info("warmed up in %.2f s", compute.run(warm_up, loaded_model) * 1e-9)
+        if warmup.pays_off(loaded_model):
+            log.info("warmed up in %.2f s", compute.run(warmup.warm_up, loaded_model) * 1e-9)
     drafters = Drafters(loaded_model, config.default_drafter, config.draft_top_k,
                         config.prompt_lookup_min, config.prompt_lookup_max, compute)
     servicer = DraftServicer(config, drafters, SessionCache(config.max_sessions, config.max_cached_tokens),

@@ -8,7 +8,7 @@ from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import SpeculativeError
 from speculative.step_scheduler import StepScheduler
 from speculative.loading import LoadedModel, configure_threads, load_model
-from speculative.warmup import warm_up
+from speculative import warmup
 from service_common import server as common_server
 from service_common import telemetry
 from service_common.config import parse
@@ -38,7 +38,8 @@ def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None)
         load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None
     )
     compute.model = loaded.model
-    log.info("warmed up in %.2f s", compute.run(warm_up, loaded) * 1e-9)
+    if warmup.pays_off(loaded):
+        log.info("warmed up in %.2f s", compute.run(warmup.warm_up, loaded) * 1e-9)
     servicer = TargetServicer(
         SessionCache(loaded, config.max_sessions, config.max_cached_tokens, compute),
         worker_id=config.resolved_worker_id(),

@@ -235,3 +235,16 @@ def test_an_orchestrator_without_model_files_serves_a_generation(tmp_path):
                                                   tokenize=True, return_dict=False)
     assert chat_reply.num_prompt_tokens == len(expected_chat)
     assert "out of the orchestrator's reach" not in (tmp_path / "orchestrator.log").read_text()
+
+
+def test_warm_up_is_kept_where_it_pays(tiny_target):
+    """Measured: on a CPU the first pass of each width costs what later ones do, and
+    warming up took 5-31 s of a worker's start (speculative/warmup.py)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from speculative import warmup
+
+    assert not warmup.pays_off(tiny_target)
+    assert warmup.pays_off(SimpleNamespace(device=torch.device("cuda", 0)))
