@@ -53,11 +53,12 @@ def cache_root() -> Path:
 
 
 def content_hash(path: Path) -> str:
-    """SHA-256 of the file's content (hex). Remembered in the cache by path, size,
-    modification time and inode, so a large file is read once, not at every start."""
+    """SHA-256 of the file's content (hex). Remembered in the cache by path, size and
+    modification time, so a large file is read once, not at every start (the inode is
+    left out: an image's layers copy files with their times but not their inodes)."""
     path = path.resolve()
     stat = path.stat()
-    identity = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+    identity = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     memo = cache_root() / HASHES_DIR / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
     with contextlib.suppress(OSError, ValueError):
         remembered = json.loads(memo.read_text())
