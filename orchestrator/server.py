@@ -38,8 +38,8 @@ def create_server(config: OrchestratorConfig, tokenizer=None) -> Service:
     pool = WorkerPool(_discovery(config, tls), config.worker_refresh_s, tls, vet=bool(tls and config.redis_url))
     pool.start()
     store = _store(config, tls)
-    servicer = OrchestratorServicer(config, pool, store, TargetTokenizer(pool, config.tokenizer, tokenizer,
-                                                                          config.rpc_timeout_s))
+    target_tokenizer = TargetTokenizer(pool, config.tokenizer, tokenizer, config.rpc_timeout_s)
+    servicer = OrchestratorServicer(config, pool, store, target_tokenizer)
     server, port, health = create_grpc_server(
         config.address, lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s), [SERVICE_NAME],
         # A thread per call in flight (streams hold theirs), headroom for health checks.
@@ -50,7 +50,8 @@ def create_server(config: OrchestratorConfig, tokenizer=None) -> Service:
     service = Service(server, port, health)
     if config.health_address:
         add_health_port(service, config.health_address)
-    service.on_stopping += [pool.stop, store.close]
+    service.on_started.append(lambda: target_tokenizer.fetch_ahead(config.worker_refresh_s))
+    service.on_stopping += [pool.stop, store.close, target_tokenizer.stop]
     return service
 
 

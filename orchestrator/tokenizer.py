@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import gzip
 import json
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from speculative.fingerprint import tokenizer_fingerprint
 from orchestrator.chat_template import render_chat_template
 from orchestrator.workers import WorkerPool
 
+log = logging.getLogger(__name__)
+
 # The named special tokens of transformers' tokenizers (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -41,6 +44,7 @@ class TargetTokenizer:
         self.pool, self.name, self.timeout_s = pool, name, timeout_s
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
+        self._stop = threading.Event()
 
     def get(self):
         with self._lock:
@@ -52,6 +56,24 @@ class TargetTokenizer:
                 if gc.get_freeze_count():
                     freeze_startup_heap()
             return self._tokenizer
+
+    def fetch_ahead(self, period_s: float) -> None:
+        """Fetches the tokenizer in the background as soon as a target serves, so that
+        the first call does not wait for it (half a second for SmolLM2's)."""
+        def fetch() -> None:
+            while True:
+                try:
+                    self.get()
+                    return
+                except Exception as error:  # noqa: BLE001 - no target yet: a call gets the error
+                    log.debug("tokenizer not fetched yet: %s", error)
+                if self._stop.wait(period_s):
+                    return
+
+        threading.Thread(target=fetch, name="tokenizer-fetch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
 
     def _from_target(self) -> ServedTokenizer:
         targets = self.pool.live_targets()

@@ -190,3 +190,22 @@ def test_the_served_tokenizer_is_compact(tiny_target):
     assert gzip.decompress(served.tokenizer_json_gzip).decode() == tiny_target.tokenizer.backend_tokenizer.to_str()
     assert served_tokenizer(tiny_target).tokenizer_json_gzip == served.tokenizer_json_gzip  # same bytes each time
     assert served.special_tokens == {"eos_token": tiny.END_OF_TEXT}
+
+
+def test_the_tokenizer_is_fetched_ahead_once_a_target_appears(tiny_target):
+    import time
+
+    targets = []
+    worker = SimpleNamespace(worker_id="t", address="a", stub=SimpleNamespace(
+        GetTokenizer=lambda request, timeout: served_tokenizer(tiny_target)))
+    pool = SimpleNamespace(live_targets=lambda: list(targets), why_empty=lambda message: message)
+    tokenizer = TargetTokenizer(pool)
+    tokenizer.fetch_ahead(period_s=0.05)
+    try:
+        targets.append(worker)  # a target begins serving
+        deadline = time.monotonic() + 10
+        while tokenizer._tokenizer is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tokenizer._tokenizer is not None and tokenizer.get().fingerprint == tiny_target.fingerprint
+    finally:
+        tokenizer.stop()
