@@ -156,11 +156,7 @@ class ApiGate(grpc.ServerInterceptor):
             caller = self.keys.name_of(key) if key else None
             if caller is None:
                 return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
-        try:
-            self.limits.admit(caller)
-        except ResourceExhausted as error:
-            return _refusing(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        return _admitted(handler, caller, lambda: self.limits.release(caller))
+        return _admitted(handler, caller, self.limits)
 
 
 def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
@@ -170,21 +166,26 @@ def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: st
     return _same_kind(handler, refuse, refuse)
 
 
-def _admitted(handler: grpc.RpcMethodHandler, caller: str, release) -> grpc.RpcMethodHandler:
-    """The handler run with current_caller() = caller, release() called once it ends.
-    Each call runs in a context of its own: the caller cannot leak into another call
-    that a pool thread serves next."""
+def _admitted(handler: grpc.RpcMethodHandler, caller: str, limits: CallLimits) -> grpc.RpcMethodHandler:
+    """The handler run with current_caller() = caller, counted by limits from when it
+    starts to when it ends. Counting starts in the handler, not when gRPC looks it up:
+    gRPC never runs a call whose request did not parse or whose client left first, and
+    such a call would hold its slot for good (the fuzzing filled all 128 of them with
+    malformed requests). Each call runs in a context of its own: the caller cannot leak
+    into another call that a pool thread serves next."""
     behavior = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
     def unary(request_or_iterator, context):
+        _admit(limits, caller, context)
         call_context = contextvars.copy_context()
         call_context.run(_CALLER.set, caller)
         try:
             return call_context.run(behavior, request_or_iterator, context)
         finally:
-            release()
+            limits.release(caller)
 
     def streaming(request_or_iterator, context):
+        _admit(limits, caller, context)
         call_context = contextvars.copy_context()
         call_context.run(_CALLER.set, caller)
         responses = None
@@ -200,9 +201,16 @@ def _admitted(handler: grpc.RpcMethodHandler, caller: str, release) -> grpc.RpcM
             # The handler's own clean-up (its generator closed on cancellation) first.
             if hasattr(responses, "close"):
                 call_context.run(responses.close)
-            release()
+            limits.release(caller)
 
     return _same_kind(handler, unary, streaming)
+
+
+def _admit(limits: CallLimits, caller: str, context: grpc.ServicerContext) -> None:
+    try:
+        limits.admit(caller)
+    except ResourceExhausted as error:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
 
 def _same_kind(handler: grpc.RpcMethodHandler, unary_response, streaming_response) -> grpc.RpcMethodHandler:

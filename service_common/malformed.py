@@ -61,7 +61,8 @@ _FACTORIES = {  # (request_streaming, response_streaming) -> (behavior field, ha
 
 
 class MalformedRequests(grpc.ServerInterceptor):
-    """First of a server's interceptors, so that the others only see parsed requests."""
+    """Last of a server's interceptors: the others wrap the handler it returns, keep its
+    tolerant parse, and see the refusal as the call's end (a slot taken is released)."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)

@@ -61,7 +61,9 @@ def create_server(
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[MalformedRequests(), *interceptors],  # first: the others see parsed requests
+        # Last: a malformed request is refused inside the others (authenticated, counted
+        # and released like any call); they pass its tolerant parse on.
+        interceptors=[*interceptors, MalformedRequests()],
         options=message_options(max_message_bytes),
     )
     register(server)

@@ -22,17 +22,22 @@ the workers.
 from __future__ import annotations
 
 import queue
+import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
 from hypothesis import given, strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from google.protobuf import descriptor as pb_descriptor
+from google.protobuf import message_factory
 
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, target_pb2, target_pb2_grpc
 from orchestrator.text import TextAssembler
+from service_common.auth import ApiGate
+from service_common.limits import CallLimits
 from speculative.tiny import TINY_VOCAB_SIZE
 from tests.fuzzing import Code, Reference, Tally, fuzz_settings, methods_of, raw_method
 from tests.system import LocalSystem
@@ -73,8 +78,8 @@ def worker_reference(tiny_target):
 
 @pytest.fixture(scope="module")
 def channels(system):
-    addresses = {r.pool: r.address for r in system.roles}
-    opened = {pool: grpc.insecure_channel(address) for pool, address in addresses.items()}
+    ADDRESSES.update({r.pool: r.address for r in system.roles})
+    opened = {pool: grpc.insecure_channel(address) for pool, address in ADDRESSES.items()}
     yield opened
     for channel in opened.values():
         channel.close()
@@ -133,7 +138,7 @@ class Live:
 
 
 LIVE = Live()
-ADDRESSES: dict[str, str] = {}  # pool -> address, set by the fixture of the test that uses them
+ADDRESSES: dict[str, str] = {}  # pool -> address, set by the channels fixture
 
 
 def _session_ids(pool: str):
@@ -232,7 +237,6 @@ def _repeated(field, pool: str, depth: int):
 
 
 def _new(descriptor):
-    from google.protobuf import message_factory
     return message_factory.GetMessageClass(descriptor)()
 
 
@@ -301,7 +305,6 @@ def _calls(draw):
 
 def test_random_field_values_get_documented_statuses(system, channels, tally, reference):
     """Every method of the three services, random values in every field."""
-    ADDRESSES.update({r.pool: r.address for r in system.roles})
 
     @fuzz_settings(240)
     @given(_calls())
@@ -354,7 +357,6 @@ RAW_METHODS = [(pool, path, rs, ss) for pool, service in SERVICES for path, rs, 
 def test_random_bytes_get_documented_statuses(system, channels, tally, reference):
     """Bytes that are not the method's message are INVALID_ARGUMENT; bytes that happen
     to parse are served like any request."""
-    ADDRESSES.update({r.pool: r.address for r in system.roles})
 
     @fuzz_settings(160)
     @given(st.sampled_from(RAW_METHODS), st.lists(PAYLOADS, min_size=1, max_size=3))
@@ -937,7 +939,6 @@ def _wait_until_idle(target_stub) -> None:
 
 
 def test_random_call_orders_on_worker_sessions(system, channels, tally, worker_reference):
-    ADDRESSES.update({r.pool: r.address for r in system.roles})
     WorkerSessions.system, WorkerSessions.tally = system, tally
     WorkerSessions.reference, WorkerSessions.channels = worker_reference, channels
     run_state_machine_as_test(WorkerSessions, settings=fuzz_settings(12, steps=12))
@@ -974,6 +975,54 @@ def test_an_extend_of_no_tokens_is_invalid_argument_on_both_workers(channels):
             stub.Extend(common_pb2.ExtendRequest(session_id=session_id, base_len=2), timeout=TIMEOUT_S)
         assert error.value.code() == Code.INVALID_ARGUMENT and "no token ids given" in error.value.details()
         stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S)
+
+
+def test_malformed_requests_hold_no_slot_of_the_server(system, reference):
+    """The orchestrator counted a call in when gRPC looked its handler up and out when
+    the handler ended; a malformed request's handler never ran, so each one held a slot
+    for good and after 128 of them (max_concurrent_calls) every call was refused with
+    RESOURCE_EXHAUSTED. Twice that many, then a normal request."""
+    generate = raw_method(system.channels[0], "/specdec.v1.Orchestrator/Generate", False, False)
+    for _ in range(256):
+        with pytest.raises(grpc.RpcError) as error:
+            generate(b"\xff", timeout=TIMEOUT_S)
+        assert error.value.code() == Code.INVALID_ARGUMENT
+    assert_fresh_session_is_greedy(system, reference)
+
+
+def test_a_call_whose_client_left_before_it_ran_holds_no_slot():
+    """The same leak by another path: calls queued behind a busy thread pool whose
+    deadline passed before a thread took them never run, and held their slot for good.
+    One server thread, held by a slow call; ten quick calls time out in the queue."""
+    limits, release_slow = CallLimits(max_calls=32), threading.Event()
+
+    def slow(request, context):
+        release_slow.wait(10)
+        return request
+
+    handlers = {"Slow": grpc.unary_unary_rpc_method_handler(slow),
+                "Fast": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), interceptors=[ApiGate(None, limits)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("fuzz.Test", handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            slow_call = channel.unary_unary("/fuzz.Test/Slow").future(b"x", timeout=10)
+            fast = channel.unary_unary("/fuzz.Test/Fast")
+            for _ in range(10):
+                with pytest.raises(grpc.RpcError) as error:
+                    fast(b"x", timeout=0.2)
+                assert error.value.code() == Code.DEADLINE_EXCEEDED
+            release_slow.set()
+            assert slow_call.result() == b"x"
+            deadline = time.monotonic() + 10
+            while limits.in_flight() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert limits.in_flight() == 0
+            assert fast(b"y", timeout=10) == b"y"
+    finally:
+        server.stop(None)
 
 
 def test_a_chat_with_no_messages_is_invalid_argument(system):
