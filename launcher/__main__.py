@@ -1,6 +1,6 @@
-"""`python -m launcher`: target, draft and orchestrator as local processes, health-checked.
+"""`python -m launcher`: target, draft, orchestrator and the HTTP API as local processes, health-checked.
 
-    python -m launcher                          # serve until Ctrl-C
+    python -m launcher                          # serve until Ctrl-C (HTTP API and playground on :8000)
     python -m launcher --prompt "Hello"         # start, generate once through the client, stop
 
 Each role is the same module a container runs (`python -m target_service`, ...), with
@@ -17,18 +17,22 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.cluster import Cluster, parse_args, start_system, tls_files
+from launcher.cluster import Cluster, layout, parse_args, start_system, tls_files
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     cluster = Cluster(Path(args.log_dir))
     try:
-        print(f"starting target ({args.target_model}), draft ({args.draft_model or 'n-gram'}), orchestrator; "
+        print(f"starting target ({args.target_model}), draft ({args.draft_model or 'n-gram'}), orchestrator, HTTP API; "
               f"logs in {args.log_dir}", file=sys.stderr)
         started = time.monotonic()
-        address = start_system(args, cluster)
+        roles = layout(args)
+        address = start_system(args, cluster, roles)
         print(f"ready in {time.monotonic() - started:.0f} s: orchestrator at {address}", file=sys.stderr)
+        for role in (r for r in roles if r.pool == "http"):
+            print(f"OpenAI-compatible HTTP API at http://{role.address}/v1, playground at http://{role.address}/",
+                  file=sys.stderr)
         tls = tls_files(args)
         if tls:
             print(f"TLS: python -m client PROMPT --address {address} --tls-ca {tls['client'].ca}", file=sys.stderr)

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 class Cluster:
     """Child processes of one local system; stops them all on exit."""
 
@@ -52,6 +62,10 @@ class Cluster:
         self.processes.append((name, process))
 
     def wait_healthy(self, name: str, address: str, timeout_s: float, sees: Sequence[str] = ()) -> None:
+        """Waits for SERVING on the gRPC health service at address, or for a 200 from an
+        http:// address (the HTTP API's /health)."""
+        if address.startswith("http://"):
+            return self._wait_http(name, address, timeout_s)
         stub = health_pb2_grpc.HealthStub(channel(address, self.tls))
         deadline = time.monotonic() + timeout_s
         process = dict(self.processes)[name]
@@ -83,6 +97,21 @@ class Cluster:
             if missing:
                 time.sleep(POLL_S)
 
+    def _wait_http(self, name: str, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        process = dict(self.processes)[name]
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"{name} exited with {process.returncode}; see {self.log_dir / (name + '.log')}")
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:  # refused, or 503 (HTTPError) until the orchestrator serves
+                pass
+            time.sleep(0.3)
+        raise SystemExit(f"{name} not healthy at {url} after {timeout_s:.0f} s; see {self.log_dir}")
+
     def stop(self) -> None:
         for _, process in reversed(self.processes):
             if process.poll() is None:
@@ -95,7 +124,7 @@ class Cluster:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m launcher", description="Target, draft and orchestrator as local processes, health-checked.")
+    parser = argparse.ArgumentParser(prog="python -m launcher", description="Target, draft, orchestrator and HTTP API as local processes, health-checked.")
     parser.add_argument("--target-model", default="smollm2-135m")
     parser.add_argument("--draft-model", default="", help="model for the 'model' drafter; empty = n-gram only")
     parser.add_argument("--drafter", default="ngram", help="the draft workers' default drafter")
@@ -111,6 +140,9 @@ def parse_args(argv):
                         help="one-way delay added between draft and target workers (a delaying TCP proxy in "
                              "front of each target; the orchestrator reaches targets through it too)")
     parser.add_argument("--port", type=int, default=50050, help="the first orchestrator's port (0 = any free port)")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="the OpenAI-compatible HTTP API and playground (python -m http_api), started after "
+                             "the orchestrator: 0 = any free port (also when this one is taken), -1 = none")
     parser.add_argument("--tls", action="store_true",
                         help="mutual TLS between all roles and TLS to the orchestrator, with a throwaway CA and "
                              "certificates made in LOG_DIR/tls (the client needs --tls-ca LOG_DIR/tls/ca.pem)")
@@ -170,7 +202,17 @@ def layout(args) -> list[Role]:
         security = [*(tls["orchestrator"].flags() if tls else []),
                     *(["--api-keys-file", str(Path(args.api_keys).resolve())] if args.api_keys else [])]
         roles.append(Role(name, "orchestrator", "orchestrator", ["--address", address, *discovery, *security], address))
+    if args.http_port >= 0:
+        roles.append(_http_api(args, next(r.address for r in roles if r.pool == "orchestrator")))
     return roles
+
+
+def _http_api(args, orchestrator: str) -> Role:
+    port = args.http_port if args.http_port and port_is_free(args.http_port) else free_port()
+    address = f"127.0.0.1:{port}"
+    tls = tls_files(args)  # the front calls the orchestrator with the client certificate
+    return Role("http", "http", "http_api", ["--address", address, "--orchestrator-address", orchestrator,
+                                             *(tls["client"].flags() if tls else [])], address)
 
 
 def tls_files(args) -> dict[str, TlsFiles] | None:
@@ -197,7 +239,7 @@ def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str
     if tls:  # a throwaway CA and a certificate per role, made anew for each run
         write_throwaway_pki(Path(tls["client"].ca).parent)
         cluster.tls = tls["client"].load()
-    workers = [r for r in roles if r.pool != "orchestrator"]
+    workers = [r for r in roles if r.pool not in ("orchestrator", "http")]
     orchestrators = [r for r in roles if r.pool == "orchestrator"]
     # Every role at once: an orchestrator serves before its workers do (its calls get
     # UNAVAILABLE until a target is there) and the models load side by side. With API
@@ -216,4 +258,7 @@ def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str
     pooled = [r.address for r in workers if r.pool in ("target", "draft")] if together else []
     for role in orchestrators:
         cluster.wait_healthy(role.name, role.address, args.startup_timeout, sees=pooled)
+    for role in (r for r in roles if r.pool == "http"):  # the HTTP API, once an orchestrator serves
+        cluster.start(role.name, role.module, role.args)
+        cluster.wait_healthy(role.name, f"http://{role.address}/health", args.startup_timeout)
     return orchestrators[0].address

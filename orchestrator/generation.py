@@ -57,6 +57,9 @@ class Chunk:
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED  # set on the last chunk
     stats: common_pb2.GenerationStats | None = None  # on the last chunk
     sources: list[int] = field(default_factory=list)  # TokenSource of each of token_ids
+    texts: list[str] = field(default_factory=list)  # the part of text_delta of each of token_ids
+    num_drafted: int = 0  # draft tokens of the rounds that end in this chunk
+    num_prompt_tokens: int = 0  # on the last chunk
 
 
 def token_sources(round_stats: common_pb2.RoundStats) -> list[int]:
@@ -102,6 +105,7 @@ class Generation:
         self.draft: Worker | None = None
         self.generated: list[int] = []  # tokens received from the workers (committed by the target)
         self.sources: list[int] = []  # how each token was produced (TokenSource), aligned with generated
+        self.drafted: list[int] = []  # per token: the draft tokens of the round it ends, else 0
         self.synced_len = 0  # tokens both workers certainly hold (base of the last stream)
         self._in_flight = contextlib.ExitStack()  # counts the call on its workers' load
 
@@ -342,20 +346,23 @@ class Generation:
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         sent = 0  # tokens released to the client so far
 
-        def sources(released: list[int]) -> list[int]:
+        def chunk(released: list[int], delta: str, *last) -> Chunk:
             nonlocal sent
-            sent += len(released)
-            return self.sources[sent - len(released):sent]
+            begin, sent = sent, sent + len(released)
+            return Chunk(released, delta, *last, sources=self.sources[begin:sent], texts=assembler.pieces,
+                         num_drafted=sum(self.drafted[begin:sent]))
 
         try:
             for token_ids, finish in self._rounds_with_failover(plan):
                 released, delta = assembler.add(token_ids)
-                if assembler.stopped_at is not None:
+                stopped = assembler.stopped_at is not None
+                if stopped:
                     self.call.cancel()
                     finish = STOP_STRING
+                if released or delta:  # on a stop too: the text before it in this round
+                    yield chunk(released, delta)
+                if stopped:
                     break
-                if released or delta:
-                    yield Chunk(released, delta, sources=sources(released))
                 if not self.context.is_active():
                     finish = CANCELLED
                     break
@@ -365,7 +372,9 @@ class Generation:
         self.stats.total_ns = time.perf_counter_ns() - self.start_ns
         if self.generated:
             instruments().time_per_output_token.record(self.stats.total_ns * 1e-9 / len(self.generated))
-        yield Chunk(released, delta, finish, self._stats_proto(), sources(released))
+        last = chunk(released, delta, finish, self._stats_proto())
+        last.num_prompt_tokens = len(plan.tokens)
+        yield last
 
     def _rounds_with_failover(self, plan: Plan):
         """The rounds of _rounds; when a worker is lost, the remaining ones from new workers."""
@@ -407,7 +416,9 @@ class Generation:
         for update in self.call:
             record.draft.committed_len = update.committed_len  # the draft holds each round's tokens
             self.stats.record_round(round_stats_from_proto(update.round, len(update.token_ids)))
-            self.sources += token_sources(update.round)[: len(update.token_ids)]
+            sources = token_sources(update.round)[: len(update.token_ids)]
+            self.sources += sources
+            self.drafted += [0] * (len(sources) - 1) + [update.round.num_drafted]
             yield list(update.token_ids), update.finish_reason
 
     def _decode_alone(self, plan: Plan):
@@ -424,6 +435,7 @@ class Generation:
                 num_committed=1, next_token_kind=NextTokenKind.BONUS, draft_ns=0, verify_ns=token.compute_ns,
                 target_compute_ns=token.compute_ns, step=step_load_from_proto(token.step)))
             self.sources.append(orchestrator_pb2.TOKEN_SOURCE_TARGET)
+            self.drafted.append(0)
             yield [token.token_id], self._finish_of_decode(plan.params, len(self.generated) + 1, token.token_id)
 
     def _remaining_params(self, params: SamplingParams) -> SamplingParams:

@@ -27,6 +27,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         for chunk in generation.run():
             response.text += chunk.text_delta
             response.token_ids.extend(chunk.token_ids)
+            response.token_sources.extend(chunk.sources)
+            response.num_prompt_tokens = chunk.num_prompt_tokens or response.num_prompt_tokens
             response.finish_reason = chunk.finish_reason
             if chunk.stats is not None:
                 response.stats.CopyFrom(chunk.stats)
@@ -40,6 +42,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         for chunk in generation.run():
             message = orchestrator_pb2.GenerateChunk(
                 text_delta=chunk.text_delta, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
+                token_sources=chunk.sources, token_texts=chunk.texts, num_drafted=chunk.num_drafted,
+                num_prompt_tokens=chunk.num_prompt_tokens,
             )
             if first:
                 message.session_id, first = generation.session_id, False

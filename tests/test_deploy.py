@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import stat
 import subprocess
@@ -140,7 +141,7 @@ def test_compose_schema_is_the_compose_specification():
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_manifests_set_only_what_the_services_read(rendered, overlay):
     found = validate.k8s_settings(rendered[overlay])
-    assert sorted(s.role.name for s in found) == ["draft", "orchestrator", "target"]
+    assert sorted(s.role.name for s in found) == ["draft", "http", "orchestrator", "target"]
     for settings in found:
         prefix = settings.role.prefix()
         assert any(name.startswith(prefix + "_") for name in settings.env), settings.where
@@ -149,7 +150,7 @@ def test_manifests_set_only_what_the_services_read(rendered, overlay):
 
 def test_compose_sets_only_what_the_services_read(compose):
     found = validate.compose_settings(compose)
-    assert sorted(s.role.name for s in found) == ["draft", "orchestrator", "target"]
+    assert sorted(s.role.name for s in found) == ["draft", "http", "orchestrator", "target"]
     for settings in found:
         assert validate.settings_errors(settings) == []
 
@@ -160,8 +161,10 @@ def test_role_prefixes_are_the_services_own():
     for role in validate.ROLES.values():
         server = importlib.import_module(f"{role.module}.server")
         assert server.ENV_PREFIX == role.prefix()
-        assert env_name(role.prefix(), "redis_url") == f"{role.prefix()}_REDIS_URL"
-        assert "redis_url" in role.fields() and "metrics_port" in role.fields()
+        assert "grace_s" in role.fields()  # drain time: validate.grace_errors reads it
+        if role.protocol == "grpc":  # the HTTP API keeps no state and exports no metrics
+            assert env_name(role.prefix(), "redis_url") == f"{role.prefix()}_REDIS_URL"
+            assert "redis_url" in role.fields() and "metrics_port" in role.fields()
 
 
 def test_otel_allow_list_names_real_sdk_variables():
@@ -212,6 +215,7 @@ def test_healthcheck_reports_the_health_service():
 HOST_SPECIFIC = {
     "address", "advertise_address", "worker_id", "target_addresses", "draft_addresses", "redis_url",
     "threads", "trace_exporter", "trace_file", "otlp_endpoint", "metrics_port", "log_level", "grace_s",
+    "orchestrator_address",
 }
 
 
@@ -284,7 +288,7 @@ def test_launcher_comparison_can_fail(compose):
     del changed["services"]["draft"]
     differences = "\n".join(launcher_compose_differences(changed))
     assert "launcher --model 'smollm2-135m', compose 'tiny-random:7'" in differences
-    assert "compose ['orchestrator', 'target_service']" in differences
+    assert "compose ['http_api', 'orchestrator', 'target_service']" in differences
 
 
 # ---------------------------------------------------------------- what the manifests promise
@@ -294,7 +298,7 @@ def test_launcher_comparison_can_fail(compose):
 def test_services_probes_and_resources(rendered, overlay):
     objects = rendered[overlay]
     services = objects_of(objects, "Service")
-    for role in validate.ROLES.values():
+    for role in validate.GRPC_ROLES.values():
         service = services[f"specdec-{role.name}"]
         headless = service["spec"].get("clusterIP") == "None"
         assert headless == (role.name != "orchestrator"), service["metadata"]["name"]
@@ -422,7 +426,7 @@ def test_redis_persists_with_aof_behind_a_secret(rendered, overlay):
     if overlay == "cpu":  # a generated development Secret that every reference finds
         for settings in validate.k8s_settings(objects):
             pod, container = role_container(objects, settings.role.name)
-            for var in container["env"]:
+            for var in container.get("env", []):
                 ref = var.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
                     assert ref["key"] in secrets[ref["name"]]["data"]
@@ -443,12 +447,38 @@ def test_gpu_overlay_places_pools_on_gpus(rendered):
     assert objects_of(objects, "PersistentVolumeClaim")["specdec-models"]
 
 
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_http_api_is_a_service_probed_on_health_that_scales_on_cpu(rendered, overlay):
+    objects = rendered[overlay]
+    role = validate.ROLES["http"]
+    service = objects_of(objects, "Service")["specdec-http"]
+    assert service["spec"].get("clusterIP") != "None" and service["spec"]["ports"][0]["port"] == role.port
+    pod, container = role_container(objects, "http")
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["http"] == role.port
+    paths = {probe: container[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+    # Ready once the orchestrator serves; alive while the server answers (an orchestrator
+    # outage must not restart the front).
+    assert paths == {"startupProbe": "/health", "readinessProbe": "/health", "livenessProbe": "/health/live"}
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    settings = role_settings(objects, "http")
+    assert settings.env["HTTP_API_ORCHESTRATOR_ADDRESS"] == "specdec-orchestrator:50050"
+    hpa = objects_of(objects, "HorizontalPodAutoscaler")["specdec-http"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "specdec-http"
+    assert [m["resource"]["name"] for m in hpa["spec"]["metrics"]] == ["cpu"]
+    assert "replicas" not in objects_of(objects, "Deployment")["specdec-http"]["spec"]
+    if overlay == "gpu":  # components/tls: the orchestrators ask for a client certificate
+        assert settings.env["HTTP_API_TLS_CERT"] and settings.env["HTTP_API_TLS_CA"]
+
+
 def test_compose_wiring(compose):
     services = compose["services"]
     redis_command = services["redis"]["command"]
     assert redis_command[redis_command.index("--appendonly") + 1] == "yes"
     assert any(volume.endswith(":/data") for volume in services["redis"]["volumes"])
     for settings in validate.compose_settings(compose):
+        if settings.role.protocol != "grpc":
+            continue
         service = services[settings.where.removeprefix("compose: ")]
         assert service["depends_on"]["redis"]["condition"] == "service_healthy"
         assert settings.env[f"{settings.role.prefix()}_REDIS_URL"] == "redis://redis:6379/0"
@@ -457,6 +487,10 @@ def test_compose_wiring(compose):
     assert {dep: c["condition"] for dep, c in services["orchestrator"]["depends_on"].items() if dep != "jaeger"} == {
         "redis": "service_healthy", "target": "service_healthy", "draft": "service_healthy"}
     assert "127.0.0.1:50050:50050" in services["orchestrator"]["ports"]
+    http = services["http"]
+    assert http["depends_on"] == {"orchestrator": {"condition": "service_healthy"}}
+    assert http["environment"]["HTTP_API_ORCHESTRATOR_ADDRESS"] == "orchestrator:50050"
+    assert "127.0.0.1:8000:8000" in http["ports"]
 
 
 # ---------------------------------------------------------------- the compose settings, run
@@ -490,16 +524,20 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
         env = {name: validate.INTERPOLATION.sub(lambda m: user_env.get(m.group(1) or m.group(3), m.group(2) or ""),
                                                str(raw))
                for name, raw in services[service]["environment"].items()}
-        assert env[f"{prefix}_REDIS_URL"] == "redis://redis:6379/0"
         ports[service] = free_port()
-        env.update({
+        if role.protocol == "http":  # the orchestrator's host name is this host's
+            assert env[f"{prefix}_ORCHESTRATOR_ADDRESS"] == "orchestrator:50050"
+            env.update({f"{prefix}_ORCHESTRATOR_ADDRESS": f"127.0.0.1:{ports['orchestrator']}",
+                        f"{prefix}_ADDRESS": f"127.0.0.1:{ports[service]}"})
+        assert role.protocol == "http" or env[f"{prefix}_REDIS_URL"] == "redis://redis:6379/0"
+        env.update({} if role.protocol == "http" else {
             f"{prefix}_REDIS_URL": redis_server.url,
             f"{prefix}_ADDRESS": f"127.0.0.1:{ports[service]}",
             f"{prefix}_TRACE_EXPORTER": "none",  # no Jaeger here
             f"{prefix}_METRICS_PORT": str(metrics_ports.setdefault(service, free_port())),
             f"{prefix}_THREADS": "1",
         })
-        if role.name != "orchestrator":
+        if role.name not in ("orchestrator", "http"):
             env[f"{prefix}_ADVERTISE_ADDRESS"] = f"127.0.0.1:{ports[service]}"
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
         processes[service] = subprocess.Popen(
@@ -509,7 +547,8 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
 
     def wait_healthy(service: str) -> None:
         deadline = time.monotonic() + 120
-        while not healthcheck.serving(ports[service], timeout_s=1.0):
+        check = healthcheck.http_serving if by_service[service].role.protocol == "http" else healthcheck.serving
+        while not check(ports[service], timeout_s=1.0):
             assert processes[service].poll() is None, (tmp_path / f"{service}.log").read_text()[-3000:]
             assert time.monotonic() < deadline, f"{service} not SERVING after 120 s"
             time.sleep(0.5)
@@ -526,7 +565,7 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
             for name in ready:
                 wait_healthy(name)
             started += ready
-        assert started[-1] == "orchestrator"
+        assert started[-2:] == ["orchestrator", "http"]
         run = subprocess.run(
             [sys.executable, "-m", "client", "The quick brown fox", "--address", f"127.0.0.1:{ports['orchestrator']}",
              "--max-new-tokens", "8", "--raw"],
@@ -534,6 +573,13 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
         logs = "\n".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log")))
         assert run.returncode == 0, run.stderr + logs
         assert run.stdout.strip()
+        # The README's curl, through the HTTP API.
+        body = json.dumps({"model": "tiny-random:1", "prompt": "The quick brown fox", "max_tokens": 8}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{ports['http']}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            completion = json.loads(reply.read())
+        assert completion["usage"]["completion_tokens"] == 8 and completion["choices"][0]["text"], logs
         # The gauges the HPAs scale on, on each worker's /metrics; the target's calls
         # and batch gauges with its configured limits (compose leaves them at the defaults).
         from target_service.config import TargetConfig

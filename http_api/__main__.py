@@ -1,0 +1,5 @@
+import sys
+
+from http_api.server import main
+
+sys.exit(main())

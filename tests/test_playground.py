@@ -1,0 +1,112 @@
+"""The playground (GET / of the HTTP API) in a real headless browser: Debian's chromium,
+driven through its chromedriver by Selenium (`make setup` installs both; no browser
+download). It loads, a prompt streams text, and each token carries the class of how it
+was produced; the page's text equals the API's answer to the same request.
+
+    PLAYGROUND_SCREENSHOT=docs/playground.png .venv/bin/python -m pytest -m slow tests/test_playground.py
+
+makes the committed screenshot (SmolLM2-135M and the n-gram drafter, as `make run`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.system import LocalSystem
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                                reason="needs Debian's chromium and chromium-driver: run `make setup`")
+SOURCES = {"accepted", "recovered", "bonus", "target"}
+MODEL = "tiny-random:1"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                     "--window-size=1100,1000", "--force-device-scale-factor=1"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def _generate(driver, url: str, prompt: str, k: int, drafter: str, max_tokens: int, timeout_s: float = 120):
+    """Fills the form, clicks Generate, waits for the stream to end; returns the tokens
+    shown as (text, source)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    if driver.current_url.rstrip("/") != url.rstrip("/"):
+        driver.get(url + "/")
+    WebDriverWait(driver, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"))
+    for field, value in (("prompt", prompt), ("k", str(k)), ("max_tokens", str(max_tokens)), ("temperature", "0")):
+        element = driver.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+    Select(driver.find_element(By.ID, "drafter")).select_by_value(drafter)
+    driver.find_element(By.ID, "generate").click()
+    WebDriverWait(driver, timeout_s).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state")
+                                           in ("done", "error"))
+    assert driver.find_element(By.ID, "error").text == ""
+    spans = driver.find_elements(By.CSS_SELECTOR, "#output span")
+    return [(span.get_attribute("textContent"), span.get_attribute("data-source"), span.get_attribute("class"))
+            for span in spans]
+
+
+def _api(url: str, prompt: str, k: int, drafter: str, max_tokens: int) -> str:
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens,
+                       "num_speculative_tokens": k, "drafter": drafter}).encode()
+    request = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.loads(reply.read())["choices"][0]["message"]["content"]
+
+
+def test_playground_streams_tokens_with_their_provenance(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    with LocalSystem(draft_model=MODEL, http_port=0) as system:
+        url = system.http_url
+        browser.get(url + "/")
+        assert "playground" in browser.title
+        prompt = "abcabcabc: say it again"
+        # The draft is the target itself: every draft token accepted, a bonus token per round.
+        tokens = _generate(browser, url, prompt, 4, "model", 40)
+        assert tokens and all(source in SOURCES and css == f"tok-{source}" for _, source, css in tokens)
+        assert {source for _, source, _ in tokens} == {"accepted", "bonus"}
+        assert "".join(text for text, _, _ in tokens) == _api(url, prompt, 4, "model", 40)
+        assert browser.find_element(By.ID, "s-acceptance").text == "100%"
+        assert float(browser.find_element(By.ID, "s-rate").text) > 0
+        assert browser.find_element(By.ID, "s-finish").text in ("length", "stop")
+        browser.save_screenshot(str(tmp_path / "playground.png"))
+        # k = 0: the target decodes alone.
+        tokens = _generate(browser, url, prompt, 0, "", 16)
+        assert tokens and {source for _, source, _ in tokens} == {"target"}
+        assert "".join(text for text, _, _ in tokens) == _api(url, prompt, 0, "", 16)
+
+
+@pytest.mark.slow
+def test_playground_screenshot_with_smollm2(browser, tmp_path):
+    """SmolLM2-135M with the n-gram drafter (`make run`'s system): a summary copies from
+    its prompt, so drafts are accepted where it does and the target decodes alone where
+    the drafter has nothing to propose."""
+    with LocalSystem(target_model="smollm2-135m", draft_model="", http_port=0) as system:
+        prompt = ("Summarize in one sentence: The city council met on Monday to discuss the new park. "
+                  "The council approved the park's budget and chose a site near the river.")
+        tokens = _generate(browser, system.http_url, prompt, 4, "ngram", 96, timeout_s=600)
+        sources = {source for _, source, _ in tokens}
+        assert "accepted" in sources and sources <= SOURCES
+        path = Path(os.environ.get("PLAYGROUND_SCREENSHOT") or tmp_path / "playground.png")
+        browser.save_screenshot(str(path))
