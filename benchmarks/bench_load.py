@@ -351,7 +351,7 @@ def check_exactness(cell: Cell, reference: dict[str, list[int]]) -> list[str]:
 def running_system(pair: Pair, args, target_workers: int = 1):
     """An Orchestrator stub of target(s), draft and orchestrator started as local
     processes on loopback; every process is stopped on leaving, error or not."""
-    system_args = parse_args([])
+    system_args = parse_args(["--http-port", "-1"])  # no HTTP front: gRPC clients only
     system_args.target_model, system_args.draft_model, system_args.drafter = pair.target, pair.draft, pair.drafter
     system_args.target_workers, system_args.port, system_args.threads = target_workers, 0, args.threads
     system_args.startup_timeout = 1800.0  # a large target loads slowly on 2 cores

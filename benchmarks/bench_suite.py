@@ -212,7 +212,7 @@ def run_in_process(pair: Pair, dtype: str, args) -> dict:
 
 def run_services(pair: Pair, delay_ms: float, trace_dir: Path, args) -> dict:
     print(f"services, {'loopback' if not delay_ms else f'{delay_ms:g} ms added one-way delay'}: starting", flush=True)
-    system_args = parse_args([])
+    system_args = parse_args(["--http-port", "-1"])  # no HTTP front: gRPC clients only
     system_args.target_model, system_args.draft_model, system_args.drafter = pair.target, pair.draft, pair.drafter
     system_args.port, system_args.threads, system_args.startup_timeout = 0, args.threads, 1800.0
     system_args.log_dir = tempfile.mkdtemp(prefix="bench-suite-logs-")

@@ -244,7 +244,7 @@ def _median_columns(rows: list[list[float]]) -> list[float]:
 
 
 def start_services(args) -> tuple[Cluster, str]:
-    system_args = parse_args([])
+    system_args = parse_args(["--http-port", "-1"])  # no HTTP front: gRPC clients only
     system_args.draft_model, system_args.drafter = "", "ngram"
     system_args.port, system_args.threads, system_args.startup_timeout = 0, args.threads, 600.0
     system_args.log_dir = tempfile.mkdtemp(prefix="bench-tax-logs-")
