@@ -76,6 +76,8 @@ class Counts:
     unexpected: list = field(default_factory=list)  # (time s, kind, status, details)
     tokens: int = 0
     failovers: int = 0
+    sessions: dict = field(default_factory=dict)  # session id -> what made it, to name leftovers
+    after_cancel: collections.Counter = field(default_factory=collections.Counter)  # outcome -> sessions
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, kind: str, status: str, started: float, details: str = "") -> None:
@@ -91,29 +93,37 @@ class Client:
     def __init__(self, channel: grpc.Channel, counts: Counts, seed: int, started: float):
         self.channel, self.stub = channel, orchestrator_pb2_grpc.OrchestratorStub(channel)
         self.counts, self.random, self.started = counts, random.Random(seed), started
+        self.after_cancel: list[str] = []  # sessions of cancelled calls, closed after the next call
 
     def run(self, stop: threading.Event) -> None:
         kinds, weights = list(MIX), [share for share, _ in MIX.values()]
         while not stop.is_set():
-            kind = self.random.choices(kinds, weights)[0]
+            kind = self.kind = self.random.choices(kinds, weights)[0]
             try:
                 status = getattr(self, kind)() or "OK"
                 self.counts.add(kind, status, self.started)
             except grpc.RpcError as error:
                 self.counts.add(kind, error.code().name, self.started, error.details() or "")
+            if kind != "cancel":
+                self.close_after_cancels()
+        self.close_after_cancels()
 
     def _stream(self, request, cancel_after: int | None = None) -> tuple[str, list]:
         """(session id, chunks) of a GenerateStream, cancelled after cancel_after chunks."""
         session_id, chunks = request.session_id, []
         stream = self.stub.GenerateStream(request, timeout=CALL_TIMEOUT_S)
         for chunk in stream:
-            session_id = session_id or chunk.session_id
+            if not session_id:
+                session_id = chunk.session_id
+                self.counts.sessions[session_id] = self.kind
             chunks.append(chunk)
             # The last chunk (finish_reason set) ends the call: the session is saved, and a
             # cancel now would reach no one: the caller closes it like any other.
             if cancel_after is not None and len(chunks) >= cancel_after and not chunk.finish_reason:
-                stream.cancel()
-                raise _Cancelled()
+                cancelled = stream.cancel()
+                self.counts.sessions[session_id] = f"{self.kind}: cancelled after {len(chunks)} chunks " \
+                                                   f"(cancel() {'took effect' if cancelled else 'came after the end'})"
+                raise _Cancelled(session_id)
         self._account(chunks)
         return session_id, chunks
 
@@ -141,10 +151,26 @@ class Client:
         try:
             session_id, _ = self._stream(_request(self.random.choice(TEXTS), max_new_tokens=200, chat=self._chat()),
                                          cancel_after=self.random.randint(1, 6))
-        except _Cancelled:
+        except _Cancelled as cancelled:
+            # The orchestrator frees it, unless the call had ended before the cancel got
+            # there (it cannot tell): a careful client closes it too, once the call is over.
+            self.after_cancel.append(cancelled.session_id)
             return "CANCELLED"
         self._close(session_id)  # it ended before the cancel (a short answer)
         return "OK"
+
+    def close_after_cancels(self) -> None:
+        """Closes the sessions of earlier cancelled calls: NOT_FOUND = the orchestrator
+        had freed it, OK = the call had ended before the cancel reached it."""
+        for session_id in self.after_cancel:
+            try:
+                self._close(session_id)
+                outcome = "still there: closed by the client"
+            except grpc.RpcError as error:
+                outcome = "freed by the orchestrator" if error.code() == grpc.StatusCode.NOT_FOUND else error.code().name
+            with self.counts.lock:
+                self.counts.after_cancel[outcome] += 1
+        self.after_cancel.clear()
 
     def conversation(self) -> None:
         """Two to four turns on one session: each reuses the workers' caches."""
@@ -161,6 +187,7 @@ class Client:
         request = _request(self.random.choice(TEXTS), max_new_tokens=64, chat=self._chat(),
                            stop=[self.random.choice([".", "\n", ",", " the"])])
         response = self.stub.Generate(request, timeout=CALL_TIMEOUT_S)
+        self.counts.sessions[response.session_id] = self.kind
         self._account([response])
         self._close(response.session_id)
 
@@ -193,7 +220,9 @@ class Client:
 
 
 class _Cancelled(Exception):
-    pass
+    def __init__(self, session_id: str):
+        super().__init__(session_id)
+        self.session_id = session_id
 
 
 # --- sampling ---------------------------------------------------------------------------
@@ -318,14 +347,15 @@ def _run(args, system, redis_server, client) -> dict:
     for thread in threads:
         thread.join(timeout=CALL_TIMEOUT_S * 2)
     samples.append(_sample(system, redis_server, client, started))
-    left = _left_behind(system, client)
+    left = _left_behind(system, client, counts)
     return {"args": vars(args), "events": events, "samples": samples, "left_after_close": left,
             "calls": {f"{kind} {status}": n for (kind, status), n in sorted(counts.calls.items())},
             "unexpected": counts.unexpected, "tokens": counts.tokens, "failovers": counts.failovers,
+            "sessions_of_cancelled_calls": dict(counts.after_cancel),
             "clients_stopped": all(not t.is_alive() for t in threads)}
 
 
-def _left_behind(system, client) -> dict:
+def _left_behind(system, client, counts: Counts) -> dict:
     """Sessions on the workers and in Redis once the clients closed theirs (polled: a
     cancelled call frees its session as it unwinds)."""
     deadline = time.monotonic() + 30
@@ -333,8 +363,20 @@ def _left_behind(system, client) -> dict:
         workers, stored = _worker_load(system), _redis_sessions(client)
         held = sum(w.get("sessions", 0) for w in workers.values()) + stored["session"] + stored["lease"]
         if held == 0 or time.monotonic() > deadline:
-            return {"workers": workers, "redis": stored}
+            return {"workers": workers, "redis": stored, "sessions": _leftovers(client, counts)}
         time.sleep(1)
+
+
+def _leftovers(client: redis.Redis, counts: Counts) -> list[dict]:
+    """The sessions still in Redis: which call made each, what it holds."""
+    now_ms, found = time.time() * 1000, []
+    for key in client.scan_iter("specdec:session:*", count=1000):
+        record = json.loads(client.get(key) or "{}")
+        session_id = key.decode().rsplit(":", 1)[-1]
+        found.append({"session_id": session_id, "made_by": counts.sessions.get(session_id, "unknown"),
+                      "tokens": len(record.get("token_ids", [])), "messages": len(record.get("messages", [])),
+                      "idle_s": round((now_ms - record.get("last_used_ms", now_ms)) / 1000)})
+    return found
 
 
 def _one_line(sample: dict, counts: Counts) -> str:
@@ -390,6 +432,8 @@ def markdown(result: dict, warmup_s: float) -> str:
     lines += ["", f"Left after the clients closed their sessions: workers "
               f"{ {k: v.get('sessions', v.get('error')) for k, v in left['workers'].items()} }, Redis {left['redis']}.",
               f"Events: {result['events']}. Tokens generated: {result['tokens']}; failovers: {result['failovers']}.",
+              f"Sessions of cancelled calls, when their client came back to close them: "
+              f"{result['sessions_of_cancelled_calls']}.",
               f"Unexpected statuses: {len(result['unexpected'])}"]
     lines += [f"- at {t} s, {kind}: {status} {details}" for t, kind, status, details in result["unexpected"][:20]]
     return "\n".join(lines)

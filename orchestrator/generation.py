@@ -101,6 +101,7 @@ class Generation:
         self.call = None  # the streaming call to a worker, cancelled with the client's
         self.session_id = request.session_id or uuid.uuid4().hex  # a new session if none
         self.is_new = not request.session_id
+        self.closed = False  # the new session was closed: its client left
         self.target: Worker | None = None  # the workers serving the call, as placed
         self.draft: Worker | None = None
         self.generated: list[int] = []  # tokens received from the workers (committed by the target)
@@ -116,7 +117,13 @@ class Generation:
                       else self.store.get_owned(self.session_id, self.owner))
             plan = self._plan(record)
             self._place(plan)
-            yield from self._generate(plan, lease)
+            try:
+                yield from self._generate(plan, lease)
+            finally:
+                # A client that cancels after the commit, before it has the last chunk,
+                # gets what a cancelled call promises: the session it created is freed.
+                if self.is_new and not self.closed and not self.context.is_active():
+                    self._close(plan.record, lease)
 
     # 1. Plan: parameters, the new input, the room left in the context.
 
@@ -480,6 +487,7 @@ class Generation:
         self.store.put(record, lease)
 
     def _close(self, record: SessionRecord, lease: Lease) -> None:
+        self.closed = True
         close_worker_sessions(self.pool, ((TARGET, record.target), (DRAFT, record.draft)),
                               self.config.rpc_timeout_s)
         self.store.delete(record.session_id, lease)

@@ -21,6 +21,7 @@ the workers.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -35,9 +36,14 @@ from google.protobuf import descriptor as pb_descriptor
 from google.protobuf import message_factory
 
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, target_pb2, target_pb2_grpc
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import Generation
+from orchestrator.store import InMemorySessionStore
 from orchestrator.text import TextAssembler
+from orchestrator.workers import Worker
 from service_common.auth import ApiGate
 from service_common.limits import CallLimits
+from speculative.errors import NotFound
 from speculative.tiny import TINY_VOCAB_SIZE
 from tests.fuzzing import DOCUMENTED, Code, Reference, Tally, fuzz_settings, methods_of, raw_method
 from tests.system import LocalSystem
@@ -1030,6 +1036,103 @@ def test_a_call_whose_client_left_before_it_ran_holds_no_slot():
             assert fast(b"y", timeout=10) == b"y"
     finally:
         server.stop(None)
+
+
+class _CancelOnSave(InMemorySessionStore):
+    """The client cancels while the call saves its session (after the call checked that
+    its client was still there)."""
+
+    def __init__(self, context):
+        super().__init__(ttl_s=600)
+        self.context = context
+
+    def put(self, record, lease=None):
+        super().put(record, lease)
+        self.context.active = False
+
+
+class _Context:
+    def __init__(self):
+        self.active = True
+
+    def is_active(self):
+        return self.active
+
+    def time_remaining(self):
+        return None
+
+    def add_callback(self, callback):
+        return True
+
+
+class _Target:
+    """A target stub: one-token decodes; records the sessions closed."""
+
+    def __init__(self):
+        self.closed = []
+
+    def OpenSession(self, request, timeout):
+        handle = common_pb2.KvHandle(worker_id="t", session_id="s", committed_len=len(request.prompt_token_ids))
+        return target_pb2.OpenSessionResponse(handle=handle)
+
+    def Decode(self, request, timeout):
+        return _Stream([target_pb2.DecodeToken(token_id=7, committed_len=request.base_len + 1)])
+
+    def Truncate(self, request, timeout):
+        return common_pb2.TruncateResponse(committed_len=request.length)
+
+    def CloseSession(self, request, timeout):
+        self.closed.append(request.session_id)
+        return common_pb2.CloseSessionResponse()
+
+
+class _Stream(list):
+    def cancel(self):
+        return True
+
+
+class _Pool:
+    def __init__(self, worker):
+        self.worker = worker
+
+    def pick_target(self):
+        return self.worker
+
+    def placed(self, worker):
+        return contextlib.nullcontext(worker)
+
+    def by_address(self, pool, address):
+        return self.worker if pool == "target" and address == self.worker.address else None
+
+
+class _Tokenizer:
+    eos_token_id = None
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "x" * len(token_ids)
+
+
+@pytest.mark.parametrize("client_reads_the_last_chunk", [True, False])
+def test_a_call_cancelled_while_it_saves_frees_its_new_session(client_reads_the_last_chunk):
+    """The soak left sessions behind: a stream cancelled by its client after the call
+    had checked that its client was there and while it saved the new session (its
+    generation had ended at once: one token) kept that session until its TTL."""
+    context, target = _Context(), _Target()
+    worker = Worker("target", common_pb2.Worker(worker_id="t", address="t:1", model=common_pb2.ModelInfo(
+        context_length=64, vocab_size=TINY_VOCAB_SIZE)), target)
+    store = _CancelOnSave(context)
+    request = _generate_request("", [5, 17, 99], (0, "", False), 1)
+    generation = Generation(OrchestratorConfig(), _Pool(worker), store, _Tokenizer(), request, context)
+    chunks = generation.run()
+    if client_reads_the_last_chunk:  # a unary Generate: the servicer reads all of it
+        assert [t for c in chunks for t in c.token_ids] == [7]
+    else:  # a stream: gRPC drops the stream at the last chunk, which cannot be sent
+        while not next(chunks).finish_reason:
+            pass
+        chunks.close()
+    assert target.closed == ["s"]
+    with pytest.raises(NotFound):
+        store.get(generation.session_id)
 
 
 def test_a_chat_with_no_messages_is_invalid_argument(system):
