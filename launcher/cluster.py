@@ -90,8 +90,12 @@ class Cluster:
             try:
                 listed = stub.ListWorkers(orchestrator_pb2.ListWorkersRequest(), timeout=1.0).workers
                 missing -= {worker.address for worker in listed}
-            except grpc.RpcError:
-                pass
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE and error.details():
+                    # It serves but cannot read its registry (Redis down): its calls say so
+                    # until Redis is back; waiting here would only hide that.
+                    print(f"{name}: {error.details()}", file=sys.stderr)
+                    return
             if missing and time.monotonic() > deadline:
                 raise SystemExit(f"{name} at {address} does not see {sorted(missing)}; see {self.log_dir}")
             if missing:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 from service_common.auth import current_caller
-from service_common.status import rpc_errors
+from service_common.status import Unavailable, rpc_errors
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Generation
@@ -95,7 +95,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     @rpc_errors
     def ListWorkers(self, request, context):
-        return orchestrator_pb2.ListWorkersResponse(workers=self.pool.describe())
+        workers = self.pool.describe()
+        if not workers and self.pool.discovery_error:  # "none" would be a guess: say why
+            raise Unavailable(self.pool.why_empty("the worker registry cannot be read"))
+        return orchestrator_pb2.ListWorkersResponse(workers=workers)
 
     def _describe(self, record: SessionRecord) -> orchestrator_pb2.Session:
         session = orchestrator_pb2.Session(
