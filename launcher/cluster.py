@@ -64,22 +64,23 @@ class Cluster:
     def wait_healthy(self, name: str, address: str, timeout_s: float, sees: Sequence[str] = ()) -> None:
         """Waits for SERVING on the gRPC health service at address, or for a 200 from an
         http:// address (the HTTP API's /health)."""
-        if address.startswith("http://"):
-            return self._wait_http(name, address, timeout_s)
-        stub = health_pb2_grpc.HealthStub(channel(address, self.tls))
         deadline = time.monotonic() + timeout_s
+        if address.startswith("http://"):
+            return self._poll(name, lambda: _http_ok(address), deadline, f"not healthy at {address}")
+        stub = health_pb2_grpc.HealthStub(channel(address, self.tls))
+        self._poll(name, lambda: _serving(stub), deadline, f"not healthy at {address}")
+        self._wait_seen(name, address, sees, deadline)
+
+    def _poll(self, name: str, ready, deadline: float, what: str) -> None:
+        """Until ready() while the process runs; SystemExit naming its log otherwise."""
         process = dict(self.processes)[name]
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise SystemExit(f"{name} exited with {process.returncode}; see {self.log_dir / (name + '.log')}")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return self._wait_seen(name, address, sees, deadline)
-            except grpc.RpcError:
-                pass
+            if ready():
+                return
             time.sleep(POLL_S)
-        raise SystemExit(f"{name} not healthy at {address} after {timeout_s:.0f} s; see {self.log_dir}")
+        raise SystemExit(f"{name} {what} by its startup deadline; see {self.log_dir}")
 
     def _wait_seen(self, name: str, address: str, workers: Sequence[str], deadline: float) -> None:
         """Until the orchestrator at address holds every worker address in its pools (it
@@ -101,21 +102,6 @@ class Cluster:
             if missing:
                 time.sleep(POLL_S)
 
-    def _wait_http(self, name: str, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        process = dict(self.processes)[name]
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise SystemExit(f"{name} exited with {process.returncode}; see {self.log_dir / (name + '.log')}")
-            try:
-                with urllib.request.urlopen(url, timeout=2.0) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:  # refused, or 503 (HTTPError) until the orchestrator serves
-                pass
-            time.sleep(0.3)
-        raise SystemExit(f"{name} not healthy at {url} after {timeout_s:.0f} s; see {self.log_dir}")
-
     def stop(self) -> None:
         for _, process in reversed(self.processes):
             if process.poll() is None:
@@ -125,6 +111,21 @@ class Cluster:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def _serving(stub) -> bool:
+    try:
+        return stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as reply:
+            return reply.status == 200
+    except OSError:  # refused, or 503 (HTTPError) until the orchestrator serves
+        return False
 
 
 def parse_args(argv):
