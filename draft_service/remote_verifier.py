@@ -33,7 +33,7 @@ from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.drafters import LookupStop
-from speculative.errors import StaleProposal
+from speculative.errors import InvalidArgument, StaleProposal
 from speculative.policy import MeasuredCosts
 from speculative.rejection import Verdict
 from speculative.sampling import SamplingParams, SparseProbs
@@ -156,6 +156,10 @@ def as_target_error(address: str, error: grpc.RpcError) -> Exception:
     UNAVAILABLE with its address named."""
     if hasattr(error, "code") and error.code() == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(f"target worker at {address} is unavailable: {error.details()}")
+    if hasattr(error, "code") and error.code() == grpc.StatusCode.UNIMPLEMENTED:
+        # Another service answered (a draft, an orchestrator): the address is wrong, and
+        # UNIMPLEMENTED would claim that this draft lacks Speculate.
+        return InvalidArgument(f"target.worker_address {address} serves no TargetService: {error.details()}")
     return TargetRpcError.from_rpc_error(address, error)
 
 

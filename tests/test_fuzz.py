@@ -1135,6 +1135,21 @@ def test_a_call_cancelled_while_it_saves_frees_its_new_session(client_reads_the_
         store.get(generation.session_id)
 
 
+def test_speculate_against_an_address_that_is_no_target_is_invalid_argument(system, channels):
+    """It was UNIMPLEMENTED ("downstream: ... Method not found!"), passed on from the
+    draft or orchestrator that the address reached."""
+    draft = draft_pb2_grpc.DraftServiceStub(channels["draft"])
+    session_id = draft.OpenSession(draft_pb2.DraftOpenSessionRequest(prompt_token_ids=[5, 6]),
+                                   timeout=TIMEOUT_S).handle.session_id
+    for pool in ("draft", "orchestrator"):
+        request = draft_pb2.SpeculateRequest(session_id=session_id, base_len=2, target=common_pb2.KvHandle(
+            worker_address=ADDRESSES[pool], session_id="t", committed_len=2))
+        with pytest.raises(grpc.RpcError) as error:
+            list(draft.Speculate(request, timeout=TIMEOUT_S))
+        assert error.value.code() == Code.INVALID_ARGUMENT and "serves no TargetService" in error.value.details()
+    draft.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S)
+
+
 def test_a_chat_with_no_messages_is_invalid_argument(system):
     """It was INTERNAL: the chat template raised on an empty conversation."""
     with pytest.raises(grpc.RpcError) as error:
