@@ -71,7 +71,20 @@ class _Turnarounds:
 
     def left(self, key: object, now_ns: int) -> None:
         if key is not None:
-            self._away_since[key] = now_ns
+            self._away_since.pop(key, None)
+            self._away_since[key] = now_ns  # insertion order is time order: the oldest first
+            self._forget_gone(now_ns)
+
+    def _forget_gone(self, now_ns: int) -> None:
+        """Drops the callers away for long (their call ended), oldest first. wait_until
+        does too, but runs only while steps wait for callers: a worker serving one call
+        at a time kept an entry per session it ever served."""
+        while self._away_since:
+            key, since = next(iter(self._away_since.items()))
+            if now_ns - since <= FORGET_AFTER_NS:
+                return
+            del self._away_since[key]
+            self._mean_ns.pop(key, None)
 
     def back(self, key: object, now_ns: int) -> None:
         since = self._away_since.pop(key, None)

@@ -44,6 +44,7 @@ from orchestrator.workers import Worker
 from service_common.auth import ApiGate
 from service_common.limits import CallLimits
 from speculative.errors import NotFound
+from speculative.step_scheduler import FORGET_AFTER_NS, _Turnarounds
 from speculative.tiny import TINY_VOCAB_SIZE
 from tests.fuzzing import DOCUMENTED, Code, Reference, Tally, fuzz_settings, methods_of, raw_method
 from tests.system import LocalSystem
@@ -1148,6 +1149,19 @@ def test_speculate_against_an_address_that_is_no_target_is_invalid_argument(syst
             list(draft.Speculate(request, timeout=TIMEOUT_S))
         assert error.value.code() == Code.INVALID_ARGUMENT and "serves no TargetService" in error.value.details()
     draft.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S)
+
+
+def test_the_step_scheduler_forgets_the_sessions_it_served():
+    """Found looking into the soak's memory: the target's step scheduler kept the
+    turn-around of every session it ever served (about 300 bytes each) when it served
+    one call at a time, the only case in which it never pruned them."""
+    turnarounds = _Turnarounds()
+    for index in range(10_000):  # one session after another, each served once
+        now_ns = index * 10**7
+        turnarounds.back(f"session-{index}", now_ns)
+        turnarounds.left(f"session-{index}", now_ns + 10**6)
+    kept = FORGET_AFTER_NS // 10**7 + 1  # the sessions of the last minute
+    assert len(turnarounds._away_since) <= kept and len(turnarounds._mean_ns) <= kept
 
 
 def test_a_chat_with_no_messages_is_invalid_argument(system):
