@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import uuid
 from concurrent import futures
 
 import grpc
@@ -35,6 +34,7 @@ from specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
+from tests.scripted_target import BookkeepingTarget
 
 WAIT_S = 30.0  # client deadlines, and the bound on anything a test waits for when correct
 STALL_S = 1.0  # the draft's verdict_stall_timeout_s in these tests
@@ -43,13 +43,12 @@ NUM_TOKENS = 8  # one per round: NUM_TOKENS * REPLY_DELAY_S outlasts STALL_S and
 GENERATE_TIMEOUT_S = 1.0  # the orchestrator's bound for a client without a deadline
 RPC_TIMEOUT_S = 0.5  # the orchestrator's bookkeeping calls
 PROMPT = [5, 6, 5, 6, 5, 6]  # periodic: the n-gram drafter always proposes
-VOCAB_SIZE = 257  # the tiny tokenizer's (the orchestrator decodes with it)
 # What speculation from PROMPT commits: the period, then 5 after the last round's empty
 # draft (with one token of room left, it drafts none).
 SPECULATED = [5, 6] * (NUM_TOKENS // 2 - 1) + [5, 5]
 
 
-class ScriptedTarget(target_pb2_grpc.TargetServiceServicer):
+class ScriptedTarget(BookkeepingTarget):
     """A target worker that keeps the prompt's period: each round rejects the draft and
     commits the draft's first token (5 after an empty draft), each decoded token is 5.
     Answers after `reply_delay_s`, opens sessions after `prefill_delay_s`, and stops
@@ -62,23 +61,9 @@ class ScriptedTarget(target_pb2_grpc.TargetServiceServicer):
         self.cancelled = threading.Event()  # the stalled stream was cancelled by the draft
         self.release = threading.Event()  # set at teardown: every wait ends
 
-    def Info(self, request, context):
-        return common_pb2.InfoResponse(worker_id="scripted-target", model=common_pb2.ModelInfo(
-            model_id="scripted", tokenizer_fingerprint="scripted", vocab_size=VOCAB_SIZE, context_length=1024))
-
     def OpenSession(self, request, context):
         self.release.wait(self.prefill_delay_s)
-        return target_pb2.OpenSessionResponse(handle=common_pb2.KvHandle(
-            worker_id="scripted-target", session_id=uuid.uuid4().hex, committed_len=len(request.prompt_token_ids)))
-
-    def Extend(self, request, context):
-        return common_pb2.ExtendResponse(committed_len=request.base_len + len(request.token_ids))
-
-    def Truncate(self, request, context):
-        return common_pb2.TruncateResponse(committed_len=request.length)
-
-    def CloseSession(self, request, context):
-        return common_pb2.CloseSessionResponse()
+        return super().OpenSession(request, context)
 
     def Verify(self, request_iterator, context):
         for proposal in request_iterator:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from concurrent import futures
 
 import grpc
@@ -22,31 +21,16 @@ from service_common.limits import CallLimits
 from service_common.server import channel
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
 from speculative.errors import ResourceExhausted
+from tests.scripted_target import BookkeepingTarget
 
 INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 DECODE_DELAY_S = 0.05
-VOCAB_SIZE = 257  # the tiny tokenizer's
 
 
-class SlowTarget(target_pb2_grpc.TargetServiceServicer):
+class SlowTarget(BookkeepingTarget):
     """Decodes token 7 every DECODE_DELAY_S; the rest is bookkeeping that answers at once."""
 
-    def Info(self, request, context):
-        return common_pb2.InfoResponse(worker_id="slow-target", model=common_pb2.ModelInfo(
-            model_id="slow", tokenizer_fingerprint="slow", vocab_size=VOCAB_SIZE, context_length=4096))
-
-    def OpenSession(self, request, context):
-        return target_pb2.OpenSessionResponse(handle=common_pb2.KvHandle(
-            worker_id="slow-target", session_id=uuid.uuid4().hex, committed_len=len(request.prompt_token_ids)))
-
-    def Extend(self, request, context):
-        return common_pb2.ExtendResponse(committed_len=request.base_len + len(request.token_ids))
-
-    def Truncate(self, request, context):
-        return common_pb2.TruncateResponse(committed_len=request.length)
-
-    def CloseSession(self, request, context):
-        return common_pb2.CloseSessionResponse()
+    name, context_length = "slow", 4096
 
     def Decode(self, request, context):
         for index in range(request.sampling.max_new_tokens):

@@ -31,6 +31,7 @@ from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2_grpc
 from speculative.errors import InvalidArgument
 from speculative.generator import SpeculativeGenerator
 from speculative.sampling import SamplingParams
+from tests import polling
 from tests.redis_server import RedisServer
 from tests.system import LocalSystem
 
@@ -40,11 +41,7 @@ WAIT_S = 60.0
 
 
 def wait_until(condition, what: str, timeout_s: float = WAIT_S):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"after {timeout_s:.0f} s still not: {what}"
-        time.sleep(0.1)
-    return value
+    return polling.wait_until(condition, what, timeout_s, interval_s=0.1)
 
 
 @pytest.fixture(scope="module")
