@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from service_common.options import RegistryConfig, ServerConfig, TelemetryConfig
 from service_common.server import advertised_address, default_worker_id
-from speculative.drafters import DEFAULT_DRAFT_TOP_K
+from speculative.drafter_base import DEFAULT_DRAFT_TOP_K
 from speculative.errors import InvalidArgument
 from speculative.limits import validate_num_speculative_tokens
 
@@ -47,7 +47,7 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # Support of the draft's sampled distribution, in tokens: small proposals on the
     # wire, and the mass outside a small model's top 32 barely changes acceptance.
     draft_top_k: int = DEFAULT_DRAFT_TOP_K
-    # n-gram drafter's suffix lengths to look up (speculative.drafters.NgramDrafter:
+    # n-gram drafter's suffix lengths to look up (speculative.prompt_lookup.NgramDrafter:
     # single-token matches propose mostly wrong tokens).
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

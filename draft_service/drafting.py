@@ -7,33 +7,25 @@ session keeps the drafter it was opened with; each Speculate call brings its own
 sampling params, draft truncation and n-gram sizes, applied here before its rounds.
 
 Forward passes of the draft model run on a StepScheduler, as on the target worker: the
-drafting steps of every session that drafts at the same time share one forward pass.
+drafting steps of every session that drafts at the same time share one forward pass
+(draft_service.draft_model). Without a model, nothing here imports torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from speculative.step_scheduler import StepScheduler
-from speculative.drafters import (
-    MODEL,
-    NGRAM,
-    NGRAM_THEN_MODEL,
-    Drafter,
-    DraftSession,
-    LookupThenModelDrafter,
-    LookupThenModelSession,
-    ModelDrafter,
-    ModelDraftSession,
-    NgramDrafter,
-    NgramDraftSession,
-    Proposal,
-    check_drafter_name,
-)
+from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.errors import InvalidArgument
-from speculative.loading import LoadedModel
-from speculative.sampling import SamplingParams
+from speculative.prompt_lookup import LookupThenModelDrafter, LookupThenModelSession, NgramDrafter, NgramDraftSession
+from speculative.types import MODEL, NGRAM, NGRAM_THEN_MODEL, SamplingParams, check_drafter_name
+
+if TYPE_CHECKING:
+    from draft_service.draft_model import DraftModel
+    from speculative.drafters import ModelDraftSession
+    from speculative.step_scheduler import StepScheduler
 
 WITH_MODEL = (MODEL, NGRAM_THEN_MODEL)  # the drafters that run the worker's model
 
@@ -52,16 +44,13 @@ class Drafters:
     """The worker's drafters: n-gram lookup and, if a model is loaded, the model drafter
     and the two together."""
 
-    def __init__(self, loaded: LoadedModel | None, default_drafter: str, draft_top_k: int,
-                 min_ngram: int, max_ngram: int, compute: StepScheduler | None = None):
-        self.loaded = loaded
-        # Every forward pass of the draft model runs here: the drafting steps of all
-        # sessions batched into one pass per step (speculative/step_scheduler.py).
-        self.compute = compute or StepScheduler(loaded.model if loaded else None, name="draft-compute")
+    def __init__(self, model: DraftModel | None, default_drafter: str, min_ngram: int, max_ngram: int):
+        self.model = model
+        self.loaded = model.loaded if model is not None else None
         self.by_name: dict[str, Drafter] = {NGRAM: NgramDrafter(min_ngram, max_ngram)}
-        if loaded is not None:
-            self.by_name[MODEL] = ModelDrafter(loaded, draft_top_k)
-            self.by_name[NGRAM_THEN_MODEL] = LookupThenModelDrafter(self.by_name[MODEL], self.by_name[NGRAM])
+        if model is not None:
+            self.by_name[MODEL] = model.drafter
+            self.by_name[NGRAM_THEN_MODEL] = LookupThenModelDrafter(model.drafter, self.by_name[NGRAM])
         self.default = self.resolve(default_drafter)  # fails at start-up, not per request
 
     def resolve(self, name: str) -> str:
@@ -107,7 +96,8 @@ class Drafters:
         self.check_tokens(name, 0, prompt_token_ids)
         if name == NGRAM:
             return self.by_name[name].open(prompt_token_ids, SamplingParams())
-        model = SerializedModelDraftSession(self.by_name[MODEL].open(prompt_token_ids, SamplingParams()), self.compute)
+        model = SerializedModelDraftSession(self.by_name[MODEL].open(prompt_token_ids, SamplingParams()),
+                                            self.model.compute)
         session = model if name == MODEL else LookupThenModelSession(
             self.by_name[NGRAM].open(prompt_token_ids, SamplingParams()), model)
         session.prefill()  # now, alongside the target's prefill, not in the first round

@@ -1,12 +1,12 @@
 """The target as the speculation loop sees it, across the network.
 
-`RemoteVerifier` implements the loop's `Verifier` protocol (speculative.generator) over
-one open bidirectional `TargetService.Verify` stream: each `verify` call sends one
-Proposal and reads one Verdict, one round trip per round; `decode` sends one stretch
-proposal and reads a verdict per token the target decodes alone. The stream lives as long as
-the Speculate caller's deadline; each verdict is waited for at most a stall timeout.
-`TargetConnections` keeps one gRPC channel per target address, and what each target
-serves.
+`RemoteVerifier` implements the loop's `Verifier` protocol
+(speculative.speculation_loop) over one open bidirectional `TargetService.Verify`
+stream: each `verify` call sends one Proposal and reads one Verdict, one round trip per
+round; `decode` sends one stretch proposal and reads a verdict per token the target
+decodes alone. The stream lives as long as the Speculate caller's deadline; each
+verdict is waited for at most a stall timeout. `TargetConnections` keeps one gRPC
+channel per target address, and what each target serves.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -32,12 +33,13 @@ from service_common.security import Tls
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.policy import MeasuredCosts
-from speculative.rejection import Verdict
-from speculative.sampling import SamplingParams, SparseProbs
-from speculative.target import VerifyResult
+from speculative.prompt_lookup import LookupStop
+from speculative.types import SamplingParams, Verdict, VerifyResult
+
+if TYPE_CHECKING:
+    from speculative.sampling import SparseProbs  # only a model drafter's proposals carry them
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from draft_service.config import ENV_PREFIX, DraftConfig
 from draft_service.drafting import Drafters
@@ -17,9 +18,9 @@ from service_common.security import tls_of
 from service_common.registry import create_worker_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from speculative.errors import SpeculativeError
-from speculative.step_scheduler import StepScheduler
-from speculative.loading import LoadedModel, configure_threads, load_model
-from speculative import warmup
+
+if TYPE_CHECKING:
+    from speculative.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +35,13 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
     load config.model, or serve the n-gram drafter only when that is empty.
     """
     config.validate()
-    # The model is loaded, and every forward pass run, on one thread: the step scheduler,
-    # which batches the drafting steps of all sessions (speculative/step_scheduler.py).
-    compute = StepScheduler(name="draft-compute")
-    compute.run(configure_threads, config.threads or None)
-    if loaded_model is None and config.model:
-        loaded_model = compute.run(load_model, config.model, device=config.device, dtype=config.dtype)
-    if loaded_model is not None:
-        compute.model = loaded_model.model
-        if warmup.pays_off(loaded_model):
-            log.info("warmed up in %.2f s", compute.run(warmup.warm_up, loaded_model) * 1e-9)
-    drafters = Drafters(loaded_model, config.default_drafter, config.draft_top_k,
-                        config.prompt_lookup_min, config.prompt_lookup_max, compute)
+    model = None
+    if loaded_model is not None or config.model:
+        # Imported here only: torch and transformers take seconds, and n-gram lookup needs neither.
+        from draft_service.draft_model import start_draft_model
+
+        model = start_draft_model(config, loaded_model)
+    drafters = Drafters(model, config.default_drafter, config.prompt_lookup_min, config.prompt_lookup_max)
     servicer = DraftServicer(config, drafters, SessionCache(config.max_sessions, config.max_cached_tokens),
                              TargetConnections(tls_of(config)))
 

@@ -22,10 +22,10 @@ from service_common.convert import model_info
 from service_common.deadlines import Deadline, bounded, time_remaining
 from service_common.status import Unavailable, rpc_errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from speculative.drafters import MODEL
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.fingerprint import ANY_VOCABULARY
 from speculative.policy import AdaptiveK
+from speculative.types import MODEL
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from service_common.status import AlreadyExists
-from speculative.drafters import DraftSession
+from speculative.drafter_base import DraftSession
 from speculative.errors import NotFound, ResourceExhausted, SpeculativeError
 from speculative.policy import AdaptiveK
 

@@ -1,6 +1,7 @@
 """One Speculate call: the request checked and turned into core types, then the core's
-speculation loop (speculative.generator.speculation_rounds) run against a remote target,
-one SpeculateUpdate per round (and per token of a stretch the target decodes alone).
+speculation loop (speculative.speculation_loop.speculation_rounds) run against a remote
+target, one SpeculateUpdate per round (and per token of a stretch the target decodes
+alone).
 
 The loop is the core's, unchanged: this module only adapts its inputs (a policy, a
 drafter set up for the call, a RemoteVerifier) and its outputs (updates with the wire
@@ -28,12 +29,12 @@ from draft_service.sessions import SessionEntry
 from service_common import telemetry
 from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
 from specdec.v1 import draft_pb2
-from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, ResourceExhausted, StaleProposal
 from speculative.fingerprint import check_compatible
-from speculative.generator import RoundResult, speculation_rounds
-from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.limits import validate_num_speculative_tokens
+from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
+from speculative.prompt_lookup import LookupStop
+from speculative.speculation_loop import RoundResult, speculation_rounds
 
 tracer = trace.get_tracer(__name__)
 

@@ -1,8 +1,8 @@
 """Proto messages <-> core types. Proto3 zero values mean "default" (see common.proto).
 
-Imported by the orchestrator, which loads no torch: what needs torch (the draft's
-distributions, prompt lookup) is imported by the functions that convert it, which only
-the workers call.
+Imported by the orchestrator and the n-gram draft worker, which load no torch: what
+needs torch (the draft's distributions) is imported by the functions that convert it,
+which only the workers with a model call.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 from specdec.v1 import common_pb2
 from speculative.errors import InvalidArgument
+from speculative.prompt_lookup import LookupStop
 from speculative.stats import GenerationStats, RoundStats, StepLoad
 from speculative.types import FinishReason, NextTokenKind, SamplingParams
 
 if TYPE_CHECKING:
-    from speculative.drafters import LookupStop
     from speculative.sampling import SparseProbs
 
 NEXT_TOKEN_KIND_TO_PROTO = {
@@ -56,8 +56,6 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def lookup_stop_from_proto(message: common_pb2.LookupStop) -> LookupStop:
     """InvalidArgument for sizes prompt lookup refuses."""
-    from speculative.drafters import LookupStop
-
     return LookupStop(message.min_ngram, message.max_ngram)
 
 

@@ -19,26 +19,12 @@ norm(max(0, target_probs - draft_probs)). The output then follows the target exa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from speculative.errors import InvalidArgument
 from speculative.sampling import SparseProbs, greedy_tokens, sample_from
-from speculative.types import NextTokenKind
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The target's decision on one proposal."""
-
-    num_accepted: int  # length of the accepted prefix of the draft tokens
-    next_token_id: int  # the recovered or bonus token committed after them
-    next_token_kind: NextTokenKind
-
-    def committed_tokens(self, draft_token_ids: Sequence[int]) -> list[int]:
-        """The tokens this verdict commits: accepted draft tokens, then the next token."""
-        return [*draft_token_ids[: self.num_accepted], self.next_token_id]
+from speculative.types import NextTokenKind, Verdict
 
 
 def check_draft_tokens(draft_token_ids: Sequence[int], vocab_size: int) -> None:

@@ -13,29 +13,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.loading import LoadedModel
 from speculative.model_session import ForwardSteps, ModelSession, run_alone
-from speculative.rejection import Verdict, check_draft_probs, check_draft_tokens, verify_greedy, verify_sampled
+from speculative.prompt_lookup import LookupStop
+from speculative.rejection import check_draft_probs, check_draft_tokens, verify_greedy, verify_sampled
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
-from speculative.stats import StepLoad
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """A verdict as applied to the session."""
-
-    verdict: Verdict
-    token_ids: list[int]  # tokens committed this round: accepted + next, cut after a stop token
-    committed_len: int  # the session's committed length afterwards, in tokens
-    stopped: bool  # a stop token ended the round
-    target_compute_ns: int  # forward pass and decision, in nanoseconds
-    step: StepLoad | None = None  # the batched step that ran it (None: run alone)
+from speculative.types import Verdict, VerifyResult
 
 
 def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int, context_length: int) -> None:

@@ -1,10 +1,10 @@
 """The vocabulary the core shares with the services: sampling parameters, drafter names,
-why a generation finished, what kind of token a verdict adds.
+why a generation finished, a target's verdict and what kind of token it adds.
 
 Free of torch on purpose (like limits.py and stats.py): the orchestrator validates
-requests and reads results with these types and loads no model runtime. The modules of
-the core that compute with them (sampling.py, rejection.py, drafters.py, generator.py)
-import them from here.
+requests and reads results with these types, the n-gram draft worker runs its rounds
+with them, and neither loads a model runtime. The modules of the core that compute with
+them (sampling.py, rejection.py, target.py, drafters.py) import them from here.
 """
 
 from __future__ import annotations
@@ -12,9 +12,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from speculative.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from speculative.stats import StepLoad
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,31 @@ class FinishReason(enum.Enum):
 class NextTokenKind(enum.Enum):
     RECOVERED = "recovered"  # replaces the first rejected draft token
     BONUS = "bonus"  # follows a fully accepted proposal
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The target's decision on one proposal (speculative.rejection decides it)."""
+
+    num_accepted: int  # length of the accepted prefix of the draft tokens
+    next_token_id: int  # the recovered or bonus token committed after them
+    next_token_kind: NextTokenKind
+
+    def committed_tokens(self, draft_token_ids: Sequence[int]) -> list[int]:
+        """The tokens this verdict commits: accepted draft tokens, then the next token."""
+        return [*draft_token_ids[: self.num_accepted], self.next_token_id]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """A verdict as applied to the target's session (speculative.target.TargetSession)."""
+
+    verdict: Verdict
+    token_ids: list[int]  # tokens committed this round: accepted + next, cut after a stop token
+    committed_len: int  # the session's committed length afterwards, in tokens
+    stopped: bool  # a stop token ended the round
+    target_compute_ns: int  # forward pass and decision, in nanoseconds
+    step: StepLoad | None = None  # the batched step that ran it (None: run alone)
 
 
 # The drafters a draft worker offers, by the names of the API (SpeculationParams.drafter).

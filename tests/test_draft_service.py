@@ -17,8 +17,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.config import DraftConfig
+from draft_service.draft_model import DraftModel
 from draft_service.drafting import Drafters
 from draft_service.remote_verifier import TargetInfo
 from draft_service.server import create_server as create_draft_server
@@ -37,6 +39,7 @@ from speculative.sampling import SamplingParams
 from speculative.target import VerifyResult
 from target_service.config import TargetConfig
 from target_service.server import create_server as create_target_server
+from tests.polling import wait_until
 
 MAX_NEW_TOKENS = 16
 K_VALUES = [1, 4, 8]
@@ -406,7 +409,7 @@ def test_target_error_is_passed_on_and_the_draft_rolled_back(draft_stubs, target
 
 def test_incompatible_target_vocabulary_is_refused(tiny_target):
     """A model draft only serves a target with its tokenizer; n-gram lookup serves any."""
-    drafters = Drafters(tiny_target, "model", draft_top_k=32, min_ngram=2, max_ngram=4)
+    drafters = Drafters(DraftModel.of(tiny_target), "model", min_ngram=2, max_ngram=4)
     request = draft_pb2.SpeculateRequest(session_id="s", base_len=3, target=common_pb2.KvHandle(
         worker_address="elsewhere:50051", session_id="t", committed_len=3))
     plan = plan_call(request, DraftConfig())
@@ -532,6 +535,45 @@ def test_main_logs_the_bound_port():
     finally:
         process.terminate()
         process.wait(10)
+
+
+# The worker's command, reporting on stdout at exit which of torch and transformers it imported.
+MAIN_REPORTING_IMPORTS = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})))\n"
+    "from draft_service.server import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_an_ngram_worker_serves_speculation_without_importing_torch(target, target_address, prompt_ids, references):
+    """A draft worker process without a model serves greedy and sampled Speculate calls
+    against a real target, and never imports torch nor transformers: they would cost
+    seconds of its start."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", MAIN_REPORTING_IMPORTS, "--address", "127.0.0.1:0", "--model", ""],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        port = json.loads(process.stderr.readline())["port"]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S, wait_for_ready=True)
+                       .status == health_pb2.HealthCheckResponse.SERVING, "the n-gram worker serves")
+            pair = Pair(draft_pb2_grpc.DraftServiceStub(channel), target, target_address, prompt_ids[3])
+            greedy = pair.speculate(num_speculative_tokens=4)
+            sampled = pair.speculate(common_pb2.SamplingParams(temperature=0.9, seed=7, max_new_tokens=MAX_NEW_TOKENS),
+                                     num_speculative_tokens=4, adaptive=True)
+            pair.close()
+    finally:
+        process.terminate()  # a graceful stop: the report is printed at exit
+        imported, errors = process.communicate(timeout=30)
+    assert tokens_of(greedy) == references[3]
+    assert any(update.round.num_drafted for update in greedy)  # lookup proposed, the target verified
+    assert len(tokens_of(sampled)) == MAX_NEW_TOKENS
+    assert process.returncode == 0, errors[-2000:]
+    assert imported.splitlines()[-1] == "[]"
 
 
 # --- adaptive speculation across a slow link ----------------------------------------------

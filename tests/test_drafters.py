@@ -3,6 +3,8 @@ then model."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, lookup_continuation
@@ -21,10 +23,31 @@ from speculative.sampling import SamplingParams
         ([7, 7], 3, []),  # too short for a 2-gram match with a continuation
         ([1, 2, 1, 2], 5, [1, 2]),  # the continuation may run into the suffix itself
         ([1, 2, 3, 1, 2], 0, []),
+        ([1, 9, 1, 2, 5, 1, 2], 2, [5, 1]),  # a start like the suffix's is passed over
+        ([5, 1, 2], 3, []),  # the suffix itself is no earlier occurrence
     ],
 )
 def test_lookup_continuation(tokens, k, expected):
     assert lookup_continuation(tokens, k, min_ngram=2, max_ngram=4) == expected
+
+
+def _lookup_by_definition(tokens, k, min_ngram, max_ngram):
+    """Every window compared: what followed the earliest occurrence of the longest suffix."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
+        if starts and k > 0:
+            return tokens[starts[0] + n : starts[0] + n + k]
+    return []
+
+
+def test_lookup_continuation_follows_its_definition_on_random_sequences():
+    rng = random.Random(21)
+    for _ in range(3000):  # small vocabularies: many partial matches
+        tokens = [rng.randrange(rng.randint(1, 4)) for _ in range(rng.randrange(30))]
+        min_ngram = rng.randint(1, 4)
+        max_ngram, k = rng.randint(min_ngram, 8), rng.randrange(5)
+        assert lookup_continuation(tokens, k, min_ngram, max_ngram) == \
+            _lookup_by_definition(tokens, k, min_ngram, max_ngram), (tokens, k, min_ngram, max_ngram)
 
 
 def test_single_token_matches_when_allowed():

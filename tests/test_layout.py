@@ -3,7 +3,8 @@
 Import rules (docs/architecture.md): the core (`speculative/`) knows nothing of gRPC or
 the protocol; the workers share only the common and their own contracts, never the
 orchestrator's; tests and benchmarks start systems through `launcher.cluster`, never
-through the command module `launcher.__main__`.
+through the command module `launcher.__main__`; the orchestrator and the draft worker
+without a model import neither torch nor transformers when they start.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def imported_modules(path: Path) -> set[str]:
     """Every module path.py imports, by its dotted name (`from a import b` gives a and a.b)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+    return {name for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(node, (ast.Import, ast.ImportFrom)) for name in names_imported_by(node)}
+
+
+def names_imported_by(node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    if not node.module or node.level:
+        return set()
+    return {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
 
 
 def sources(*folders: str) -> list[Path]:
@@ -55,6 +58,81 @@ def test_import_rule_check_catches_a_violation(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("from specdec.v1 import orchestrator_pb2\n")
     assert "specdec.v1.orchestrator_pb2" in imported_modules(module)
+
+
+# Roles that start without torch or transformers (seconds of a cold start on 2 cores):
+# followed through the repository's modules, what they import when imported reaches
+# neither. The draft worker imports its model's modules inside a function, when it has one.
+TORCH_FREE_ROLES = ["draft_service.server", "orchestrator.server"]
+MODEL_RUNTIME = re.compile(r"(torch|transformers)(\..*)?")
+
+
+def startup_imports(path: Path) -> set[str]:
+    """What importing path.py imports: not inside functions, nor under TYPE_CHECKING."""
+    names: set[str] = set()
+    statements = list(ast.parse(path.read_text(), filename=str(path)).body)
+    while statements:
+        node = statements.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(names_imported_by(node))
+        elif isinstance(node, ast.If):
+            type_checking = isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+            statements += node.orelse if type_checking else node.body + node.orelse
+        elif isinstance(node, (ast.Try, ast.With, ast.ClassDef)):
+            statements += [s for field in ("body", "handlers", "orelse", "finalbody") for s in getattr(node, field, [])]
+        elif isinstance(node, ast.ExceptHandler):
+            statements += node.body
+    return names
+
+
+def source_of(module: str) -> Path | None:
+    """The repository's file of a module (None: a library's, or a name that is no module)."""
+    base = ROOT.joinpath(*module.split("."))
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+
+def import_chain(module: str, forbidden: re.Pattern) -> list[str]:
+    """The modules from `module` to the first forbidden one it imports when imported,
+    through the repository's modules; [] when it imports none."""
+    came_from: dict[str, str | None] = {module: None}
+    queue = [module]
+    while queue:
+        current = queue.pop(0)
+        if forbidden.fullmatch(current):
+            return _path_back(came_from, current)
+        path = source_of(current)
+        for name in sorted(startup_imports(path)) if path else ():
+            parts = name.split(".")
+            for prefix in (".".join(parts[: i + 1]) for i in range(len(parts))):  # a.b imports a first
+                if prefix not in came_from:
+                    came_from[prefix] = current
+                    queue.append(prefix)
+    return []
+
+
+def _path_back(came_from: dict[str, str | None], module: str) -> list[str]:
+    chain = [module]
+    while came_from[chain[-1]] is not None:
+        chain.append(came_from[chain[-1]])
+    return chain[::-1]
+
+
+@pytest.mark.parametrize("role", TORCH_FREE_ROLES)
+def test_role_starts_without_the_model_runtime(role: str) -> None:
+    assert import_chain(role, MODEL_RUNTIME) == []
+
+
+def test_import_chain_finds_the_model_runtime_through_modules() -> None:
+    chain = import_chain("draft_service.draft_model", MODEL_RUNTIME)  # where a draft model is set up
+    assert chain[0] == "draft_service.draft_model" and MODEL_RUNTIME.fullmatch(chain[-1]), chain
+    assert len(chain) > 2  # it imports torch through the core's modules, not only itself
+
+
+def test_startup_imports_leave_out_functions_and_type_checking(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nimport a\nif TYPE_CHECKING:\n    import b\n"
+                      "def f():\n    import c\nclass C:\n    import d\ntry:\n    import e\nexcept ImportError:\n    import g\n")
+    assert startup_imports(module) == {"typing", "typing.TYPE_CHECKING", "a", "d", "e", "g"}
 
 
 # Markdown links: every relative link in the repository's Markdown resolves inside it.

@@ -99,7 +99,7 @@ def workers(traced, tiny_target):
         "127.0.0.1:0", lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(target, s),
         ["specdec.v1.TargetService"], interceptors=installed.server_interceptors())
     config = DraftConfig(address="127.0.0.1:0", worker_id="draft-t")
-    draft = DraftServicer(config, Drafters(None, "ngram", 32, 2, 4), DraftSessions(8, 100_000), TargetConnections())
+    draft = DraftServicer(config, Drafters(None, "ngram", 2, 4), DraftSessions(8, 100_000), TargetConnections())
     draft_server, draft_port, _ = common_server.create_server(
         "127.0.0.1:0", lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, s),
         ["specdec.v1.DraftService"], interceptors=installed.server_interceptors())
