@@ -72,6 +72,11 @@ class DraftSession(abc.ABC):
         """Sampling from now on (model drafters sample like the target); a seed restarts
         the draft's generator."""
 
+    def peek(self, k: int) -> list[int] | None:
+        """What propose(k) would return now, the session unchanged, where that is free
+        (prompt lookup); None where proposing costs a model pass."""
+        return None
+
     def lookup_stop(self) -> LookupStop | None:
         """Where this drafter proposes only what prompt lookup finds (the n-gram drafter),
         the lookup's sizes: a stretch the target decodes alone can end at the first

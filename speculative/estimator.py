@@ -19,7 +19,15 @@ with the cost model the decision uses (Leviathan et al. 2023, with a per-round d
   until a stretch measured it); o: what starting a stretch costs past its tokens (the
   stretch's round trip, the draft catching up on it; prior 2 R).
 - load: the sessions B sharing the target's steps and the step cost base + per_token T
-  the target fits and reports, which cap k at `worker_k`.
+  the target fits and reports, which cap k at `worker_k` (read with the measured
+  acceptance, not the hopeful one: on a loaded target a hopeful draft token costs
+  every session of the batch).
+
+Acceptance is also measured during stretches where drafting is free (prompt lookup):
+what the drafter would have proposed at each point, against the tokens the target
+then decoded (`observe_shadow`; exact for greedy, and unbiased under sampling since a
+looked-up token is proposed with certainty: it is accepted with the target's
+probability of it, the chance that the target draws it).
 
 The estimator also counts what the last actions were (stretches in a row, empty turns
 in a row, rounds since the last stretch): the decision sizes stretches from them.
@@ -68,6 +76,12 @@ class MeasuredCosts:
     draft_token_ns: float  # d
     acceptance: float | None = None  # a, the next call's prior (as light as the default)
     one_token_measured: bool = False  # c(1) from one-token passes, not extrapolated
+    # The target's load as last seen (B, step base and per-token cost; 0: not reported):
+    # a call's first decision then already knows whether drafts pay on that worker.
+    batch_sessions: float = 1.0
+    step_base_ns: float = 0.0
+    step_token_ns: float = 0.0
+    stretches_measure: bool = False  # the drafter's acceptance is measured during stretches
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,7 @@ class Estimates:
     one_token_measured: bool  # c(1) from one-token passes (else extrapolated from wider ones)
     stretch_start_ns: float  # o
     worker_k: int  # the k that makes best use of the loaded target (0: none)
+    stretches_measure: bool  # stretches measure acceptance (a free drafter): no probe needed
     after_stretch: bool  # the last thing the call did was a stretch
     losing_stretches: int  # stretches in a row, each followed by one round that lost (a probe)
     empty_turns_in_a_row: int  # drafter turns that proposed nothing since one that did
@@ -144,6 +159,7 @@ class CostEstimator:
         self.one_token_measured = False
         self.batch_sessions = 1.0  # B
         self.step_base_ns = self.step_token_ns = 0.0  # the target's step cost (0: not reported)
+        self.stretches_measure = False
         self.after_stretch = False
         self.stretches_in_a_row = self.empty_turns_in_a_row = 0
         self.rounds_since_stretch, self.rounds_since_stretch_ns = 0, 0.0
@@ -159,7 +175,7 @@ class CostEstimator:
             self.solo_token_ns if self.solo_token_ns is not None else self.one_token_ns,
             self.solo_token_ns is not None, self.one_token_measured,
             self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns,
-            self.worker_k(), self.after_stretch,
+            self.worker_k(), self.stretches_measure, self.after_stretch,
             self.stretches_in_a_row if self.rounds_since_stretch <= 1 else 0, self.empty_turns_in_a_row,
             self.rounds_since_stretch_ns,
         )
@@ -172,11 +188,12 @@ class CostEstimator:
         """The k (0 = none) that maximises this session's tokens per unit of the target
         worker's time, E[tokens](a, k) / (base / B + per_token (k + 1)): a step's base cost
         is shared by its B sessions, each draft token costs the whole batch per_token.
+        a as measured: hope is for exploring, which a loaded worker pays for whole.
         max_k while the target reports no cost."""
         if not self.step_base_ns and not self.step_token_ns:
             return self.max_k
         shared_ns = self.step_base_ns / max(self.batch_sessions, 1.0)
-        acceptance = (self.accepted + HOPE) / (self.trials + HOPE)
+        acceptance = self.acceptance()
         return max(range(self.max_k + 1),
                    key=lambda k: (expected_tokens(acceptance, k) / (shared_ns + self.step_token_ns * (k + 1)), -k))
 
@@ -192,10 +209,14 @@ class CostEstimator:
             self.measured, self.one_token_measured = True, costs.one_token_measured
         if costs.acceptance is not None:
             self.accepted, self.trials = PRIOR_TRIALS * costs.acceptance, PRIOR_TRIALS
+        self.batch_sessions, self.step_base_ns, self.step_token_ns = \
+            costs.batch_sessions, costs.step_base_ns, costs.step_token_ns
+        self.stretches_measure = costs.stretches_measure
 
     def costs(self) -> MeasuredCosts:
         return MeasuredCosts(self.one_token_ns, self.per_token_ns, self.overhead_ns, self.solo_token_ns,
-                             self.stream_start_ns, self.draft_token_ns, self.acceptance(), self.one_token_measured)
+                             self.stream_start_ns, self.draft_token_ns, self.acceptance(), self.one_token_measured,
+                             self.batch_sessions, self.step_base_ns, self.step_token_ns, self.stretches_measure)
 
     # Observations.
 
@@ -203,25 +224,41 @@ class CostEstimator:
         """A finished round, elapsed_ns from its decision to its result passed on; or
         one token of a stretch (its pass only: the stretch is observed whole)."""
         self._observe_load(stats.step)
+        ran_pass = stats.target_compute_ns > 0  # else the logits were kept from the prefill
         if stats.streamed:
-            self._observe_compute(1, stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
-            self.one_token_measured = True
+            if ran_pass:
+                self._observe_compute(1, stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
+                self.one_token_measured = True
             return
-        self._observe_compute(stats.num_drafted + 1, stats.target_compute_ns)
+        if ran_pass:
+            self._observe_compute(stats.num_drafted + 1, stats.target_compute_ns)
         self.after_stretch = False
         self.rounds_since_stretch += 1
         self.rounds_since_stretch_ns += elapsed_ns
-        self.one_token_measured |= stats.num_drafted == 0
+        self.one_token_measured |= ran_pass and stats.num_drafted == 0
         drafting_ns = stats.draft_ns if stats.num_drafted else 0  # a search that found nothing is overhead
         overhead = max(0, elapsed_ns - drafting_ns - stats.target_compute_ns)
         self.overhead_ns = _blend(self.overhead_ns if self.measured else None, overhead, self.decay)
         self.measured = True
         if stats.num_drafted:
-            rejected = stats.num_accepted < stats.num_drafted
-            self.accepted = self.decay * self.accepted + stats.num_accepted
-            self.trials = self.decay * self.trials + stats.num_accepted + rejected
+            self._observe_acceptance(stats.num_drafted, stats.num_accepted)
             per_token = stats.draft_ns / stats.num_drafted
             self.draft_token_ns = _blend(self.draft_token_ns or None, per_token, self.decay)
+
+    def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
+        """During a stretch: the drafter would have proposed num_drafted tokens (0:
+        nothing) of which the target's next num_accepted came (a round not run)."""
+        self.stretches_measure = True
+        self.observe_turn(proposed=num_drafted > 0)
+        if num_drafted:
+            self._observe_acceptance(num_drafted, num_accepted)
+
+    def _observe_acceptance(self, num_drafted: int, num_accepted: int) -> None:
+        """Bernoulli trials until the first rejection: the accepted ones, and the
+        rejected one if any."""
+        rejected = num_accepted < num_drafted
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.trials = self.decay * self.trials + num_accepted + rejected
 
     def observe_turn(self, proposed: bool) -> None:
         """The drafter was asked for tokens and proposed some, or nothing."""
@@ -236,15 +273,21 @@ class CostEstimator:
         (a stretch that ended where it would propose again)."""
         for _ in range(empty_turns):
             self.observe_turn(proposed=False)
+        self.observe_solo_tokens(num_tokens, token_ns)
+        self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - num_tokens * token_ns), self.decay)
+        self.stretches_in_a_row = self.stretches_in_a_row + 1 if self.rounds_since_stretch <= 1 else 1
+        self.after_stretch = True
+        self.rounds_since_stretch, self.rounds_since_stretch_ns = 0, 0.0
+
+    def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
+        """num_tokens decoded alone, token_ns apart (s; also a bound on c(1)): a stretch,
+        or the one that ended the call (whose start and the draft's catch-up are not
+        measured; its s seeds the next call)."""
         if token_ns < self.one_token_ns:
             self._observe_compute(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
         self.one_token_measured = True
         # s ages by the rounds since it was measured, as passes do by later passes.
         self.solo_token_ns = _blend(self.solo_token_ns, token_ns, self.decay ** (1 + self.rounds_since_stretch))
-        self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - num_tokens * token_ns), self.decay)
-        self.stretches_in_a_row = self.stretches_in_a_row + 1 if self.rounds_since_stretch <= 1 else 1
-        self.after_stretch = True
-        self.rounds_since_stretch, self.rounds_since_stretch_ns = 0, 0.0
 
     def _observe_load(self, step: StepLoad | None) -> None:
         if step is None or not step.batch_sessions:

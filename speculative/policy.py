@@ -59,10 +59,13 @@ def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: 
     """The next action of a call that may still generate `remaining` tokens (None: not
     known). Rules:
     - Nothing measured yet: a round of the k the priors favour.
-    - After a stretch, one round re-measures (a probe).
-    - The fastest k while its rounds beat decoding alone (never on a loaded target
-      whose worker_k is 0); a lead read from an extrapolated c(1) is checked by one
-      stretch first. Else a stretch, twice the last one's while probes keep losing.
+    - A loaded target whose worker_k is 0 decodes alone. Where stretches measure
+      acceptance (a free drafter), in stretches of the longest size: nothing needs a
+      probe, and each restart costs the session a step it misses.
+    - After a stretch, one round re-measures (a probe), unless the stretch measured.
+    - The fastest k while its rounds beat decoding alone; a lead read from an
+      extrapolated c(1) is checked by one stretch first. Else a stretch, twice the
+      last one's while probes (or measuring stretches) keep losing.
     - The drafter proposed nothing: see `_after_empty_turn`.
     - Whether a round's next proposal is drafted ahead: see `draft_ahead`.
     - A stretch after which fewer tokens would remain than it has runs to the end."""
@@ -70,9 +73,11 @@ def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: 
         return Action(k=e.best_k(), ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
     if turn is not Turn.DRAFT:
         return _after_empty_turn(e, remaining, turn is Turn.NOTHING_UNTIL_MATCH, rules)
+    if e.worker_k == 0 and e.stretches_measure:
+        return _stretch_unless_last(rules.longest, remaining, least=rules.first)
     k = e.best_k()
     lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(k) * e.solo_token_ns  # speculation's speed over alone
-    if e.after_stretch or (lead >= 1.0 and e.one_token_measured):
+    if (e.after_stretch and not e.stretches_measure) or (lead >= 1.0 and e.one_token_measured):
         return Action(k=k, ahead=draft_ahead(e, k))
     if lead >= 1.0:
         return _stretch_unless_last(rules.sized(e, rules.first), remaining, least=None,
@@ -144,8 +149,14 @@ class SpeculationPolicy:
     def observe_turn(self, proposed: bool) -> None:
         """The drafter was asked for tokens: it proposed some, or nothing."""
 
+    def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
+        """During a stretch, a round not run (CostEstimator.observe_shadow)."""
+
     def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0) -> None:
         """A whole stretch (CostEstimator.observe_stretch)."""
+
+    def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
+        """The stretch that ended the call (CostEstimator.observe_solo_tokens)."""
 
 
 class FixedK(SpeculationPolicy):
@@ -184,8 +195,14 @@ class AdaptiveK(SpeculationPolicy):
     def observe_turn(self, proposed: bool) -> None:
         self.estimator.observe_turn(proposed)
 
+    def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
+        self.estimator.observe_shadow(num_drafted, num_accepted)
+
     def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0) -> None:
         self.estimator.observe_stretch(num_tokens, elapsed_ns, token_ns, empty_turns)
+
+    def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
+        self.estimator.observe_solo_tokens(num_tokens, token_ns)
 
     def seed(self, costs: MeasuredCosts) -> None:
         self.estimator.seed(costs)

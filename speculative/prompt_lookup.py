@@ -81,6 +81,9 @@ class NgramDraftSession(DraftSession):
         self.token_ids.extend(proposal)
         return Proposal(proposal)
 
+    def peek(self, k: int) -> list[int]:
+        return lookup_continuation(self.token_ids, k, self.min_ngram, self.max_ngram)
+
     def append(self, token_ids: Sequence[int]) -> None:
         self.token_ids.extend(token_ids)
 

@@ -226,10 +226,14 @@ class _Loop:
         """The target decodes up to num_tokens alone; the draft follows each token, and
         catches up on them after (what starting a stretch costs, not drafting)."""
         stretch_start, intervals = self.start_ns, []
-        for stats, result in _solo_stretch(self.verifier, self.draft, self.base_len, num_tokens, until):
+        # A stretch that ends at the drafter's next proposal has none to check.
+        shadow = _ShadowRounds(self.draft, self.policy) if until is None else None
+        for stats, result in _solo_stretch(self.verifier, self.draft, self.base_len, num_tokens, until, shadow):
             intervals.append(stats.verify_ns)
             yield from self._commit(result, dataclasses.replace(stats, index=self.index))
             if self.finished:
+                if len(intervals) > 1:  # what its tokens cost (the first holds the start) seeds the next call
+                    self.policy.observe_solo_tokens(len(intervals) - 1, per_token_ns(intervals))
                 return
         self.index += 1
         if intervals:
@@ -254,14 +258,46 @@ class _Loop:
         return self.finish_reason is not None
 
 
+class _ShadowRounds:
+    """The rounds a free drafter would have run during a stretch: at each point, what it
+    would have proposed (DraftSession.peek, max k), checked against the tokens the
+    target then decoded, each ended by the first token that differs or the one after
+    a full match, as a round's recovered or bonus token. The policy counts them as
+    acceptance evidence; nothing is sent."""
+
+    def __init__(self, draft: DraftSession, policy: SpeculationPolicy):
+        self.draft, self.policy = draft, policy
+        self.free = draft.peek(0) is not None
+        self.proposal: list[int] | None = None  # the round under way
+        self.matched = 0
+
+    def see(self, token_id: int) -> None:
+        """The target's next token, before the draft follows it."""
+        if not self.free:
+            return
+        if self.proposal is None:
+            self.proposal, self.matched = self.draft.peek(self.policy.max_k), 0
+            if not self.proposal:  # an empty turn: the token is a plain step
+                self.proposal = None
+                self.policy.observe_shadow(0, 0)
+                return
+        if self.matched < len(self.proposal) and token_id == self.proposal[self.matched]:
+            self.matched += 1
+            return
+        self.policy.observe_shadow(len(self.proposal), self.matched)
+        self.proposal = None
+
+
 def _solo_stretch(verifier: Verifier, draft: DraftSession, base_len: int, num_tokens: int,
-                 until: LookupStop | None):
+                 until: LookupStop | None, shadow: _ShadowRounds | None = None):
     """(stats, result) per token the target decodes alone; the draft follows each."""
     tokens = verifier.decode(base_len, num_tokens, until)
     try:
         last = time.perf_counter_ns()
         for result in tokens:
             now = time.perf_counter_ns()
+            for token_id in result.token_ids if shadow is not None else ():
+                shadow.see(token_id)
             draft.append(result.token_ids)
             stats = RoundStats(index=0, base_len=base_len, num_drafted=0, num_accepted=0,
                                num_committed=len(result.token_ids), next_token_kind=result.verdict.next_token_kind,

@@ -195,7 +195,7 @@ class StepScheduler:
     def occupancy(self) -> float:
         """Mean tokens per step over the recent steps (0 before any)."""
         recent = list(self._recent)
-        return sum(tokens for tokens, _ in recent) / len(recent) if recent else 0.0
+        return sum(tokens for tokens, _, _ in recent) / len(recent) if recent else 0.0
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -272,13 +272,14 @@ class StepScheduler:
         forward_ns = time.perf_counter_ns() - start
         tokens = sum(job.segment.num_tokens for job in jobs)
         run_tokens = sum(job.segment.num_run_tokens for job in jobs)
+        logit_tokens = sum(job.segment.num_logits for job in jobs if job.segment.num_run_tokens)
         finished = [job for job, logits in zip(jobs, outputs) if not job.advance((logits, forward_ns))]
         self._jobs.extend(job for job in jobs if job not in finished)
         self._last_end_ns = time.perf_counter_ns()
         step_ns = self._last_end_ns - start  # the pass and every job's decision
         if run_tokens:  # a step whose logits were all ready ran no pass: it says nothing of a pass's cost
             self._last_step_ns = step_ns
-            self._recent.append((run_tokens, step_ns))
+            self._recent.append((run_tokens, logit_tokens, step_ns))
         base_ns, per_token_ns = fit_step_cost(list(self._recent))
         for job in jobs:
             job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting, base_ns, per_token_ns)
@@ -287,22 +288,39 @@ class StepScheduler:
             job.finish()
 
 
-def fit_step_cost(steps: list[tuple[int, int]]) -> tuple[float, float]:
-    """Least squares of step time on step tokens over (tokens, step_ns) pairs, as
-    (base_ns, per_token_ns), both kept >= 0. While the steps' sizes barely differ the
-    slope is unknown: it is then taken as 0 (every step costs about the same), which a
-    wider step corrects. (0, 0) before any step."""
+def fit_step_cost(steps: list[tuple[int, int, int]]) -> tuple[float, float]:
+    """The step cost over (run_tokens, logit_tokens, step_ns) triples, as (base_ns,
+    per_token_ns): least squares of step time on the tokens that need logits (a
+    decode step's, a proposal's) and, apart, those that need none (prefill chunks),
+    whose rows skip the output layer and the decision and so cost less. per_token_ns
+    is a token with logits: what one more draft token costs the step. Both >= 0.
+    While a regressor's sizes barely differ its slope is unknown and it joins the
+    base (every step costs about the same), which a wider step corrects. (0, 0)
+    before any step."""
     if not steps:
         return 0.0, 0.0
     n = len(steps)
-    mean_t = sum(t for t, _ in steps) / n
-    mean_c = sum(c for _, c in steps) / n
-    var_t = sum((t - mean_t) ** 2 for t, _ in steps) / n
-    if var_t < 1.0:  # sizes within about a token of each other
+    plain = [run - logits for run, logits, _ in steps]
+    logits = [logits for _, logits, _ in steps]
+    cost = [c for _, _, c in steps]
+    mean_p, mean_l, mean_c = sum(plain) / n, sum(logits) / n, sum(cost) / n
+    dp, dl, dc = [p - mean_p for p in plain], [x - mean_l for x in logits], [c - mean_c for c in cost]
+    var_p, var_l = _dot(dp, dp) / n, _dot(dl, dl) / n
+    if var_l < 1.0:  # logit tokens within about one of each other
         return mean_c, 0.0
-    slope = sum((t - mean_t) * (c - mean_c) for t, c in steps) / n / var_t
-    slope = min(max(slope, 0.0), mean_c / max(mean_t, 1.0))
-    return max(mean_c - slope * mean_t, 0.0), slope
+    cov_lp, cov_lc, cov_pc = _dot(dl, dp) / n, _dot(dl, dc) / n, _dot(dp, dc) / n
+    determinant = var_l * var_p - cov_lp**2
+    if var_p < 1.0 or determinant < 0.01 * var_l * var_p:  # no prefill to tell apart: one slope
+        slope = cov_lc / var_l
+    else:
+        slope = (cov_lc * var_p - cov_pc * cov_lp) / determinant
+    slope = min(max(slope, 0.0), mean_c / max(mean_l, 1.0))
+    plain_slope = 0.0 if var_p < 1.0 else max(0.0, (cov_pc - slope * cov_lp) / var_p)
+    return max(mean_c - slope * mean_l - plain_slope * mean_p, 0.0), slope
+
+
+def _dot(xs: list[float], ys: list[float]) -> float:
+    return sum(x * y for x, y in zip(xs, ys))
 
 
 def _run_call(fn, args, kwargs, future: Future) -> None:

@@ -116,7 +116,9 @@ class TargetSession:
         token_ids, stopped = self._cut_at_stop(verdict.committed_tokens(draft_token_ids))
         self.session.truncate_to(base_len + min(verdict.num_accepted, len(token_ids)))
         self.session.append(token_ids[verdict.num_accepted :])
-        compute_ns = forward_ns + time.perf_counter_ns() - start
+        # 0 where no pass ran (the logits kept from the prompt's prefill): such a
+        # round says nothing of what a pass costs.
+        compute_ns = 0 if segment.ready_logits is not None else forward_ns + time.perf_counter_ns() - start
         return VerifyResult(verdict, token_ids, self.length, stopped, compute_ns)
 
     def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:

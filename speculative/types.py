@@ -90,7 +90,7 @@ class VerifyResult:
     token_ids: list[int]  # tokens committed this round: accepted + next, cut after a stop token
     committed_len: int  # the session's committed length afterwards, in tokens
     stopped: bool  # a stop token ended the round
-    target_compute_ns: int  # forward pass and decision, in nanoseconds
+    target_compute_ns: int  # forward pass and decision, in nanoseconds (0: no pass ran, logits were kept)
     step: StepLoad | None = None  # the batched step that ran it (None: run alone)
 
 

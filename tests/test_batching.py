@@ -17,7 +17,7 @@ from speculative.batched_forward import Segment, SequenceKV, forward_segments
 from speculative.errors import StaleProposal
 from speculative.model_session import ModelSession
 from speculative.sampling import SamplingParams, SparseProbs
-from speculative.step_scheduler import StepScheduler
+from speculative.step_scheduler import StepScheduler, fit_step_cost
 from speculative.target import TargetSession
 
 GREEDY = SamplingParams(max_new_tokens=64)
@@ -291,3 +291,18 @@ def test_a_step_waits_only_for_callers_expected_back_within_its_window():
     assert turnarounds.wait_until(1050 * ms, 1000 * ms) == 1050 * ms
     turnarounds.back("new", 1001 * ms)
     assert turnarounds.wait_until(1050 * ms, 1010 * ms) == 1010 * ms  # the quick one is late: no wait
+
+
+def test_the_step_cost_tells_tokens_with_logits_from_prefill_tokens():
+    """A token with logits (a decode step's, a draft's) runs the output layer and a
+    decision; a prefill token does not: the fit prices one more draft token as the
+    former, whatever prefill shares the steps."""
+    ms = 1_000_000
+    rows = [(logits, prefill) for logits in range(2, 18) for prefill in (0, 0, 40, 90)]
+    steps = [(logits + prefill, logits, 50 * ms + 2 * ms * logits + ms // 2 * prefill) for logits, prefill in rows]
+    base, per_token = fit_step_cost(steps)
+    assert base == pytest.approx(50 * ms, rel=1e-6) and per_token == pytest.approx(2 * ms, rel=1e-6)
+    decode_only = [(logits, logits, 50 * ms + 2 * ms * logits) for logits in range(2, 18)]
+    assert fit_step_cost(decode_only) == pytest.approx((50 * ms, 2 * ms))
+    assert fit_step_cost([(8, 8, 60 * ms)] * 4) == (60 * ms, 0.0)  # one size: its slope unknown
+    assert fit_step_cost([]) == (0.0, 0.0)

@@ -171,7 +171,8 @@ def check_accounting(updates, base_len: int, num_tokens: int, finish_reason) -> 
         length += len(update.token_ids)
         assert update.committed_len == length
         assert stats.proposal_bytes > 0 and stats.verdict_bytes > 0
-        assert stats.verify_rtt_ns >= stats.target_compute_ns > 0
+        # 0 only where no pass ran: a plain step on the logits kept from the prefill.
+        assert stats.verify_rtt_ns >= stats.target_compute_ns > 0 or (index == 0 and stats.num_drafted == 0)
         assert update.finished == (index == len(updates) - 1)
     # Round indices are Proposal.round: increasing, with gaps where a proposal sent ahead was discarded.
     indices = [u.round.round for u in updates]

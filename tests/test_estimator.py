@@ -146,3 +146,40 @@ def test_the_load_cap_binds_only_when_crowded():
 def test_expected_tokens_is_leviathans_formula():
     assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
     assert (expected_tokens(0.0, 4), expected_tokens(1.0, 4)) == (1.0, 5.0)
+
+
+def test_shadow_proposals_during_stretches_count_as_rounds_would():
+    """A free drafter's proposals, checked against the tokens a stretch decoded, move
+    the acceptance and proposal rate exactly as the same rounds would."""
+    shadowed, rounds = CostEstimator(4), CostEstimator(4)
+    for drafted, accepted in [(4, 1), (0, 0), (3, 3), (4, 0)]:
+        shadowed.observe_shadow(drafted, accepted)
+        rounds.observe_turn(proposed=drafted > 0)
+        if drafted:
+            rounds.observe(*round_(drafted, accepted, 10.0))
+    assert shadowed.acceptance() == pytest.approx(rounds.acceptance())
+    assert shadowed.estimates().proposal_rate == pytest.approx(rounds.estimates().proposal_rate)
+    assert shadowed.estimates().stretches_measure and not rounds.estimates().stretches_measure
+
+
+def test_the_load_cap_reads_the_measured_acceptance():
+    """At 24 sessions a step of 40 ms + 0.9 ms a token gives a draft token 1.7 ms of
+    shared base against 0.9 ms of the whole batch's time: one pays above an acceptance
+    of about 0.35. Rounds settling at 0.345 must not buy the batch drafts on hope
+    (which reads 0.385)."""
+    step = StepLoad(0, 50 * MS, 24, 24, 24, 40.0 * MS, 0.9 * MS)
+    estimator = settled(CostEstimator(4), [round_(2, 0, 50.0, step=step), round_(2, 1, 50.0, step=step)])
+    assert estimator.acceptance() == pytest.approx(0.345, abs=0.01)
+    assert estimator.estimates().acceptance > 0.38
+    assert estimator.worker_k() == 0
+
+
+def test_the_load_carries_to_the_next_call():
+    """A call's first decision already knows the worker's load as the last call saw it."""
+    step = StepLoad(0, 50 * MS, 16, 16, 16, 40.0 * MS, 0.9 * MS)
+    earlier = settled(CostEstimator(4), [round_(1, 0, 50.0, step=step)])
+    assert earlier.worker_k() == 0
+    earlier.observe_shadow(4, 0)
+    seeded = CostEstimator(4, costs=earlier.costs())
+    assert seeded.worker_k() == 0 and seeded.estimates().stretches_measure
+    assert CostEstimator(4).worker_k() == 4  # nothing seen: no cap

@@ -14,6 +14,7 @@ from speculative.drafters import DraftSession, ModelDrafter, NgramDrafter
 from speculative.estimator import Estimates, MeasuredCosts, expected_tokens
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import (
+    FixedK,
     TAKE_ROUND,
     Action,
     AdaptiveK,
@@ -24,6 +25,8 @@ from speculative.policy import (
     draft_ahead,
 )
 from speculative.sampling import SamplingParams
+from speculative.speculation_loop import speculation_rounds
+from speculative.types import NextTokenKind, Verdict, VerifyResult
 from speculative.stats import StepLoad
 from tests.test_estimator import MS, round_, settled, streamed
 
@@ -42,7 +45,7 @@ def estimates(draw, **fixed) -> Estimates:
         overhead_ns=overhead_ms * MS, solo_token_ns=draw(st.floats(0.5, 2.0)) * one_token_ms * MS,
         solo_measured=draw(st.booleans()), one_token_measured=True,
         stretch_start_ns=draw(st.floats(0.0, 4.0)) * (overhead_ms + one_token_ms) * MS,
-        worker_k=8, after_stretch=False, losing_stretches=draw(st.integers(0, 6)),
+        worker_k=8, stretches_measure=draw(st.booleans()), after_stretch=False, losing_stretches=draw(st.integers(0, 6)),
         empty_turns_in_a_row=draw(st.integers(1, 10)), rounds_since_stretch_ns=draw(st.floats(0.0, 1e4)) * MS,
     )
     values.update(fixed)
@@ -123,13 +126,30 @@ def test_first_a_round_then_a_probe_after_each_stretch(e, remaining, turn):
     unmeasured = dataclasses.replace(e, one_token_ns=0.0)
     expected = Action(k=unmeasured.best_k(), ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
     assert decide(unmeasured, remaining, turn) == expected
-    assert _is_round(decide(dataclasses.replace(e, after_stretch=True), remaining))
+    assert _is_round(decide(dataclasses.replace(e, after_stretch=True, stretches_measure=False), remaining))
+
+
+@PROPERTY
+@given(estimates(stretches_measure=True), remaining_tokens)
+def test_a_stretch_that_measured_needs_no_probe(e, remaining):
+    """After a stretch that measured acceptance, the decision is the one a round's
+    estimates would give: a round only while speculation leads."""
+    assert decide(dataclasses.replace(e, after_stretch=True), remaining) == decide(e, remaining)
 
 
 @PROPERTY
 @given(estimates(worker_k=0), st.integers(1, 512))
 def test_a_worker_with_no_room_for_drafts_decodes_alone(e, remaining):
     assert decide(e, remaining).stretch > 0
+
+
+@PROPERTY
+@given(estimates(worker_k=0, stretches_measure=True), remaining_tokens)
+def test_a_loaded_worker_decodes_alone_in_the_longest_stretches_where_they_measure(e, remaining):
+    """No probes and no stretch ended early: each restart would cost the session a step."""
+    longest = StretchRules().longest
+    expected = longest if remaining is None or remaining >= longest + StretchRules().first else remaining
+    assert decide(e, remaining) == Action(stretch=expected)
 
 
 @PROPERTY
@@ -566,3 +586,79 @@ def test_in_process_calls_seed_the_next_calls_costs(tiny_target, prompt_ids):
     assert generator.measured_costs is not None and generator.measured_costs.one_token_ns > 0
     generator.generate(prompt_ids[1], params, k=second)
     assert first.looks[0] is False and second.looks[0] is True
+
+
+class _ShadowLog(SpeculationPolicy):
+    """One stretch to the end; logs the rounds a free drafter would have run in it."""
+
+    def __init__(self, k):
+        self.max_k, self.shadows = k, []
+
+    def next_action(self, remaining=None, turn=Turn.DRAFT):
+        return Action(stretch=remaining)
+
+    def observe_shadow(self, num_drafted, num_accepted):
+        self.shadows.append((num_drafted, num_accepted))
+
+
+class _RoundLog(FixedK):
+    def __init__(self, k):
+        super().__init__(k)
+        self.rounds = []
+
+    def observe(self, round_stats, elapsed_ns):
+        self.rounds.append((round_stats.num_drafted, round_stats.num_accepted))
+
+
+class _ScriptedVerifier:
+    """A target whose greedy output is `script`, in process: verdicts accept the draft's
+    prefix that matches it; a stretch decodes it."""
+
+    overlaps = False
+
+    def __init__(self, prompt_len, script):
+        self.prompt_len, self.script, self.sent = prompt_len, script, []
+
+    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None):
+        self.sent.append((base_len, list(draft_token_ids)))
+
+    def receive(self):
+        base_len, drafts = self.sent.pop(0)
+        ahead = self.script[base_len - self.prompt_len:]
+        accepted = next((i for i, (d, t) in enumerate(zip(drafts, ahead)) if d != t), min(len(drafts), len(ahead) - 1))
+        kind = NextTokenKind.BONUS if accepted == len(drafts) else NextTokenKind.RECOVERED
+        tokens = ahead[:accepted + 1]
+        return VerifyResult(Verdict(accepted, tokens[-1], kind), tokens, base_len + len(tokens), False, 0)
+
+    def abandon_last(self):
+        self.sent.pop()
+
+    def decode(self, base_len, max_tokens, until=None):
+        for i, token in enumerate(self.script[base_len - self.prompt_len:][:max_tokens]):
+            yield VerifyResult(Verdict(0, token, NextTokenKind.BONUS), [token], base_len + i + 1, False, 0)
+
+
+# Text that repeats with changes: prompt lookup proposes, and is right for a while.
+_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 9, 4, 5, 6, 10, 8]
+_SCRIPT = [1, 2, 3, 4, 5, 6, 11, 8, 1, 2, 9, 4, 5, 6, 7, 8, 12, 1, 2, 3, 4, 5, 13, 13, 1, 2, 9, 4, 5, 6, 10, 8] * 2
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_a_stretch_measures_the_rounds_a_lookup_drafter_would_have_run(k):
+    """The shadow rounds of one stretch are the rounds k = k really runs on the same
+    output (those ending before its last k + 1 tokens, where the room cuts k)."""
+    params = SamplingParams(max_new_tokens=len(_SCRIPT))
+    logs = []
+    for policy in (_ShadowLog(k), _RoundLog(k)):
+        draft = NgramDrafter(min_ngram=1, max_ngram=3).open(_PROMPT, params)
+        loop = speculation_rounds(_ScriptedVerifier(len(_PROMPT), _SCRIPT), draft, len(_PROMPT), params, policy, 4096)
+        assert [t for result in loop for t in result.token_ids] == _SCRIPT
+        logs.append(policy.shadows if isinstance(policy, _ShadowLog) else policy.rounds)
+    shadows, rounds = logs
+    ran, consumed = [], 0
+    for drafted, accepted in rounds:  # a plain step commits 1 token, a round accepted + 1
+        consumed += accepted + 1
+        if consumed <= len(_SCRIPT) - (k + 1):
+            ran.append((drafted, accepted))
+    assert shadows[:len(ran)] == ran
+    assert sum(accepted >= 2 for _, accepted in ran) >= (2 if k > 1 else 0) and sum(d > 0 for d, _ in ran) >= 8
