@@ -1008,9 +1008,10 @@ def test_a_call_whose_client_left_before_it_ran_holds_no_slot():
     """The same leak by another path: calls queued behind a busy thread pool whose
     deadline passed before a thread took them never run, and held their slot for good.
     One server thread, held by a slow call; ten quick calls time out in the queue."""
-    limits, release_slow = CallLimits(max_calls=32), threading.Event()
+    limits, release_slow, slow_running = CallLimits(max_calls=32), threading.Event(), threading.Event()
 
     def slow(request, context):
+        slow_running.set()
         release_slow.wait(10)
         return request
 
@@ -1023,6 +1024,7 @@ def test_a_call_whose_client_left_before_it_ran_holds_no_slot():
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             slow_call = channel.unary_unary("/fuzz.Test/Slow").future(b"x", timeout=10)
+            assert slow_running.wait(10)  # it holds the only thread: the quick calls queue
             fast = channel.unary_unary("/fuzz.Test/Fast")
             for _ in range(10):
                 with pytest.raises(grpc.RpcError) as error:
