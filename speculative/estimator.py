@@ -185,17 +185,21 @@ class CostEstimator:
         return self.accepted / self.trials
 
     def worker_k(self) -> int:
-        """The k (0 = none) that maximises this session's tokens per unit of the target
-        worker's time, E[tokens](a, k) / (base / B + per_token (k + 1)): a step's base cost
-        is shared by its B sessions, each draft token costs the whole batch per_token.
-        a as measured: hope is for exploring, which a loaded worker pays for whole.
-        max_k while the target reports no cost."""
+        """The k (0 = none) at which the target's B sessions, all drafting k, commit the
+        most tokens a second: E[tokens](a, k) a round of base + per_token B (k + 1) plus
+        R (the round's time away from the target: the session misses steps), against
+        one token a step of base + per_token B decoding alone. a as measured: hope is
+        for exploring, which a loaded worker pays for whole. max_k while the target
+        reports no cost."""
         if not self.step_base_ns and not self.step_token_ns:
             return self.max_k
-        shared_ns = self.step_base_ns / max(self.batch_sessions, 1.0)
-        acceptance = self.acceptance()
-        return max(range(self.max_k + 1),
-                   key=lambda k: (expected_tokens(acceptance, k) / (shared_ns + self.step_token_ns * (k + 1)), -k))
+        sessions, acceptance = max(self.batch_sessions, 1.0), self.acceptance()
+
+        def rate(k: int) -> float:
+            step_ns = self.step_base_ns + self.step_token_ns * sessions * (k + 1)
+            return expected_tokens(acceptance, k) / (step_ns + (self.overhead_ns if k else 0.0))
+
+        return max(range(self.max_k + 1), key=lambda k: (rate(k), -k))
 
     # Seeding from, and handing on, what earlier calls measured.
 

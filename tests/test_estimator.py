@@ -183,3 +183,13 @@ def test_the_load_carries_to_the_next_call():
     seeded = CostEstimator(4, costs=earlier.costs())
     assert seeded.worker_k() == 0 and seeded.estimates().stretches_measure
     assert CostEstimator(4).worker_k() == 4  # nothing seen: no cap
+
+
+def test_a_rounds_time_away_from_the_target_counts_under_load():
+    """8 sessions, steps of 50 ms + 4.7 ms a token, 2 of 4 drafts accepted: with rounds
+    that come straight back, k = 1 commits the most; with 40 ms away per round (the
+    session misses most of a step) decoding alone does."""
+    step = StepLoad(0, 90 * MS, 8, 8, 8, 50.0 * MS, 4.7 * MS)
+    quick = settled(CostEstimator(4), [round_(4, 2, 90.0, step=step)])
+    away = settled(CostEstimator(4), [round_(4, 2, 90.0, overhead_ms=40.0, step=step)])
+    assert quick.worker_k() == 1 and away.worker_k() == 0
