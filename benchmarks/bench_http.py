@@ -222,9 +222,9 @@ def main(argv=None) -> int:
         f"{args.repeats} repeats per prompt, gRPC and HTTP back to back in alternating order; every HTTP output "
         "equals the gRPC one. Time per token = the client's wall time from request to the stream's end over "
         "the tokens generated.", "",
-        "**The machine is shared and was busy with other users' work during the run** (other sessions' test "
-        "suites on the same 2 cores): single runs vary by tens of percent, so only the paired ratios (HTTP and "
-        "gRPC of the same prompt, run back to back) mean anything, and their spread is reported with them.", "",
+        f"Load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}. Single runs "
+        "on a shared machine drift, so only the paired ratios (HTTP and gRPC of the same prompt, run back to "
+        "back) mean anything, and their spread is reported with them.", "",
         "| prompt | tokens | gRPC ms/token (median) | HTTP ms/token (median) | paired ratio HTTP/gRPC (median) | "
         "ratio interquartile range |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
