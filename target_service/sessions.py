@@ -39,7 +39,6 @@ from speculative.sampling import SamplingParams
 from speculative.step_scheduler import StepLoad, StepScheduler
 from speculative.target import TargetSession, check_prompt
 from service_common.status import AlreadyExists
-from target_service.memory import FreedMemory
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,6 @@ class SessionCache:
         self.max_sessions = max_sessions
         self.max_cached_tokens = max_cached_tokens
         self.compute = compute or StepScheduler(loaded.model)
-        self.freed_memory = FreedMemory()  # released KV caches go back to the OS
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._evicted: OrderedDict[str, None] = OrderedDict()
@@ -218,10 +216,9 @@ class SessionCache:
 
     # Outside self._lock.
 
-    def _release(self, entries: list[_Entry]) -> None:
+    @staticmethod
+    def _release(entries: list[_Entry]) -> None:
         for entry in entries:
             with entry.lock:  # waits for a call in flight on it to finish
                 if entry.target is not None:
                     entry.target.release()
-        if entries:
-            self.freed_memory.returned()
