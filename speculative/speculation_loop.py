@@ -226,8 +226,9 @@ class _Loop:
         """The target decodes up to num_tokens alone; the draft follows each token, and
         catches up on them after (what starting a stretch costs, not drafting)."""
         stretch_start, intervals = self.start_ns, []
-        # A stretch that ends at the drafter's next proposal has none to check.
-        shadow = _ShadowRounds(self.draft, self.policy) if until is None else None
+        # Only a free drafter is checked; a stretch that ends at its next proposal has none.
+        free = self.draft.peek(0) is not None
+        shadow = _ShadowRounds(self.draft, self.policy) if free and until is None else None
         for stats, result in _solo_stretch(self.verifier, self.draft, self.base_len, num_tokens, until, shadow):
             intervals.append(stats.verify_ns)
             yield from self._commit(result, dataclasses.replace(stats, index=self.index))
@@ -263,18 +264,15 @@ class _ShadowRounds:
     would have proposed (DraftSession.peek, max k), checked against the tokens the
     target then decoded, each ended by the first token that differs or the one after
     a full match, as a round's recovered or bonus token. The policy counts them as
-    acceptance evidence; nothing is sent."""
+    acceptance evidence; nothing is sent. For drafters whose `peek` is free."""
 
     def __init__(self, draft: DraftSession, policy: SpeculationPolicy):
         self.draft, self.policy = draft, policy
-        self.free = draft.peek(0) is not None
         self.proposal: list[int] | None = None  # the round under way
         self.matched = 0
 
     def see(self, token_id: int) -> None:
         """The target's next token, before the draft follows it."""
-        if not self.free:
-            return
         if self.proposal is None:
             self.proposal, self.matched = self.draft.peek(self.policy.max_k), 0
             if not self.proposal:  # an empty turn: the token is a plain step
