@@ -10,10 +10,15 @@ to fill: whatever arrived during a step joins the next.
 
 Rules:
 - Running sessions first: segments that need logits (proposals, decode steps) are
-  taken oldest first; prefill chunks fill the rest of the budget, cut to fit (a
-  prompt's prefill is spread over steps and never stalls the sessions decoding; the
+  taken oldest first; prefill chunks fill the rest of the budget, cut to fit (the
   chunk that ends a prompt also gives its last token's logits, kept for the session's
   next call, which then runs no pass: a step that ran none is left out of the cost fit).
+- A prompt's prefill never stalls the sessions decoding (stall-free batching, as in
+  Sarathi-Serve, Agrawal et al., OSDI 2024): while a step holds segments that need
+  logits, its prefill chunks may lengthen it by at most `prefill_share` of what those
+  cost, priced by the fitted step cost (at least one token a step, so a prompt always
+  advances; no cap while a prefill token's price is unknown). A step with no one
+  decoding gives prefill the whole budget: the time to first token is all that waits.
 - The oldest job always gets into a step, whatever its size: nothing starves.
 - A step waits for stragglers while that costs less than it saves: a call's next work
   arrives a little after its last result (the stream's next message, a draft's next
@@ -42,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from transformers import PreTrainedModel
 
@@ -53,6 +58,11 @@ from speculative.stats import StepLoad
 
 T = TypeVar("T")
 
+# While sessions decode, prefill chunks may lengthen a step by at most this share of
+# its decoding work: a running session's time per token stays within 1.5x of what
+# decoding costs, and a prompt still advances by half a step's worth each step
+# (docs/batching.md: the trade against time to first token, measured).
+PREFILL_SHARE = 0.5
 # Steps remembered for the batch occupancy a worker reports (WorkerLoad).
 RECENT_STEPS = 64
 # Weight of the past in each caller's measured turn-around.
@@ -157,13 +167,19 @@ class _Job:
 
 class StepScheduler:
     def __init__(self, model: PreTrainedModel | None = None, max_batch_tokens: int = 512,
-                 name: str = "model-compute", expected_jobs: Callable[[], int] | None = None):
+                 name: str = "model-compute", expected_jobs: Callable[[], int] | None = None,
+                 prefill_share: float = PREFILL_SHARE):
         """expected_jobs: how many calls may bring work for the next step (e.g. the
-        calls running on the worker); None = do not wait for any."""
+        calls running on the worker); None = do not wait for any. prefill_share: the
+        most a step's prefill chunks may add to its decoding work's time (0: no cap)."""
         if max_batch_tokens < 1:
             raise InvalidArgument(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if prefill_share < 0:
+            raise InvalidArgument(f"prefill_share must be >= 0, got {prefill_share}")
         self.model = model  # may be set after loading it on this thread
         self.max_batch_tokens = max_batch_tokens
+        self.prefill_share = prefill_share
+        self._cost = StepCost(0.0, 0.0, 0.0)
         self.expected_jobs = expected_jobs
         self._last_step_ns = 0
         self._last_end_ns = 0
@@ -244,18 +260,37 @@ class StepScheduler:
 
     def _pick(self) -> list[_Job]:
         """This step's jobs: those needing logits oldest first, then prefill chunks cut
-        to the budget left; the oldest job always."""
+        to the budget left and to the prefill share; the oldest job always."""
         budget = self.max_batch_tokens
         picked: list[_Job] = []
+        prefill_room: float | None = None  # prefill tokens this step may still take (None: no cap)
         for job in sorted(self._jobs, key=lambda j: j.prefill):  # stable: oldest first
             room = budget - sum(j.segment.num_run_tokens for j in picked)
             size = job.segment.num_run_tokens
+            if job.prefill and picked and prefill_room is None:
+                prefill_room = self._prefill_room(picked)
+            if prefill_room is not None:
+                room = min(room, int(prefill_room))
             if not picked or size <= room:
                 picked.append(job)
             elif job.prefill and room > 0:
                 job.segment.trim(room)
                 picked.append(job)
+            else:
+                continue
+            if prefill_room is not None:
+                prefill_room -= job.segment.num_run_tokens
         return picked
+
+    def _prefill_room(self, decoding: list[_Job]) -> float | None:
+        """Prefill tokens a step whose decoding work is `decoding` may take: at most
+        prefill_share of that work's fitted time, at least one; None while a prefill
+        token's price is unknown or the share is off, or when nothing decodes."""
+        logit_tokens = sum(job.segment.num_run_tokens for job in decoding if not job.prefill)
+        if not logit_tokens or not self.prefill_share or not self._cost.per_prefill_token_ns:
+            return None
+        decoding_ns = self._cost.base_ns + self._cost.per_token_ns * logit_tokens
+        return max(1.0, self.prefill_share * decoding_ns / self._cost.per_prefill_token_ns)
 
     def _step(self, jobs: list[_Job]) -> None:
         start = time.perf_counter_ns()
@@ -280,25 +315,34 @@ class StepScheduler:
         if run_tokens:  # a step whose logits were all ready ran no pass: it says nothing of a pass's cost
             self._last_step_ns = step_ns
             self._recent.append((run_tokens, logit_tokens, step_ns))
-        base_ns, per_token_ns = fit_step_cost(list(self._recent))
+        self._cost = fit_step_cost(list(self._recent))
         for job in jobs:
-            job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting, base_ns, per_token_ns)
+            job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting, self._cost.base_ns,
+                                self._cost.per_token_ns)
         for job in finished:
             self._turnarounds.left(job.key, self._last_end_ns)
             job.finish()
 
 
-def fit_step_cost(steps: list[tuple[int, int, int]]) -> tuple[float, float]:
-    """The step cost over (run_tokens, logit_tokens, step_ns) triples, as (base_ns,
-    per_token_ns): least squares of step time on the tokens that need logits (a
-    decode step's, a proposal's) and, apart, those that need none (prefill chunks),
-    whose rows skip the output layer and the decision and so cost less. per_token_ns
-    is a token with logits: what one more draft token costs the step. Both >= 0.
-    While a regressor's sizes barely differ its slope is unknown and it joins the
-    base (every step costs about the same), which a wider step corrects. (0, 0)
-    before any step."""
+class StepCost(NamedTuple):
+    """A step of L tokens that need logits and P that need none takes about
+    base_ns + per_token_ns L + per_prefill_token_ns P (0: not measured)."""
+
+    base_ns: float
+    per_token_ns: float
+    per_prefill_token_ns: float
+
+
+def fit_step_cost(steps: list[tuple[int, int, int]]) -> StepCost:
+    """The step cost over (run_tokens, logit_tokens, step_ns) triples: least squares
+    of step time on the tokens that need logits (a decode step's, a proposal's) and,
+    apart, those that need none (prefill chunks), whose rows skip the output layer
+    and the decision and so cost less. per_token_ns is a token with logits: what one
+    more draft token costs the step. All >= 0. While a regressor's sizes barely
+    differ its slope is unknown (0) and it joins the base (every step costs about the
+    same), which a wider step corrects. All 0 before any step."""
     if not steps:
-        return 0.0, 0.0
+        return StepCost(0.0, 0.0, 0.0)
     n = len(steps)
     plain = [run - logits for run, logits, _ in steps]
     logits = [logits for _, logits, _ in steps]
@@ -307,7 +351,8 @@ def fit_step_cost(steps: list[tuple[int, int, int]]) -> tuple[float, float]:
     dp, dl, dc = [p - mean_p for p in plain], [x - mean_l for x in logits], [c - mean_c for c in cost]
     var_p, var_l = _dot(dp, dp) / n, _dot(dl, dl) / n
     if var_l < 1.0:  # logit tokens within about one of each other
-        return mean_c, 0.0
+        plain_slope = max(0.0, _dot(dp, dc) / n / var_p) if var_p >= 1.0 else 0.0
+        return StepCost(max(mean_c - plain_slope * mean_p, 0.0), 0.0, plain_slope)
     cov_lp, cov_lc, cov_pc = _dot(dl, dp) / n, _dot(dl, dc) / n, _dot(dp, dc) / n
     determinant = var_l * var_p - cov_lp**2
     if var_p < 1.0 or determinant < 0.01 * var_l * var_p:  # no prefill to tell apart: one slope
@@ -316,7 +361,7 @@ def fit_step_cost(steps: list[tuple[int, int, int]]) -> tuple[float, float]:
         slope = (cov_lc * var_p - cov_pc * cov_lp) / determinant
     slope = min(max(slope, 0.0), mean_c / max(mean_l, 1.0))
     plain_slope = 0.0 if var_p < 1.0 else max(0.0, (cov_pc - slope * cov_lp) / var_p)
-    return max(mean_c - slope * mean_l - plain_slope * mean_p, 0.0), slope
+    return StepCost(max(mean_c - slope * mean_l - plain_slope * mean_p, 0.0), slope, plain_slope)
 
 
 def _dot(xs: list[float], ys: list[float]) -> float:

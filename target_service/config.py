@@ -55,6 +55,10 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # running session's largest proposal (32 x (16 + 1) = 544 rounds down to 512 with
     # typical k), prefill chunks filling the rest.
     max_batch_tokens: int = _option(512, "tokens per batched forward pass (prefill is chunked to fit)")
+    # Stall-free prefill: a running session's time per token stays within 1 + this of
+    # what decoding costs; a larger share gives new prompts their first token sooner.
+    prefill_share: float = _option(0.5, "while sessions decode, the most prefill may add to a step, "
+                                        "as a share of its decoding's cost (0: no cap)")
     # Used when a request leaves max_new_tokens at 0: long enough for a paragraph,
     # short enough that a forgotten limit does not hold a worker for minutes.
     default_max_new_tokens: int = _option(256, "max_new_tokens of requests that leave it at 0")

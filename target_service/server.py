@@ -32,7 +32,7 @@ def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None)
     # scheduler, which batches the work of all sessions (speculative/step_scheduler.py).
     admission = Admission(config.max_running, config.max_queued)
     compute = StepScheduler(max_batch_tokens=config.max_batch_tokens, name="target-compute",
-                            expected_jobs=lambda: admission.load().running)
+                            expected_jobs=lambda: admission.load().running, prefill_share=config.prefill_share)
     compute.run(configure_threads, config.threads)
     loaded = loaded_model or compute.run(
         load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None

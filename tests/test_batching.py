@@ -300,9 +300,52 @@ def test_the_step_cost_tells_tokens_with_logits_from_prefill_tokens():
     ms = 1_000_000
     rows = [(logits, prefill) for logits in range(2, 18) for prefill in (0, 0, 40, 90)]
     steps = [(logits + prefill, logits, 50 * ms + 2 * ms * logits + ms // 2 * prefill) for logits, prefill in rows]
-    base, per_token = fit_step_cost(steps)
-    assert base == pytest.approx(50 * ms, rel=1e-6) and per_token == pytest.approx(2 * ms, rel=1e-6)
+    assert fit_step_cost(steps) == pytest.approx((50 * ms, 2 * ms, ms // 2), rel=1e-6)
     decode_only = [(logits, logits, 50 * ms + 2 * ms * logits) for logits in range(2, 18)]
-    assert fit_step_cost(decode_only) == pytest.approx((50 * ms, 2 * ms))
-    assert fit_step_cost([(8, 8, 60 * ms)] * 4) == (60 * ms, 0.0)  # one size: its slope unknown
-    assert fit_step_cost([]) == (0.0, 0.0)
+    assert fit_step_cost(decode_only) == pytest.approx((50 * ms, 2 * ms, 0.0))
+    assert fit_step_cost([(8, 8, 60 * ms)] * 4) == (60 * ms, 0.0, 0.0)  # one size: its slope unknown
+    # One decode width beside prefills of different sizes: the prefill price, and the base without it.
+    fixed_width = [(8 + prefill, 8, 60 * ms + ms * prefill) for prefill in (0, 0, 30, 100)]
+    assert fit_step_cost(fixed_width) == pytest.approx((60 * ms, 0.0, ms))
+    assert fit_step_cost([]) == (0.0, 0.0, 0.0)
+
+
+def _waiting_job(token_ids: list[int], num_logits: int, fill: bool = False):
+    from speculative.step_scheduler import _Job
+
+    job = _Job(iter(()))
+    job.segment = Segment(None, 0, token_ids, num_logits, fill)
+    return job
+
+
+def test_prefill_lengthens_a_step_with_decoding_sessions_by_at_most_its_share():
+    """Stall-free batching: beside 8 decode steps (fitted at 30 + 5 each = 70 ms) a
+    prompt's chunk may add a quarter of that (17.5 ms at 1 ms a prefill token); alone,
+    or while the price of a prefill token is unknown, it takes the whole budget."""
+    from speculative.step_scheduler import StepCost
+
+    ms = 1_000_000
+    scheduler = StepScheduler(None, max_batch_tokens=512, prefill_share=0.25)
+    try:
+        decoding = [_waiting_job([7], 1) for _ in range(8)]
+        prompts = [_waiting_job(list(range(200)), 1, fill=True), _waiting_job(list(range(50)), 0)]
+        scheduler._jobs = [prompts[0], *decoding, prompts[1]]
+        scheduler._cost = StepCost(30 * ms, 5 * ms, 1 * ms)
+        picked = scheduler._pick()
+        assert picked[:8] == decoding and picked[8] is prompts[0] and len(picked) == 9
+        assert prompts[0].segment.num_tokens == 17 and prompts[0].segment.num_logits == 0
+
+        scheduler._jobs = [_waiting_job([7], 1), _waiting_job(list(range(3)), 0), _waiting_job(list(range(40)), 0)]
+        picked = scheduler._pick()  # 35 ms of decoding: 8 prefill tokens over both prompts, oldest first
+        assert [job.segment.num_tokens for job in picked] == [1, 3, 5]
+
+        alone = _waiting_job(list(range(200)), 1, fill=True)
+        scheduler._jobs = [alone]
+        assert scheduler._pick() == [alone] and alone.segment.num_tokens == 200
+
+        scheduler._cost = StepCost(30 * ms, 5 * ms, 0.0)  # a prefill token's price not known yet
+        unpriced = _waiting_job(list(range(200)), 1, fill=True)
+        scheduler._jobs = [_waiting_job([7], 1), unpriced]
+        assert len(scheduler._pick()) == 2 and unpriced.segment.num_tokens == 200
+    finally:
+        scheduler.stop()
