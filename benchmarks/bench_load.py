@@ -19,7 +19,9 @@ fixed k, adaptive k (`SpeculationParams.adaptive`, max k as given).
 3. Closed loop, per concurrency c: c clients, each sending its next request as soon as
    its last one ended, until it has sent --requests-per-client or --duration-s has
    passed (checked before each request, so each client sends at least one). Methods
-   take turns per level, rotated, so drift over the run hits each alike.
+   take turns per level, rotated, so drift over the run hits each alike; each level
+   runs --repeats such turns back to back, and the paired table gives each method's
+   steady tok/s over k=0's per turn, beside k=0's own turn-to-turn change (the noise).
 4. Open loop, per fraction of the k=0 closed-loop capacity (the best completed
    requests/s over its levels): Poisson arrivals (exponential gaps, seeded, the same
    schedule for every method at a rate), bounded by --open-loop-requests and
@@ -28,8 +30,11 @@ fixed k, adaptive k (`SpeculationParams.adaptive`, max k as given).
 5. With --target-workers N > 1: a second system with N targets behind one
    orchestrator, closed loop at --scale-out-concurrency sessions, beside one worker.
 
-Per cell (method, load): aggregate tokens/s (tokens of completed requests over the
-cell's wall time, first request sent to last response), requests completed and failed
+Per cell (method, load; repeats pooled): aggregate tokens/s (tokens of completed
+requests over the cell's wall time, first request sent to last response), steady
+tokens/s (closed loop: tokens arrived while every client was still in flight, over
+that span; the clients' last requests end at different times, and in that tail the
+load is below the level: `steady_window`), requests completed and failed
 (by gRPC status code), time to first token (TTFT), per-token latency, the target's
 queue wait (`GenerationStats.queue_ns`, summed per call; 0 while the target does not
 report it) and end-to-end latency, p50 and p95; ratios against the single-session k=0
@@ -264,6 +269,36 @@ class Cell:
     seconds: float  # wall time, first request sent to last response
     records: list[RequestRecord]
     target_workers: int = 1
+    repeat: int = 0  # closed loop: which of the --repeats of this method at this load
+    # Closed loop: (tokens, seconds) while every client was in flight (steady_window).
+    steady: tuple[int, float] | None = None
+
+
+def steady_window(records: list[RequestRecord]) -> tuple[int, float]:
+    """Closed loop: the tokens that arrived, and the seconds, from the first request
+    sent until the first client sent no more (its last request ended): the span in
+    which the load was the cell's whole concurrency. After it, clients drop out one
+    by one, and a method whose sessions finish at different times (speculation)
+    would be measured partly at a lower concurrency than its level."""
+    last_end: dict[int, float] = {}
+    for record in records:
+        last_end[record.client] = max(last_end.get(record.client, 0.0), record.end_s)
+    if not last_end:
+        return 0, 0.0
+    start, end = min(r.start_s for r in records), min(last_end.values())
+    tokens = sum(count for r in records if r.ok for t, count in zip(r.chunk_s, r.chunk_tokens) if t <= end)
+    return tokens, end - start
+
+
+def pooled(cells: list[Cell]) -> Cell:
+    """The repeats of one method at one load as one cell: their requests together,
+    their times (and steady windows) summed."""
+    first = cells[0]
+    steady = None
+    if all(c.steady is not None for c in cells):
+        steady = (sum(c.steady[0] for c in cells), sum(c.steady[1] for c in cells))
+    return Cell(first.phase, first.method, first.load, sum(c.seconds for c in cells),
+                [r for c in cells for r in c.records], first.target_workers, steady=steady)
 
 
 @dataclass
@@ -274,6 +309,7 @@ class Summary:
     failed: dict[str, int]  # {gRPC status code name: requests}
     mismatches: int  # completed outputs unlike the reference
     tokens_per_s: float
+    steady_tokens_per_s: float | None  # closed loop: while every client was in flight (steady_window)
     requests_per_s: float  # completed
     ttft_p50_ms: float | None
     ttft_p95_ms: float | None
@@ -299,6 +335,7 @@ def summarize(cell: Cell) -> Summary:
         failed=dict(Counter(r.status for r in cell.records if not r.ok)),
         mismatches=sum(r.matches_reference is False for r in done),
         tokens_per_s=sum(len(r.token_ids) for r in done) / seconds,
+        steady_tokens_per_s=cell.steady[0] / cell.steady[1] if cell.steady and cell.steady[1] > 0 else None,
         requests_per_s=len(done) / seconds,
         ttft_p50_ms=percentile(ttft, 50), ttft_p95_ms=percentile(ttft, 95),
         per_token_p50_ms=percentile(per_token, 50), per_token_p95_ms=percentile(per_token, 95),
@@ -313,6 +350,7 @@ class Ratios:
     """A cell against the single-session k=0 cell: > 1 is more throughput, or longer latency."""
 
     tokens_per_s: float | None
+    steady_tokens_per_s: float | None
     ttft_p50: float | None
     ttft_p95: float | None
     per_token_p50: float | None
@@ -321,6 +359,7 @@ class Ratios:
 
 def ratios(summary: Summary, base: Summary) -> Ratios:
     return Ratios(ratio(summary.tokens_per_s, base.tokens_per_s),
+                  ratio(summary.steady_tokens_per_s, base.steady_tokens_per_s),
                   ratio(summary.ttft_p50_ms, base.ttft_p50_ms), ratio(summary.ttft_p95_ms, base.ttft_p95_ms),
                   ratio(summary.per_token_p50_ms, base.per_token_p50_ms),
                   ratio(summary.per_token_p95_ms, base.per_token_p95_ms))
@@ -368,7 +407,7 @@ def running_system(pair: Pair, args, target_workers: int = 1):
 
 
 def closed_loop(stub, pair: Pair, method: Method, concurrency: int, args, phase: str = "closed",
-                target_workers: int = 1) -> Cell:
+                target_workers: int = 1, repeat: int = 0) -> Cell:
     """`concurrency` clients, each sending its next request when its last one ends."""
     prompts = list(LOAD_PROMPTS.items())
     zero = time.perf_counter()
@@ -385,8 +424,9 @@ def closed_loop(stub, pair: Pair, method: Method, concurrency: int, args, phase:
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         per_client = list(pool.map(client, range(concurrency)))
-    return Cell(phase, method.name, concurrency, time.perf_counter() - zero,
-                [record for records in per_client for record in records], target_workers)
+    records = [record for records in per_client for record in records]
+    return Cell(phase, method.name, concurrency, time.perf_counter() - zero, records, target_workers, repeat,
+                steady_window(records))
 
 
 def open_loop(stub, pair: Pair, method: Method, rate_per_s: float, schedule: list[float], args) -> Cell:
@@ -457,13 +497,19 @@ class Run:
         return cell
 
     def find(self, phase: str, method: str, load: float) -> Cell | None:
-        return next((c for c in self.cells if (c.phase, c.method, c.load) == (phase, method, load)), None)
+        """The cell of a method at a load, its repeats pooled; None if not run."""
+        cells = [c for c in self.cells if (c.phase, c.method, c.load) == (phase, method, load)]
+        return pooled(cells) if cells else None
+
+    def loads(self, phase: str, method: str) -> list[Cell]:
+        """The pooled cells of a method in a phase, by load."""
+        loads = sorted({c.load for c in self.cells if (c.phase, c.method) == (phase, method)})
+        return [self.find(phase, method, load) for load in loads]
 
 
 def k0_capacity(run: Run) -> float:
     """Completed requests/s of k=0 at its best closed-loop level."""
-    return max((summarize(c).requests_per_s for c in run.cells if c.phase == "closed" and c.method == BASELINE),
-               default=0.0)
+    return max((summarize(c).requests_per_s for c in run.loads("closed", BASELINE)), default=0.0)
 
 
 def measure(run: Run, pair: Pair, methods: list[Method], args) -> None:
@@ -473,8 +519,9 @@ def measure(run: Run, pair: Pair, methods: list[Method], args) -> None:
         warm_up(stub, pair, methods, args)
         run.add(reference_pass(stub, pair, methods[0], args))
         for turn, concurrency in enumerate(levels):
-            for method in rotated(methods, turn):
-                run.add(closed_loop(stub, pair, method, concurrency, args))
+            for repeat in range(args.repeats):  # repeats back to back: each pair sees the same machine
+                for method in rotated(methods, turn + repeat):
+                    run.add(closed_loop(stub, pair, method, concurrency, args, repeat=repeat))
         measure_open_loop(run, stub, pair, methods, args)
     if args.target_workers > 1:
         phase = f"closed, {args.target_workers} target workers"
@@ -517,12 +564,13 @@ def _failed(failed: dict[str, int]) -> str:
     return ", ".join(f"{code} {count}" for code, count in sorted(failed.items())) or "0"
 
 
-COLUMNS = ("ok | failed | tok/s | TTFT p50 / p95 ms | per-token p50 / p95 ms | queue p50 / p95 ms | "
+COLUMNS = ("ok | failed | tok/s | steady tok/s | TTFT p50 / p95 ms | per-token p50 / p95 ms | queue p50 / p95 ms | "
            "e2e p50 / p95 s | acceptance | exact")
 
 
 def row(first: str, s: Summary) -> str:
     return (f"| {first} | {s.completed} | {_failed(s.failed)} | {s.tokens_per_s:.1f} | "
+            f"{_num(s.steady_tokens_per_s, '.1f')} | "
             f"{_num(s.ttft_p50_ms)} / {_num(s.ttft_p95_ms)} | "
             f"{_num(s.per_token_p50_ms)} / {_num(s.per_token_p95_ms)} | "
             f"{_num(s.queue_p50_ms, '.1f')} / {_num(s.queue_p95_ms, '.1f')} | {_num(s.e2e_p50_s, '.2f')} / "
@@ -568,9 +616,43 @@ def closed_loop_section(run: Run, methods: list[Method], args) -> list[str]:
     lines = [f"## Closed loop (each client sends its next request when its last ends; up to "
              f"{args.requests_per_client} requests per client or {args.duration_s:g} s)", ""]
     for method in methods:
-        cells = [c for c in run.cells if c.phase == "closed" and c.method == method.name]
-        lines += [f"### {method.name}", "", *table("concurrency", [(f"{c.load:g}", summarize(c)) for c in cells])]
-    return lines
+        rows = [(f"{c.load:g}", summarize(c)) for c in run.loads("closed", method.name)]
+        lines += [f"### {method.name}", "", *table("concurrency", rows)]
+    return lines + paired_section(run, methods)
+
+
+def paired_section(run: Run, methods: list[Method]) -> list[str]:
+    """Each method's steady tok/s over k=0's, repeat by repeat (the cells of a repeat
+    ran back to back), and k=0 against itself across repeats: the noise a paired
+    ratio carries on this machine."""
+    levels = sorted({c.load for c in run.cells if c.phase == "closed"})
+    others = [m for m in methods if m.name != BASELINE]
+    lines = ["### Paired: steady tok/s over k=0's, per repeat", "",
+             "| concurrency | " + " | ".join(m.name for m in others) + " | k=0, repeat over repeat |",
+             "|---" * (len(others) + 2) + "|"]
+    for load in levels:
+        repeats = sorted({c.repeat for c in run.cells if c.phase == "closed" and c.load == load})
+        steady = {(c.method, c.repeat): summarize(c).steady_tokens_per_s for c in run.cells
+                  if c.phase == "closed" and c.load == load}
+        cells = []
+        for method in others:
+            values = [ratio(steady.get((method.name, r)), steady.get((BASELINE, r))) for r in repeats]
+            values = [v for v in values if v is not None]
+            cells.append(_spread(values))
+        base = [steady.get((BASELINE, r)) for r in repeats]
+        base = [v for v in base if v]
+        noise = _spread([v / base[0] for v in base[1:]]) if len(base) > 1 else "-"
+        lines.append(f"| {load:g} | " + " | ".join(cells) + f" | {noise} |")
+    return lines + [""]
+
+
+def _spread(values: list[float]) -> str:
+    """Ratios as 'median (lowest-highest)', or the one ratio."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return _x(values[0])
+    return f"{_x(percentile(values, 50))} ({_x(min(values))}-{_x(max(values))})"
 
 
 def ratios_section(run: Run, methods: list[Method]) -> list[str]:
@@ -580,15 +662,17 @@ def ratios_section(run: Run, methods: list[Method]) -> list[str]:
     label = f"{BASELINE} at concurrency 1" if base_cell.phase == "closed" else f"the {BASELINE} reference pass"
     lines = [f"### Ratios against {label} ({base.tokens_per_s:.1f} tok/s, TTFT p95 {_ms(base.ttft_p95_ms)}, "
              f"per-token p95 {_ms(base.per_token_p95_ms)})", "",
-             "| method | concurrency | tok/s | TTFT p50 | TTFT p95 | per-token p50 | per-token p95 |",
-             "|---|---|---|---|---|---|---|"]
+             "| method | concurrency | tok/s | steady tok/s | TTFT p50 | TTFT p95 | per-token p50 | per-token p95 |",
+             "|---|---|---|---|---|---|---|---|"]
     order = {m.name: i for i, m in enumerate(methods)}
-    closed = sorted((c for c in run.cells if c.phase.startswith("closed")),
+    keys = {(c.phase, c.method) for c in run.cells if c.phase.startswith("closed")}
+    closed = sorted((cell for phase, method in keys for cell in run.loads(phase, method)),
                     key=lambda c: (c.target_workers, order[c.method], c.load))
     for cell in closed:
         r = ratios(summarize(cell), base)
         where = f"{cell.load:g}" + (f" ({cell.target_workers} targets)" if cell.target_workers > 1 else "")
-        lines.append(f"| {cell.method} | {where} | {_x(r.tokens_per_s)} | {_x(r.ttft_p50)} | {_x(r.ttft_p95)} | "
+        lines.append(f"| {cell.method} | {where} | {_x(r.tokens_per_s)} | {_x(r.steady_tokens_per_s)} | "
+                     f"{_x(r.ttft_p50)} | {_x(r.ttft_p95)} | "
                      f"{_x(r.per_token_p50)} | {_x(r.per_token_p95)} |")
     return lines + [""]
 
@@ -631,10 +715,7 @@ def plot_throughput_latency(path: Path, run: Run) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 5))
-    series = {}
-    for cell in run.cells:
-        if cell.phase.startswith("closed"):
-            series.setdefault((cell.phase, cell.method), []).append(cell)
+    series = {(c.phase, c.method): run.loads(c.phase, c.method) for c in run.cells if c.phase.startswith("closed")}
     colors = {}  # one colour per method, whatever the number of targets
     for (phase, method), cells in series.items():
         points = [(s.tokens_per_s, s.per_token_p95_ms, c.load) for c in cells for s in [summarize(c)]
@@ -678,7 +759,8 @@ def runs_as_json(run: Run, args, command: str) -> dict:
     return {"command": command, "hardware": hardware(), "settings": vars(args), "reference": run.reference,
             "mismatches": run.mismatches,
             "cells": [{"phase": c.phase, "method": c.method, "load": c.load, "seconds": round(c.seconds, 4),
-                       "target_workers": c.target_workers, "summary": asdict(summarize(c)),
+                       "target_workers": c.target_workers, "repeat": c.repeat, "steady": c.steady,
+                       "summary": asdict(summarize(c)),
                        "requests": [record(r) for r in c.records]} for c in run.cells]}
 
 
@@ -706,6 +788,8 @@ def parse(argv: list[str] | None):
                         help="closed-loop levels, comma-separated (default: smollm2 1,2,4,8,16,32; qwen 1,4,8)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=8, help="closed loop: at most, per client")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="closed loop: cells per method and level, back to back (paired ratios, their noise)")
     parser.add_argument("--duration-s", type=float, default=20.0,
                         help="closed loop: no client starts a request after this many seconds of its level")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round of the fixed-k method")
@@ -723,8 +807,8 @@ def parse(argv: list[str] | None):
     parser.add_argument("--out", default=str(REPO / "benchmarks"), help="directory for the results and plot")
     args = parser.parse_args(argv)
     args.concurrency = args.concurrency or list(PAIRS[args.pair].concurrency)
-    if min(args.concurrency) < 1 or args.requests_per_client < 1:
-        parser.error("concurrency levels and --requests-per-client must be >= 1")
+    if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.repeats < 1:
+        parser.error("concurrency levels, --requests-per-client and --repeats must be >= 1")
     return args
 
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from benchmarks.bench_load import (
-    Cell, RequestRecord, check_exactness, inter_token_times, main, methods_for, percentile, poisson_schedule, ratio,
-    ratios, rotated, summarize)
+    Cell, RequestRecord, check_exactness, inter_token_times, main, methods_for, percentile, poisson_schedule, pooled,
+    ratio, ratios, rotated, steady_window, summarize)
 
 
 def test_percentile_interpolates_between_closest_ranks():
@@ -86,6 +86,21 @@ def test_ratios_are_against_the_baseline_summary():
     assert r.ttft_p95 == pytest.approx(0.5) and r.per_token_p95 == pytest.approx(0.5)
 
 
+def test_steady_throughput_counts_only_while_every_client_is_in_flight():
+    """Client 0 ends its last request at 1.0 s; client 1 runs on alone until 3.0 s:
+    the steady window is 0 to 1.0 s and holds the tokens that arrived in it."""
+    records = [_record("a", [1, 2], 0.0, [(0.4, [1]), (1.0, [2])]),
+               _record("a", [3, 4, 5], 0.0, [(0.5, [3, 4]), (2.0, [5])]),
+               _record("b", [6, 7], 2.0, [(2.5, [6]), (3.0, [7])])]
+    records[0].client, records[1].client, records[2].client = 0, 1, 1
+    assert steady_window(records) == (4, 1.0)
+    one = Cell("closed", "k=0", 2, 3.0, records, steady=steady_window(records))
+    assert summarize(one).steady_tokens_per_s == pytest.approx(4.0)
+    assert summarize(one).tokens_per_s == pytest.approx(7 / 3)
+    both = pooled([one, Cell("closed", "k=0", 2, 1.0, records[:1], repeat=1, steady=(2, 1.0))])
+    assert both.steady == (6, 2.0) and both.seconds == 4.0 and len(both.records) == 4
+
+
 def test_every_completed_output_is_checked_against_its_prompts_reference():
     records = [_record("a", [1, 2, 3], 0.0, [(0.1, [1, 2, 3])]), _record("b", [4, 9], 0.0, [(0.1, [4, 9])]),
                _record("b", [], 0.0, [], status="UNAVAILABLE")]
@@ -107,22 +122,25 @@ def test_methods_take_every_position_in_turn():
 def test_a_small_run_through_the_services_is_exact_and_complete(tmp_path):
     started = time.monotonic()
     status = main(["--pair", "tiny", "--concurrency", "1,2", "--max-new-tokens", "8", "--requests-per-client", "2",
-                   "--open-loop-fractions", "1", "--open-loop-requests", "2", "--threads", "1",
+                   "--repeats", "2", "--open-loop-fractions", "1", "--open-loop-requests", "2", "--threads", "1",
                    "--out", str(tmp_path)])
     assert status == 0
     assert time.monotonic() - started < 90
     runs = json.loads((tmp_path / "runs_load_tiny.json").read_text())
     assert runs["mismatches"] == [] and len(runs["reference"]) >= 8
-    cells = {(c["phase"], c["method"], c["load"]): c for c in runs["cells"]}
+    cells = {(c["phase"], c["method"], c["load"], c.get("repeat")): c for c in runs["cells"]}
     for method in ("k=0", "k=4", "adaptive k<=4"):
         for concurrency in (1, 2):
-            cell = cells[("closed", method, concurrency)]
-            assert cell["summary"]["completed"] == 2 * concurrency and cell["summary"]["failed"] == {}
-            assert all(r["matches_reference"] and r["num_tokens"] > 0 and r["chunk_s"] for r in cell["requests"])
-            assert cell["summary"]["ttft_p95_ms"] > 0 and cell["summary"]["tokens_per_s"] > 0
+            for repeat in (0, 1):
+                cell = cells[("closed", method, concurrency, repeat)]
+                assert cell["summary"]["completed"] == 2 * concurrency and cell["summary"]["failed"] == {}
+                assert all(r["matches_reference"] and r["num_tokens"] > 0 and r["chunk_s"] for r in cell["requests"])
+                assert cell["summary"]["ttft_p95_ms"] > 0 and cell["summary"]["tokens_per_s"] > 0
+                assert cell["summary"]["steady_tokens_per_s"] > 0
     assert sum(c["phase"] == "open" for c in runs["cells"]) == 3
     text = (tmp_path / "results_load_tiny.md").read_text()
     assert "Command: `python -m benchmarks.bench_load --pair tiny" in text and "`nproc`" in text
     assert "### Ratios against k=0 at concurrency 1" in text and "| adaptive k<=4 | 2 |" in text
+    assert "### Paired: steady tok/s over k=0's, per repeat" in text
     assert "outputs equal the k=0 reference" in text and "Incomplete" not in text
     assert (tmp_path / "plots" / "tiny" / "load_throughput_latency.png").stat().st_size > 0
