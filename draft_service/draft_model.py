@@ -16,6 +16,7 @@ from draft_service.config import DraftConfig
 from speculative import warmup
 from speculative.drafter_base import DEFAULT_DRAFT_TOP_K
 from speculative.drafters import ModelDrafter
+from speculative.host_memory import fix_mmap_threshold
 from speculative.loading import LoadedModel, configure_threads, load_model
 from speculative.step_scheduler import StepScheduler
 
@@ -41,6 +42,7 @@ class DraftModel:
 def start_draft_model(config: DraftConfig, loaded: LoadedModel | None = None) -> DraftModel:
     """Loads config.model (unless `loaded` is given: tests share one), and warms it up
     where that pays, on the thread that will run its passes."""
+    fix_mmap_threshold()  # steps of ever-changing sizes must not fragment the heap
     compute = StepScheduler(name="draft-compute")
     compute.run(configure_threads, config.threads or None)
     if loaded is None:

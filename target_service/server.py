@@ -9,6 +9,7 @@ from speculative.errors import SpeculativeError
 from speculative.step_scheduler import StepScheduler
 from speculative.loading import LoadedModel, configure_threads, load_model
 from speculative import warmup
+from speculative.host_memory import fix_mmap_threshold
 from service_common import server as common_server
 from service_common import telemetry
 from service_common.config import parse
@@ -28,6 +29,7 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None) -> common_server.Service:
     """Builds (does not start) the server; loads config.model unless a model is given.
     With config.redis_url the worker joins the target pool once it serves."""
+    fix_mmap_threshold()  # steps of ever-changing sizes must not fragment the heap
     # The model is loaded, and every forward pass run, on one thread: the step
     # scheduler, which batches the work of all sessions (speculative/step_scheduler.py).
     admission = Admission(config.max_running, config.max_queued)
