@@ -12,6 +12,12 @@ Layout (the "why" of docs/architecture.md, Batching):
   and rollback is setting a length, never copying.
 - The per-sequence attention loop is the price: a few small kernels per sequence per
   layer, cheap next to the linears at the batch sizes one worker runs.
+- On a CPU, a step wider than EXACT_ROWS rows is padded to a few widths (`padded_rows`,
+  at most 1/8 more rows): oneDNN builds and keeps kernels and caches per row count,
+  and steps of every width a prompt's chunk can give would grow a worker's memory by
+  megabytes per new width for as long as new widths turn up (measured on
+  SmolLM2-135M: +0.5-0.6 GiB over widths 1..200, +0.12 GiB padded). Padding rows
+  attend to nothing and give no logits; every real row's result is its own.
 
 The attention function is registered with transformers (`AttentionInterface`) under
 RAGGED_ATTENTION and installed on the model (`use_ragged_attention`); called without a
@@ -32,6 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 RAGGED_ATTENTION = "specdec_ragged"
+EXACT_ROWS = 64  # steps up to this wide run as they are: decode steps and proposals
 KV_GROWTH_TOKENS = 256  # a cache grows by at least this many tokens: few reallocations
 # Mask creation sees this 4D "mask" and passes it through untouched; the ragged
 # attention builds each sequence's causal mask itself.
@@ -143,8 +150,11 @@ def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.
     offsets = [0]
     for segment in segments:
         offsets.append(offsets[-1] + segment.num_tokens)
-    input_ids = torch.tensor([[t for s in segments for t in s.token_ids]], dtype=torch.long, device=device)
-    positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in segments]).to(device)
+    padding = padded_rows(offsets[-1]) - offsets[-1] if device.type == "cpu" else 0
+    token_ids = [t for s in segments for t in s.token_ids] + [0] * padding
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in segments]
+                          + [torch.zeros(padding, dtype=torch.long)]).to(device)
     keep = [offsets[i + 1] - s.num_logits + j for i, s in enumerate(segments) for j in range(s.num_logits)]
     masks = [_causal_mask(s.start, s.num_tokens, device) for s in segments]
     output = model(
@@ -161,6 +171,16 @@ def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.
         results.append(logits[row : row + segment.num_logits])
         row += segment.num_logits
     return results
+
+
+def padded_rows(rows: int) -> int:
+    """The width a CPU step of `rows` rows runs at: rows up to EXACT_ROWS, else the next
+    multiple of an eighth of the power of two below it (65..128 rows by 8, 129..256
+    by 16, ...): at most 1/8 more rows, 8 widths per doubling."""
+    if rows <= EXACT_ROWS:
+        return rows
+    grain = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // grain) * grain
 
 
 def _causal_mask(start: int, num_tokens: int, device: torch.device) -> torch.Tensor | None:
@@ -193,4 +213,5 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling=None, d
             attn_mask=mask, scale=scaling, enable_gqa=gqa,
         )  # [1, num_heads, t, head_dim]
         output[0, a:b] = attended[0].transpose(0, 1)
+    output[0, offsets[-1]:] = 0  # padding rows (padded_rows): nothing to attend to
     return output, None

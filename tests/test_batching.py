@@ -56,6 +56,50 @@ def test_batched_pass_equals_each_sequence_alone(tiny_target):
     assert worst <= LOGIT_TOLERANCE
 
 
+def test_a_wide_step_runs_padded_and_each_row_stays_its_own(tiny_target):
+    """A step wider than EXACT_ROWS runs at padded_rows' width (fewer widths for
+    oneDNN to build kernels for): the padding rows touch no cache and give no logits,
+    and every segment's logits and cache equal those of the step run unpadded."""
+    import speculative.batched_forward as batched_forward
+
+    model = tiny_target.model
+    prompts = [[(7 * i + j) % 250 for i in range(n)] for j, n in enumerate((70, 3, 9))]  # 82 rows: 88 padded
+    assert batched_forward.padded_rows(82) == 88
+
+    def run(exact_rows: int) -> tuple[list[torch.Tensor], list[SequenceKV]]:
+        batched_forward.EXACT_ROWS = exact_rows
+        kvs = [SequenceKV() for _ in prompts]
+        logits = forward_segments(model, [Segment(kv, 0, p, 2) for kv, p in zip(kvs, prompts)])
+        return logits, kvs
+
+    try:
+        padded, padded_kvs = run(64)
+        seen_rows = []
+        original = batched_forward._ragged_attention
+
+        def spy(module, query, *args, **kwargs):
+            seen_rows.append(query.shape[2])
+            return original(module, query, *args, **kwargs)
+
+        batched_forward._ragged_attention = spy
+        batched_forward.AttentionInterface.register(batched_forward.RAGGED_ATTENTION, spy)
+        run(64)
+        exact, exact_kvs = run(10_000)
+    finally:
+        batched_forward.EXACT_ROWS = 64
+        batched_forward._ragged_attention = original
+        batched_forward.AttentionInterface.register(batched_forward.RAGGED_ATTENTION, original)
+    assert set(seen_rows[: len(seen_rows) // 2]) == {88} and set(seen_rows[len(seen_rows) // 2:]) == {82}
+    for a, b in zip(padded, exact):
+        assert a.shape == b.shape == (2, tiny_target.vocab_size)
+        assert torch.equal(a.argmax(-1), b.argmax(-1)) and float((a - b).abs().max()) <= LOGIT_TOLERANCE
+    for prompt, kv_a, kv_b in zip(prompts, padded_kvs, exact_kvs):  # each cache holds its own rows, no more
+        for store_a, store_b in ((kv_a._keys, kv_b._keys), (kv_a._values, kv_b._values)):
+            for layer in store_b:
+                a, b = store_a[layer][:, : len(prompt)], store_b[layer][:, : len(prompt)]
+                assert float((a - b).abs().max()) <= LOGIT_TOLERANCE
+
+
 def test_cache_grows_past_its_first_allocation(tiny_target):
     prompt = [i % 250 for i in range(700)]  # past the first 256-token allocation, twice
     kv = SequenceKV()
