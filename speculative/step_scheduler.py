@@ -13,12 +13,13 @@ Rules:
   taken oldest first; prefill chunks fill the rest of the budget, cut to fit (the
   chunk that ends a prompt also gives its last token's logits, kept for the session's
   next call, which then runs no pass: a step that ran none is left out of the cost fit).
-- A prompt's prefill never stalls the sessions decoding (stall-free batching, as in
-  Sarathi-Serve, Agrawal et al., OSDI 2024): while a step holds segments that need
-  logits, its prefill chunks may lengthen it by at most `prefill_share` of what those
-  cost, priced by the fitted step cost (at least one token a step, so a prompt always
-  advances; no cap while a prefill token's price is unknown). A step with no one
-  decoding gives prefill the whole budget: the time to first token is all that waits.
+- A prompt's prefill stalls the sessions decoding by at most a share of their work
+  (stall-free batching, Sarathi-Serve, Agrawal et al., OSDI 2024): while a step holds
+  segments that need logits, its prefill chunks may lengthen it by at most
+  `prefill_share` of what those cost, priced by the fitted step cost (at least one
+  token a step, so a prompt always advances; no cap while a prefill token's price is
+  unknown). A step with no one decoding gives prefill the whole budget: the time to
+  first token is all that waits.
 - The oldest job always gets into a step, whatever its size: nothing starves.
 - A step waits for stragglers while that costs less than it saves: a call's next work
   arrives a little after its last result (the stream's next message, a draft's next
