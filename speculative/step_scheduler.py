@@ -351,12 +351,11 @@ def fit_step_cost(steps: list[tuple[int, int, int]]) -> StepCost:
     mean_p, mean_l, mean_c = sum(plain) / n, sum(logits) / n, sum(cost) / n
     dp, dl, dc = [p - mean_p for p in plain], [x - mean_l for x in logits], [c - mean_c for c in cost]
     var_p, var_l = _dot(dp, dp) / n, _dot(dl, dl) / n
-    if var_l < 1.0:  # logit tokens within about one of each other
-        plain_slope = max(0.0, _dot(dp, dc) / n / var_p) if var_p >= 1.0 else 0.0
-        return StepCost(max(mean_c - plain_slope * mean_p, 0.0), 0.0, plain_slope)
     cov_lp, cov_lc, cov_pc = _dot(dl, dp) / n, _dot(dl, dc) / n, _dot(dp, dc) / n
     determinant = var_l * var_p - cov_lp**2
-    if var_p < 1.0 or determinant < 0.01 * var_l * var_p:  # no prefill to tell apart: one slope
+    if var_l < 1.0:  # logit tokens within about one of each other
+        slope = 0.0
+    elif var_p < 1.0 or determinant < 0.01 * var_l * var_p:  # no prefill to tell apart: one slope
         slope = cov_lc / var_l
     else:
         slope = (cov_lc * var_p - cov_pc * cov_lp) / determinant

@@ -72,24 +72,23 @@ def test_a_wide_step_runs_padded_and_each_row_stays_its_own(tiny_target):
         logits = forward_segments(model, [Segment(kv, 0, p, 2) for kv, p in zip(kvs, prompts)])
         return logits, kvs
 
+    seen_rows = []  # rows each attention call saw, per run
+    original = batched_forward._ragged_attention
+
+    def spy(module, query, *args, **kwargs):
+        seen_rows[-1].add(query.shape[2])
+        return original(module, query, *args, **kwargs)
+
+    batched_forward.AttentionInterface.register(batched_forward.RAGGED_ATTENTION, spy)
     try:
+        seen_rows.append(set())
         padded, padded_kvs = run(64)
-        seen_rows = []
-        original = batched_forward._ragged_attention
-
-        def spy(module, query, *args, **kwargs):
-            seen_rows.append(query.shape[2])
-            return original(module, query, *args, **kwargs)
-
-        batched_forward._ragged_attention = spy
-        batched_forward.AttentionInterface.register(batched_forward.RAGGED_ATTENTION, spy)
-        run(64)
+        seen_rows.append(set())
         exact, exact_kvs = run(10_000)
     finally:
         batched_forward.EXACT_ROWS = 64
-        batched_forward._ragged_attention = original
         batched_forward.AttentionInterface.register(batched_forward.RAGGED_ATTENTION, original)
-    assert set(seen_rows[: len(seen_rows) // 2]) == {88} and set(seen_rows[len(seen_rows) // 2:]) == {82}
+    assert seen_rows == [{88}, {82}]
     for a, b in zip(padded, exact):
         assert a.shape == b.shape == (2, tiny_target.vocab_size)
         assert torch.equal(a.argmax(-1), b.argmax(-1)) and float((a - b).abs().max()) <= LOGIT_TOLERANCE
