@@ -37,6 +37,17 @@ T = TypeVar("T")
 ForwardSteps = Generator[Segment, "tuple[torch.Tensor, int]", T]
 
 
+class Emit:
+    """Yielded by a streaming job (StepScheduler.stream) between its segments: a value
+    its caller gets as soon as the step that produced it ends, while the job stays in
+    the steps (a stretch's tokens: no turn-around between them)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
 class ModelSession:
     """Token ids and KV cache of one sequence. Not thread-safe: one owner at a time."""
 

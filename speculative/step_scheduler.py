@@ -29,6 +29,11 @@ Rules:
   it, a step waits only for the calls expected back in time: each call's turn-around
   (from its last result to its next work, per `key`) is measured, and a call whose
   turn-around is longer than the window (a draft model drafting) is not waited for.
+- A streaming job (a run of tokens the target decodes alone: a Decode stream, a
+  stretch) stays in the steps until it ends: it hands each token out as it goes
+  (`Emit`, delivered when its step ends) and has its next segment ready at once, so
+  it never misses a step and is never waited for; its caller reads the tokens from
+  `stream` and stops it by closing that iterator.
 - A job's own state (its session, sampling generator, rollback) is touched only by its
   generator, on this thread; batching changes which pass computes a segment, never
   what the job decides.
@@ -43,10 +48,11 @@ torch already spreads one pass over every core, so concurrent passes would only 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import NamedTuple, TypeVar
 
@@ -54,7 +60,7 @@ from transformers import PreTrainedModel
 
 from speculative.batched_forward import Segment, forward_segments
 from speculative.errors import InvalidArgument
-from speculative.model_session import ForwardSteps, run_alone
+from speculative.model_session import Emit, ForwardSteps, run_alone
 from speculative.stats import StepLoad
 
 T = TypeVar("T")
@@ -70,6 +76,11 @@ RECENT_STEPS = 64
 TURNAROUND_DECAY = 0.8
 # A caller away this long has ended its call (or will be measured anew): forgotten.
 FORGET_AFTER_NS = 60 * 10**9
+_DONE = object()  # on a streaming job's outbox: the job ended (its outcome is in its future)
+
+
+class StreamClosed(Exception):
+    """Thrown into a streaming job whose caller stopped reading: it rolls back and ends."""
 
 
 class _Turnarounds:
@@ -122,14 +133,18 @@ class _Turnarounds:
 
 
 class _Job:
-    def __init__(self, steps: ForwardSteps, key: object = None):
+    def __init__(self, steps: ForwardSteps, key: object = None, streaming: bool = False):
         self.steps = steps
         self.key = key  # the caller's stream (e.g. its session): turn-arounds are per key
         self.future: Future = Future()
         self.segment: Segment | None = None  # the pass it waits for
         self.ready_ns = time.perf_counter_ns()  # since when it waits for a step
-        self.queue_ns = 0
+        self.queue_ns = 0  # waited for steps (a streaming job: since its last delivery)
         self.load: StepLoad | None = None
+        # A streaming job's values for its caller: emitted, then delivered to the outbox.
+        self.outbox: queue.SimpleQueue | None = queue.SimpleQueue() if streaming else None
+        self.emitted: list = []
+        self.cancelled = False  # set by a streaming job's caller that stopped reading
 
     @property
     def prefill(self) -> bool:
@@ -139,7 +154,12 @@ class _Job:
         """Resumes the generator (first call: value None); False once it is done, its
         outcome kept for `finish`."""
         try:
-            self.segment = self.steps.send(value) if value is not None else next(self.steps)
+            item = self.steps.send(value) if value is not None else next(self.steps)
+            while isinstance(item, Emit):
+                assert self.outbox is not None, "only a streaming job emits"
+                self.emitted.append(item.value)
+                item = next(self.steps)
+            self.segment = item
         except StopIteration as done:
             self._outcome = (True, done.value)
             return False
@@ -149,6 +169,15 @@ class _Job:
         self.ready_ns = time.perf_counter_ns()
         return True
 
+    def deliver(self) -> None:
+        """Hands a streaming job's emitted values to its caller, each with the load of
+        the step that ended last (its queueing counted since the last delivery)."""
+        if self.emitted:
+            for value in self.emitted:
+                self.outbox.put((value, self.load))
+            self.emitted.clear()
+            self.queue_ns = 0
+
     def finish(self) -> None:
         """Hands the outcome to the caller."""
         succeeded, value = self._outcome
@@ -156,14 +185,22 @@ class _Job:
             self.future.set_result((value, self.load))
         else:
             self.future.set_exception(value)
+        self._close_outbox()
 
     def fail(self, error: BaseException) -> None:
-        """The step's pass failed: the generator rolls back (it sees the error)."""
+        """The step's pass failed (or the caller left): the generator rolls back (it
+        sees the error)."""
         try:
             self.steps.throw(error)
         except BaseException:  # noqa: BLE001 - the error itself, or what rollback raised
             pass
         self.future.set_exception(error)
+        self._close_outbox()
+
+    def _close_outbox(self) -> None:
+        if self.outbox is not None:
+            self.deliver()
+            self.outbox.put(_DONE)
 
 
 class StepScheduler:
@@ -201,6 +238,24 @@ class StepScheduler:
         self._queue.put(job)
         return job.future.result()
 
+    def stream(self, steps: ForwardSteps[T], key: object = None) -> Iterator[tuple[object, StepLoad | None]]:
+        """Runs a streaming job batched with other jobs: yields each value it emits
+        with the load of the step that produced it, as its steps end, and raises its
+        error if it fails. Closing the iterator early stops the job: it leaves the
+        steps, its pending work rolled back, before close() returns."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a streaming job cannot be run from the compute thread")
+        job = _Job(steps, key, streaming=True)
+        self._queue.put(job)
+        try:
+            while (item := job.outbox.get()) is not _DONE:
+                yield item
+            job.future.result()
+        finally:
+            if not job.future.done():
+                job.cancelled = True
+                concurrent.futures.wait([job.future])
+
     def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """Runs fn on the compute thread, between steps; returns its result."""
         if threading.current_thread() is self._thread:
@@ -221,8 +276,16 @@ class StepScheduler:
 
     def _loop(self) -> None:
         while self._take_arrivals(block=not self._jobs) and self._gather():
+            self._drop_cancelled()
             if self._jobs:
                 self._step(self._pick())
+
+    def _drop_cancelled(self) -> None:
+        """Streaming jobs whose callers stopped reading leave, their work rolled back."""
+        for job in [job for job in self._jobs if job.cancelled]:
+            self._jobs.remove(job)
+            job.fail(StreamClosed("the caller stopped reading"))
+            self._turnarounds.left(job.key, time.perf_counter_ns())
 
     def _gather(self) -> bool:
         """Waits for the expected jobs while waiting costs less than missing them (see
@@ -254,6 +317,8 @@ class StepScheduler:
                 self._turnarounds.back(item.key, item.ready_ns)
                 if item.advance():  # runs its checks; may finish with no pass at all
                     self._jobs.append(item)
+                    if item.outbox is not None:
+                        item.deliver()
                 else:
                     item.finish()
             else:
@@ -320,6 +385,8 @@ class StepScheduler:
         for job in jobs:
             job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting, self._cost.base_ns,
                                 self._cost.per_token_ns)
+            if job.outbox is not None and job not in finished:
+                job.deliver()
         for job in finished:
             self._turnarounds.left(job.key, self._last_end_ns)
             job.finish()

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import gzip
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from opentelemetry import trace
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.drafters import LookupStop
 from speculative.errors import InvalidArgument, StaleProposal
-from speculative.model_session import ForwardSteps
+from speculative.model_session import Emit, ForwardSteps
 from speculative.sampling import SamplingParams
 from speculative.step_scheduler import StepLoad
 from speculative.target import TargetSession, VerifyResult
@@ -41,6 +42,11 @@ from target_service.sessions import SessionCache
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
+
+# Tokens a Decode stream or a stretch decodes per run. A run stays in the target's
+# steps (a token every step, never waited for) and reserves its growth up front: the
+# KV budget sees at most this many tokens ahead; between runs the session is let go.
+DECODE_RUN_TOKENS = 64
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -111,21 +117,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         timing = _DecodeTiming()
         with self._admitted(context) as waited_ns:
             try:
-                for _ in range(max_new_tokens):
-                    if not context.is_active():  # the client cancelled: stop computing for it
-                        return
-                    token = self._decode_token(request.session_id, length, None, waited_ns, timing)
-                    if token is None:
-                        return
-                    result, ends, step = token
-                    length = result.committed_len
+                for result, _, step in self._decode_tokens(request.session_id, length, max_new_tokens, None,
+                                                           waited_ns, timing, context):
                     yield target_pb2.DecodeToken(
-                        token_id=result.token_ids[0], committed_len=length, compute_ns=result.target_compute_ns,
-                        step=step,
+                        token_id=result.token_ids[0], committed_len=result.committed_len,
+                        compute_ns=result.target_compute_ns, step=step,
                     )
-                    waited_ns = 0
-                    if ends:
-                        return
             finally:
                 timing.record()
 
@@ -225,20 +222,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         until, context_length = started
         length, timing = proposal.base_len, _DecodeTiming()
         try:
-            for count in range(1, proposal.stretch.max_tokens + 1):
-                if not context.is_active():  # the draft went away: stop computing for it
-                    return
-                token = self._decode_token(proposal.session_id, length, until, waited_ns, timing, proposal.round)
-                if token is None:  # the context is full: nothing more to decode
-                    return
-                result, ends, step = token
+            tokens = self._decode_tokens(proposal.session_id, length, proposal.stretch.max_tokens, until, waited_ns,
+                                         timing, context, proposal.round)
+            for count, (result, ends, step) in enumerate(tokens, start=1):
                 verdict = _verdict(proposal, result, context_length, base_len=length)
                 verdict.step.CopyFrom(step)
                 verdict.stretch_ended = ends or count == proposal.stretch.max_tokens
-                length, waited_ns = result.committed_len, 0
+                length = result.committed_len
                 yield verdict
-                if verdict.stretch_ended:
-                    return
         finally:
             timing.record()
 
@@ -260,26 +251,32 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 target.set_sampling(sampling)
             return until, target.context_length
 
-    def _decode_token(self, session_id: str, length: int, until: LookupStop | None, waited_ns: int,
-                      timing: _DecodeTiming, round_index: int | None = None):
-        """One token the target decodes alone, batched with other sessions' work, in a
-        specdec.decode span: (result, whether decoding ends after it, its step), or None
-        when the context is full."""
-        with tracer.start_as_current_span(telemetry.DECODE_SPAN) as span:
-            start_ns = time.perf_counter_ns()
-            with self.sessions.use(session_id, growth=1) as target:
-                if length >= target.context_length:
-                    return None
-                (result, ends), load = self.sessions.compute.submit(_decode_one(target, length, until), key=session_id)
-            timing.add(time.perf_counter_ns() - start_ns)
-            step = _step_proto(load, waited_ns)
-            if span.is_recording():
-                attributes = {"specdec.session_id": session_id, "specdec.base_len": length,
-                              "specdec.target_compute_ns": result.target_compute_ns, **_step_attributes(step)}
-                if round_index is not None:
-                    attributes["specdec.round"] = round_index
-                span.set_attributes(attributes)
-        return result, ends, step
+    def _decode_tokens(self, session_id: str, length: int, max_tokens: int, until: LookupStop | None,
+                       waited_ns: int, timing: _DecodeTiming, context, round_index: int | None = None,
+                       ) -> Iterator[tuple[VerifyResult, bool, common_pb2.StepLoad]]:
+        """Up to max_tokens tokens the target decodes alone from `length`, batched with
+        other sessions' work, each with whether decoding ends after it and its step, in
+        a specdec.decode span; ends early where decoding ends (a stop token, a full
+        context, text to copy with `until`) or the caller went away. Runs of
+        DECODE_RUN_TOKENS: a run holds the session, which closing or evicting it stops
+        within a step (the next run then finds it gone: NOT_FOUND)."""
+        decoded, last_ns = 0, time.time_ns()
+        while decoded < max_tokens:
+            size, stop, progressed = min(DECODE_RUN_TOKENS, max_tokens - decoded), threading.Event(), False
+            with self.sessions.use(session_id, growth=size, stop=stop) as target:
+                run = _decode_run(target, length, size, until, stop)
+                with contextlib.closing(self.sessions.compute.stream(run, key=session_id)) as tokens:
+                    for (result, ends, emitted_ns), load in tokens:
+                        step = _step_proto(load, waited_ns)
+                        timing.add(emitted_ns - last_ns)
+                        _decode_span(session_id, length, result, step, last_ns, emitted_ns, round_index)
+                        yield result, ends, step
+                        decoded, length, last_ns, waited_ns, progressed = \
+                            decoded + 1, result.committed_len, emitted_ns, 0, True
+                        if ends or not context.is_active():  # done, or the caller went away
+                            return
+            if not progressed and not stop.is_set():  # the context is full: nothing to decode
+                return
 
     def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int]:
         """Checks base_len, applies the call's sampling; returns (base_len, tokens to decode)."""
@@ -300,11 +297,35 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return sampling_from_proto(message, self.default_max_new_tokens)
 
 
-def _decode_one(target: TargetSession, base_len: int, until: LookupStop | None) -> ForwardSteps[tuple[VerifyResult, bool]]:
-    """One token decoded by the target alone, and whether the stream ends after it (on
-    the compute thread, as the lookup scans a tensor)."""
-    result = yield from target.verify_steps(base_len, [])
-    return result, target.decoding_ends(result, until)
+def _decode_run(target: TargetSession, base_len: int, max_tokens: int, until: LookupStop | None,
+                stop: threading.Event) -> ForwardSteps[None]:
+    """Up to max_tokens tokens decoded by the target alone, each emitted as it is decided
+    with whether decoding ends after it and when (wall clock, ns); on the compute
+    thread, as the lookup scans a tensor. Ends early once `stop` is set."""
+    length = base_len
+    for _ in range(max_tokens):
+        if stop.is_set() or length >= target.context_length:
+            return
+        result = yield from target.verify_steps(length, [])
+        ends = target.decoding_ends(result, until)
+        yield Emit((result, ends, time.time_ns()))
+        if ends:
+            return
+        length = result.committed_len
+
+
+def _decode_span(session_id: str, base_len: int, result: VerifyResult, step: common_pb2.StepLoad,
+                 start_ns: int, end_ns: int, round_index: int | None) -> None:
+    """A specdec.decode span for one token decoded alone, from the previous token's
+    time (the run's start for the first) to its own."""
+    span = tracer.start_span(telemetry.DECODE_SPAN, start_time=start_ns)
+    if span.is_recording():
+        attributes = {"specdec.session_id": session_id, "specdec.base_len": base_len,
+                      "specdec.target_compute_ns": result.target_compute_ns, **_step_attributes(step)}
+        if round_index is not None:
+            attributes["specdec.round"] = round_index
+        span.set_attributes(attributes)
+    span.end(end_time=end_ns)
 
 
 def _step_proto(load: StepLoad | None, admission_wait_ns: int = 0) -> common_pb2.StepLoad:

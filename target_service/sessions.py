@@ -54,6 +54,7 @@ class _Entry:
     length: int = 0  # committed tokens as of the last finished call, in tokens
     reserved: int = 0  # growth reserved by calls in flight, in tokens
     gone: bool = False  # evicted or closed: forgotten by the table
+    stop: threading.Event | None = None  # set to stop the holder's long work (close, eviction)
 
 
 @dataclass(frozen=True)
@@ -102,18 +103,26 @@ class SessionCache:
             self._settle(entry, growth)
 
     @contextlib.contextmanager
-    def use(self, session_id: str, growth: int = 0) -> Iterator[TargetSession]:
+    def use(self, session_id: str, growth: int = 0, stop: threading.Event | None = None) -> Iterator[TargetSession]:
         """The session, locked for the caller, with room reserved for `growth` more
-        tokens. Submit its forward passes to `compute`."""
-        entry, victims = self._reserve(session_id, growth)
+        tokens. Submit its forward passes to `compute`. stop (for work that holds the
+        session long, a run of decoded tokens): then `growth` is reserved as far as the
+        budget holds it, at least one token, and `stop` is set when the session is
+        closed or evicted meanwhile, for the work to end within a step (closing and
+        evicting wait for it)."""
+        entry, victims, growth = self._reserve(session_id, growth, up_to=stop is not None)
         try:
             self._release(victims)
             with entry.lock:
-                if entry.gone or entry.target is None:  # evicted or closed meanwhile
-                    with self._lock:
-                        error = self._not_found(session_id)
-                    raise error
-                yield entry.target
+                entry.stop = stop  # before the check: a close from now on sets it
+                try:
+                    if entry.gone or entry.target is None:  # evicted or closed meanwhile
+                        with self._lock:
+                            error = self._not_found(session_id)
+                        raise error
+                    yield entry.target
+                finally:
+                    entry.stop = None
         finally:
             self._settle(entry, growth)
 
@@ -146,15 +155,19 @@ class SessionCache:
             self._evicted.pop(session_id, None)
             return entry, self._evict_for(entry)
 
-    def _reserve(self, session_id: str, growth: int) -> tuple[_Entry, list[_Entry]]:
+    def _reserve(self, session_id: str, growth: int, up_to: bool = False) -> tuple[_Entry, list[_Entry], int]:
+        """Reserves growth (up_to: as much of it as the budget holds, at least 1); returns
+        the entry, the victims to release and the growth reserved."""
         with self._lock:
             entry = self._entries.get(session_id)
             if entry is None:
                 raise self._not_found(session_id)
+            if up_to:
+                growth = max(1, min(growth, self.max_cached_tokens - entry.length - entry.reserved))
             self._check_fits(session_id, entry.length + entry.reserved + growth)
             self._entries.move_to_end(session_id)
             entry.reserved += growth
-            return entry, self._evict_for(entry)
+            return entry, self._evict_for(entry), growth
 
     def _check_fits(self, session_id: str, num_tokens: int) -> None:
         if num_tokens > self.max_cached_tokens:
@@ -219,6 +232,9 @@ class SessionCache:
     @staticmethod
     def _release(entries: list[_Entry]) -> None:
         for entry in entries:
+            stop = entry.stop  # read after the entry was forgotten: see `use`
+            if stop is not None:
+                stop.set()
             with entry.lock:  # waits for a call in flight on it to finish
                 if entry.target is not None:
                     entry.target.release()

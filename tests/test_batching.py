@@ -392,3 +392,71 @@ def test_prefill_lengthens_a_step_with_decoding_sessions_by_at_most_its_share():
         assert len(scheduler._pick()) == 2 and unpriced.segment.num_tokens == 200
     finally:
         scheduler.stop()
+
+
+def _decode_stream(target: TargetSession, num_tokens: int):
+    """A streaming job: num_tokens tokens decoded alone, each emitted as it comes."""
+    from speculative.model_session import Emit
+
+    for _ in range(num_tokens):
+        result = yield from target.verify_steps(target.length, [])
+        yield Emit(result.token_ids[0])
+
+
+def test_a_streaming_job_is_in_every_step_until_it_ends(tiny_target, monkeypatch):
+    """Decode runs stay in the steps: from its first step to its last, a run is in every
+    step, and a session doing rounds beside them (one job per round) changes none of
+    their tokens."""
+    import speculative.step_scheduler as step_scheduler
+
+    steps = []  # per step, the caches its segments belong to
+    real_forward = step_scheduler.forward_segments
+
+    def recording_forward(model, segments):
+        steps.append({id(segment.kv) for segment in segments})
+        return real_forward(model, segments)
+
+    monkeypatch.setattr(step_scheduler, "forward_segments", recording_forward)
+    scheduler = StepScheduler(tiny_target.model)
+    try:
+        prompts = [_ids("The quick brown fox"), _ids("def add(a, b):\n"), _ids("to be or not")]
+        targets = [TargetSession(tiny_target, p, GREEDY, prefill=False) for p in prompts[:2]]
+        for target in targets:
+            scheduler.submit(target.prefill_steps())
+        steps.clear()
+        lengths = (24, 12)
+
+        def run(index):
+            loads = list(scheduler.stream(_decode_stream(targets[index], lengths[index]), key=index))
+            assert all(load is not None and load.batch_sessions >= 1 for _, load in loads)
+            return [token for token, _ in loads]
+
+        results = _run_threads([lambda: run(0), lambda: run(1),
+                                lambda: _speculate_batched(scheduler, tiny_target, prompts[2], 12, [[5, 6], []])])
+        for index, length in enumerate(lengths):
+            assert results[index] == _greedy_alone(tiny_target, prompts[index], length)
+            kv = id(targets[index].session._kv)
+            in_step = [kv in step for step in steps]
+            first, last = in_step.index(True), len(in_step) - 1 - in_step[::-1].index(True)
+            assert all(in_step[first : last + 1]) and sum(in_step) == length
+        assert results[2] == _greedy_alone(tiny_target, prompts[2], 12)
+    finally:
+        scheduler.stop()
+
+
+def test_closing_a_stream_stops_its_job_and_rolls_its_pending_pass_back(tiny_target):
+    scheduler = StepScheduler(tiny_target.model)
+    try:
+        prompt = _ids("abcabcabc")
+        target = TargetSession(tiny_target, prompt, GREEDY, prefill=False)
+        scheduler.submit(target.prefill_steps())
+        tokens = scheduler.stream(_decode_stream(target, 1000))
+        first = [next(tokens)[0] for _ in range(3)]
+        tokens.close()  # returns once the job left the steps
+        length = target.length
+        assert length >= len(prompt) + 3 and target.session.cached_length <= length
+        result, _ = scheduler.submit(target.verify_steps(target.length, []))  # the session serves on
+        expected = _greedy_alone(tiny_target, prompt, length - len(prompt) + 1)
+        assert first == expected[:3] and result.token_ids[0] == expected[-1]
+    finally:
+        scheduler.stop()

@@ -353,6 +353,22 @@ def test_decode_stops_when_the_client_cancels(stub, prompt_ids):
     _close(stub, session_id)
 
 
+def test_closing_a_session_mid_stream_ends_the_stream_with_not_found(stub, prompt_ids):
+    """A Decode run holds its session for many tokens; closing the session stops it
+    within a step: Close does not wait for the run, the stream ends with NOT_FOUND."""
+    ids = prompt_ids[13]
+    session_id = _open(stub, ids).session_id
+    call = stub.Decode(target_pb2.DecodeRequest(
+        session_id=session_id, base_len=len(ids), sampling=common_pb2.SamplingParams(max_new_tokens=900)
+    ), timeout=DEADLINE_S)
+    next(call), next(call)
+    _close(stub, session_id)  # within the call's deadline, long before 900 tokens
+    with pytest.raises(grpc.RpcError) as raised:
+        for _ in call:
+            pass
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND and session_id in raised.value.details()
+
+
 def test_a_full_context_finishes_with_length(stub, tiny_target):
     ids = [65] * (tiny_target.context_length - 3)
     decoded = _open(stub, ids).session_id
