@@ -375,7 +375,8 @@ class StepScheduler:
         run_tokens = sum(job.segment.num_run_tokens for job in jobs)
         logit_tokens = sum(job.segment.num_logits for job in jobs if job.segment.num_run_tokens)
         finished = [job for job, logits in zip(jobs, outputs) if not job.advance((logits, forward_ns))]
-        self._jobs.extend(job for job in jobs if job not in finished)
+        going_on = [job for job in jobs if job not in finished]
+        self._jobs.extend(going_on)
         self._last_end_ns = time.perf_counter_ns()
         step_ns = self._last_end_ns - start  # the pass and every job's decision
         if run_tokens:  # a step whose logits were all ready ran no pass: it says nothing of a pass's cost
@@ -387,6 +388,9 @@ class StepScheduler:
                                 self._cost.per_token_ns)
             if job.outbox is not None and job not in finished:
                 job.deliver()
+        ready_ns = time.perf_counter_ns()
+        for job in going_on:  # its next segment waits for a step from here on, not during this one's bookkeeping
+            job.ready_ns = ready_ns
         for job in finished:
             self._turnarounds.left(job.key, self._last_end_ns)
             job.finish()

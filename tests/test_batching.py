@@ -197,12 +197,18 @@ def test_seeded_sampling_reproduces_whatever_shares_the_steps(tiny_target):
     assert outputs[0] == reference
 
 
+def _prefilled(scheduler: StepScheduler, loaded, text: str) -> tuple[list[int], TargetSession]:
+    """A greedy target session on `text`, its prompt prefilled through the scheduler."""
+    prompt = _ids(text)
+    target = TargetSession(loaded, prompt, GREEDY, prefill=False)
+    scheduler.submit(target.prefill_steps())
+    return prompt, target
+
+
 def test_a_failing_job_leaves_the_others_and_its_session_intact(tiny_target):
     scheduler = StepScheduler(tiny_target.model)
     try:
-        prompt = _ids("The capital of France is")
-        target = TargetSession(tiny_target, prompt, GREEDY, prefill=False)
-        scheduler.submit(target.prefill_steps())
+        prompt, target = _prefilled(scheduler, tiny_target, "The capital of France is")
         with pytest.raises(StaleProposal):  # refused before any pass: nothing applied
             scheduler.submit(target.verify_steps(target.length + 3, [1, 2]))
         assert target.length == len(prompt)
@@ -217,9 +223,7 @@ def test_a_failing_pass_rolls_every_job_of_the_step_back(tiny_target):
     session is left at its committed length and serves the next call."""
     scheduler = StepScheduler(tiny_target.model)
     try:
-        prompt = _ids("abcabcabc")
-        target = TargetSession(tiny_target, prompt, GREEDY, prefill=False)
-        scheduler.submit(target.prefill_steps())
+        prompt, target = _prefilled(scheduler, tiny_target, "abcabcabc")
         scheduler.model = None  # the next pass raises inside the model call
         with pytest.raises(Exception):
             scheduler.submit(target.verify_steps(target.length, [1, 2, 3]))
@@ -447,9 +451,7 @@ def test_a_streaming_job_is_in_every_step_until_it_ends(tiny_target, monkeypatch
 def test_closing_a_stream_stops_its_job_and_rolls_its_pending_pass_back(tiny_target):
     scheduler = StepScheduler(tiny_target.model)
     try:
-        prompt = _ids("abcabcabc")
-        target = TargetSession(tiny_target, prompt, GREEDY, prefill=False)
-        scheduler.submit(target.prefill_steps())
+        prompt, target = _prefilled(scheduler, tiny_target, "abcabcabc")
         tokens = scheduler.stream(_decode_stream(target, 1000))
         first = [next(tokens)[0] for _ in range(3)]
         tokens.close()  # returns once the job left the steps
