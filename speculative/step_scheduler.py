@@ -171,7 +171,8 @@ class _Job:
 
     def deliver(self) -> None:
         """Hands a streaming job's emitted values to its caller, each with the load of
-        the step that ended last (its queueing counted since the last delivery)."""
+        the step that ended last (its queueing counted since the last delivery); for
+        any other job, nothing to do."""
         if self.emitted:
             for value in self.emitted:
                 self.outbox.put((value, self.load))
@@ -317,8 +318,7 @@ class StepScheduler:
                 self._turnarounds.back(item.key, item.ready_ns)
                 if item.advance():  # runs its checks; may finish with no pass at all
                     self._jobs.append(item)
-                    if item.outbox is not None:
-                        item.deliver()
+                    item.deliver()
                 else:
                     item.finish()
             else:
@@ -386,8 +386,8 @@ class StepScheduler:
         for job in jobs:
             job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting, self._cost.base_ns,
                                 self._cost.per_token_ns)
-            if job.outbox is not None and job not in finished:
-                job.deliver()
+        for job in going_on:
+            job.deliver()
         ready_ns = time.perf_counter_ns()
         for job in going_on:  # its next segment waits for a step from here on, not during this one's bookkeeping
             job.ready_ns = ready_ns
