@@ -15,8 +15,9 @@ target's Decode stream), and for each drafter adaptive k <= 4 synchronous (S) an
 pipelined (P). Greedy, chat template, new session per request; every output must equal
 the prompt's target-only output (mismatches are counted and fail the run).
 
-Per method and prompt: tokens/s (median of repeats) and its ratio to target-only; per
-method: the share of each call's decoding time the draft and the target each idle
+Per method and prompt: tokens/s (median of repeats) and its ratio to target-only, and the
+paired noise (each repeat's ratio to that repeat's target-only; target-only's own
+spread over the repeats); per method: the share of each call's decoding time the draft and the target each idle
 (1 - draft time / wall, 1 - target compute / wall, from GenerationStats), per round.
 Writes results_pipeline_<pair>.md and runs_pipeline_<pair>.json to --out.
 """
@@ -201,6 +202,11 @@ def report(pair_name: str, runs: list[Run], args, command: str) -> str:
             draft_idle = statistics.mean(1 - r.draft_s / r.decode_s for r in mine) if m != "target-only" else float("nan")
             target_idle = statistics.mean(max(0.0, 1 - r.target_s / r.decode_s) for r in mine)
             lines.append(f"| {m} | {geomean:.2f}x | {draft_idle:.0%} | {target_idle:.0%} |")
+        lines += ["", "Paired noise: each method against target-only of the same repeat (lowest-highest), and",
+                  "target-only's own spread over the repeats ((max - min) / median).", "",
+                  "| prompt | target-only spread | " + " | ".join(names[1:]) + " |", "|---|---|" + "---|" * (len(names) - 1)]
+        for p in prompts:
+            lines.append(f"| {p} | {_spread(at, p):.0%} | " + " | ".join(_paired(at, p, m) for m in names[1:]) + " |")
         for drafter in PAIRS[pair_name].drafters:
             sync = [medians[(p, f"sync {drafter}")] for p in prompts]
             piped = [medians[(p, f"pipelined {drafter}")] for p in prompts]
@@ -210,6 +216,19 @@ def report(pair_name: str, runs: list[Run], args, command: str) -> str:
     mismatches = [r for r in runs if not r.exact]
     lines.append(f"Outputs that differ from the prompt's target-only output: {len(mismatches)} of {len(runs)}.")
     return "\n".join(lines) + "\n"
+
+
+def _spread(runs: list[Run], prompt: str) -> float:
+    """Target-only's tokens/s over the repeats of one prompt: (max - min) / median."""
+    rates = [r.tokens_per_s for r in runs if r.prompt == prompt and r.method == "target-only"]
+    return (max(rates) - min(rates)) / statistics.median(rates)
+
+
+def _paired(runs: list[Run], prompt: str, method: str) -> str:
+    """A method's tokens/s over target-only's of the same repeat: lowest-highest."""
+    base = {r.repeat: r.tokens_per_s for r in runs if r.prompt == prompt and r.method == "target-only"}
+    ratios = sorted(r.tokens_per_s / base[r.repeat] for r in runs if r.prompt == prompt and r.method == method)
+    return f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -202,6 +203,7 @@ class RemoteVerifier:
         self._stall_timeout_s = stall_timeout_s
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._verdicts: queue.SimpleQueue = queue.SimpleQueue()  # filled by _read_verdicts
+        self._received_ns = 0  # when the verdict read last came
         self._responses = None  # the Verify call, once the first proposal opens it
         # Proposals sent whose verdicts are not read yet, oldest first: [proposal, abandoned].
         self._outstanding: collections.deque[list] = collections.deque()
@@ -234,6 +236,10 @@ class RemoteVerifier:
                     f"target worker at {self.address} applied a proposal at length {proposal.base_len} "
                     "whose context the draft knew to be wrong"
                 )
+
+    def verdict_came(self) -> bool:
+        # Verdicts (or how the stream ended) come in the order of the proposals.
+        return bool(self._outstanding) and self._verdicts.qsize() >= len(self._outstanding)
 
     def abandon_last(self) -> None:
         self._outstanding[-1][1] = True
@@ -310,7 +316,8 @@ class RemoteVerifier:
             raise as_target_error(self.address, item)
         if item is _END_OF_STREAM:
             raise Unavailable(f"target worker at {self.address} ended the Verify stream without a verdict")
-        return item
+        self._received_ns, verdict = item
+        return verdict
 
     def _result(self, proposal: target_pb2.Proposal, verdict: target_pb2.Verdict) -> VerifyResult:
         """Verdict -> VerifyResult, as speculative.target.TargetSession.verify returns it."""
@@ -345,6 +352,7 @@ class RemoteVerifier:
             stopped=verdict.finished and verdict.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN,
             target_compute_ns=verdict.target_compute_ns,
             step=step_load_from_proto(verdict.step),
+            received_ns=self._received_ns,
         )
 
     def close(self) -> None:
@@ -368,7 +376,7 @@ def _read_verdicts(responses, verdicts: queue.SimpleQueue, closed: threading.Eve
             if closed.is_set():
                 log.warning("unexpected verdict after the last proposal",
                             extra={"fields": {"target": address, "round": verdict.round}})
-            verdicts.put(verdict)
+            verdicts.put((time.perf_counter_ns(), verdict))  # when it came, for the loop's timings
         verdicts.put(_END_OF_STREAM)
     except grpc.RpcError as error:
         if closed.is_set() and error.code() != grpc.StatusCode.CANCELLED:

@@ -9,12 +9,14 @@ with the cost model the decision uses (Leviathan et al. 2023, with a per-round d
   (`hopeful acceptance`), so one rejected first round does not stop speculation.
 - f, proposal rate: the share of the drafter's turns that proposed anything (a
   prompt-lookup drafter proposes only where the context has text to copy).
-- d: drafting time per draft token.
+- d: drafting time per draft token (a pass of a model drafter; the first token after
+  the draft's prefill comes with it, and is not counted).
 - c(w) = c(1) + g (w - 1): the target's compute for a pass over w tokens, as the target
   reports it, one line fitted to every pass by decayed least squares (slope prior: 10%
   of c(1); 0 <= g <= c(1)); each sample clipped to SLOW_PASS_CLIP times the line, so one
   slow pass cannot rule a width out.
-- R: the rest of a round (network, serialization, queueing, applying the verdict).
+- R: the rest of a round (network, serialization, queueing, applying the verdict), not
+  counting time its verdict waited for the draft to finish drafting ahead.
 - s: time per token when the target decodes alone, between a stretch's tokens (c(1)
   until a stretch measured it); o: what starting a stretch costs past its tokens (the
   stretch's round trip, the draft catching up on it; prior 2 R).
@@ -105,6 +107,7 @@ class Estimates:
     losing_stretches: int  # stretches in a row, each followed by one round that lost (a probe)
     empty_turns_in_a_row: int  # drafter turns that proposed nothing since one that did
     rounds_since_stretch_ns: float  # time of the rounds since the last stretch
+    overlaps: bool = False  # the target verifies while the draft drafts (it may draft ahead)
 
     @property
     def measured(self) -> bool:
@@ -115,8 +118,29 @@ class Estimates:
         return self.one_token_ns + self.per_token_ns * (width - 1)
 
     def round_ns(self, k: int) -> float:
-        """A round that drafts k tokens (k = 0: the drafter proposed nothing)."""
+        """A round that drafts k tokens (k = 0: the drafter proposed nothing); where the
+        target overlaps, with its successor drafted while it is verified if that saves."""
+        if self.overlaps and k > 0:
+            return self.sync_round_ns(k) - max(0.0, self.ahead_saving_ns(k))
+        return self.sync_round_ns(k)
+
+    def sync_round_ns(self, k: int) -> float:
+        """A round that drafts k tokens, then waits for their verdict."""
         return k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
+
+    def ahead_saving_ns(self, k: int) -> float:
+        """What drafting a round's successor while the round is verified (depth 1) saves
+        a round, on average. With p = a^(k + 1) (all k accepted, and the draft's guess of
+        the target's next token right) the successor is ready, and rounds follow at the
+        slower side's pace, max(c(k + 1), (k + 1) d), instead of a synchronous round's.
+        Otherwise it is drafted again after the verdict, once the draft has finished the
+        pass it was in (drafting ahead stops when the verdict comes): up to d later,
+        where drafting ahead (k + 1) d outlasts the verification, c(k + 1) + R."""
+        survives = self.acceptance ** (k + 1)
+        ahead_ns = (k + 1) * self.draft_token_ns
+        saved = self.sync_round_ns(k) - max(self.compute_ns(k + 1), ahead_ns)
+        wasted = min(self.draft_token_ns, max(0.0, ahead_ns - self.compute_ns(k + 1) - self.overhead_ns))
+        return survives * saved - (1.0 - survives) * wasted
 
     def tokens_per_ns(self, k: int) -> float:
         """Expected output tokens per nanosecond of rounds drafting k tokens."""
@@ -145,8 +169,8 @@ class Estimates:
 class CostEstimator:
     """The estimators behind Estimates, fed by the speculation loop's observations."""
 
-    def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None):
-        self.max_k, self.decay = max_k, decay
+    def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None, overlaps: bool = False):
+        self.max_k, self.decay, self.overlaps = max_k, decay, overlaps
         self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # decayed Bernoulli counts behind a
         self.proposals, self.turns = 1.0, 2.0  # decayed counts behind f (prior 0.5)
         self.draft_token_ns = 0.0
@@ -177,7 +201,7 @@ class CostEstimator:
             self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns,
             self.worker_k(), self.stretches_measure, self.after_stretch,
             self.stretches_in_a_row if self.rounds_since_stretch <= 1 else 0, self.empty_turns_in_a_row,
-            self.rounds_since_stretch_ns,
+            self.rounds_since_stretch_ns, self.overlaps,
         )
 
     def acceptance(self) -> float:
@@ -240,14 +264,16 @@ class CostEstimator:
         self.rounds_since_stretch += 1
         self.rounds_since_stretch_ns += elapsed_ns
         self.one_token_measured |= ran_pass and stats.num_drafted == 0
-        drafting_ns = stats.draft_ns if stats.num_drafted else 0  # a search that found nothing is overhead
-        overhead = max(0, elapsed_ns - drafting_ns - stats.target_compute_ns)
-        self.overhead_ns = _blend(self.overhead_ns if self.measured else None, overhead, self.decay)
+        if not stats.drafted_ahead:  # else its drafting fell in the round before: R is not in elapsed_ns
+            drafting_ns = stats.draft_ns if stats.num_drafted else 0  # a search that found nothing is overhead
+            overhead = max(0, elapsed_ns - drafting_ns - stats.target_compute_ns - stats.late_ns)
+            self.overhead_ns = _blend(self.overhead_ns if self.measured else None, overhead, self.decay)
         self.measured = True
         if stats.num_drafted:
             self._observe_acceptance(stats.num_drafted, stats.num_accepted)
-            per_token = stats.draft_ns / stats.num_drafted
-            self.draft_token_ns = _blend(self.draft_token_ns or None, per_token, self.decay)
+            passes = stats.num_drafted - stats.draft_warm
+            if passes:
+                self.draft_token_ns = _blend(self.draft_token_ns or None, stats.draft_ns / passes, self.decay)
 
     def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
         """During a stretch: the drafter would have proposed num_drafted tokens (0:

@@ -38,6 +38,9 @@ class LocalVerifier:
     def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None) -> None:
         self._outstanding.append([base_len, list(draft_token_ids), draft_probs, expected_last_token_id, False])
 
+    def verdict_came(self) -> bool:
+        return False  # a proposal is verified only when its verdict is received
+
     def abandon_last(self) -> None:
         self._outstanding[-1][4] = True
 

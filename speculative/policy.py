@@ -5,7 +5,8 @@ A fixed k is the textbook setting (`FixedK`). `AdaptiveK` is two pieces: a cost
 estimator (speculative.estimator: acceptance, draft cost, the target's cost against
 width, the round trip, what a stretch costs) and `decide`, a pure function of its
 estimates. Speculation pays while a round's expected tokens over its cost,
-E[tokens](a, k) / (k d + c(k + 1) + R), beat decoding alone, 1 / s.
+E[tokens](a, k) / (k d + c(k + 1) + R), beat decoding alone, 1 / s; where the target
+verifies while the draft drafts, a round may cost less (its successor drafted ahead).
 """
 
 from __future__ import annotations
@@ -87,16 +88,10 @@ def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: 
 
 
 def draft_ahead(e: Estimates, k: int) -> bool:
-    """Whether to draft the next proposal while this one of k tokens is verified. It
-    survives with about a^(k+1) (all k accepted, and the target's own next token the
-    draft's guess, drafted as one more token), and then its drafting and round trip,
-    k d + R, are hidden behind this verification. Drafting the guess costs d, and a
-    proposal drafted in vain delays the next by as much as its drafting outlasts this
-    verification, (k + 1) d - (c(k + 1) + R). A free drafter always drafts ahead."""
-    survives = e.acceptance ** (k + 1)
-    gain = survives * (k * e.draft_token_ns + e.overhead_ns)
-    outlasts = max(0.0, (k + 1) * e.draft_token_ns - e.compute_ns(k + 1) - e.overhead_ns)
-    return gain >= e.draft_token_ns + (1.0 - survives) * outlasts
+    """Whether to draft the next proposal while this one of k tokens is verified: where
+    that saves time on average (Estimates.ahead_saving_ns; a tie, as for a free
+    drafter, goes to drafting ahead)."""
+    return e.ahead_saving_ns(k) >= 0.0
 
 
 def _after_empty_turn(e: Estimates, remaining: int | None, ends_at_match: bool, rules: StretchRules) -> Action:
@@ -172,12 +167,14 @@ class FixedK(SpeculationPolicy):
 
 class AdaptiveK(SpeculationPolicy):
     """`decide` on this call's own estimates; `costs` seeds them with what earlier calls
-    between the same draft and target measured."""
+    between the same draft and target measured. overlaps: the target verifies while the
+    draft drafts (a remote target with pipelining on), so rounds are priced with
+    drafting ahead."""
 
     def __init__(self, max_k: int, decay: float = 0.9, rules: StretchRules = StretchRules(),
-                 costs: MeasuredCosts | None = None):
+                 costs: MeasuredCosts | None = None, overlaps: bool = False):
         self.max_k, self.rules = max_k, rules
-        self.estimator = CostEstimator(max_k, decay, costs)
+        self.estimator = CostEstimator(max_k, decay, costs, overlaps)
 
     @property
     def measured(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,6 +42,10 @@ class Verifier(Protocol):
     def receive(self) -> VerifyResult:
         """The verdict on the oldest proposal not yet received (skipping abandoned ones);
         StaleProposal if the target discarded it."""
+        ...
+
+    def verdict_came(self) -> bool:
+        """Whether the verdict on the oldest proposal not yet received is in (no wait)."""
         ...
 
     def abandon_last(self) -> None:
@@ -92,13 +96,17 @@ class _Sent:
     sent_ns: int  # when it was sent (time.perf_counter_ns)
     guess: int | None = None  # the draft's next token after it: what a proposal ahead assumes
     index: int = 0  # its Proposal.round, counted from the call's first
+    ahead: bool = False  # drafted while the proposal before it was verified
+    open_ended: bool = False  # the drafter could have gone on past it (a guess may follow)
+    warm: bool = False  # its first token came with the draft's prefill (a pass less)
 
 
 class _Loop:
     """One call's rounds. Pipelining (depth 1): while proposal n is verified, proposal
     n + 1 is drafted from the optimistic context (all of n accepted, and the target's own
-    next token equal to the draft's guess, drafted once n is sent) and sent with
-    that guess as expected_last_token_id. It survives when the verdict on n commits
+    next token equal to the draft's guess, drafted first) and sent with that guess as
+    expected_last_token_id; a costly drafter sends it as soon as n's verdict comes, with
+    the tokens it has by then. It survives when the verdict on n commits
     exactly that context; otherwise the target discards it (it checks base_len and the
     last token), and the draft rolls back to the verdict and drafts again. Every
     proposal the target applies was judged on its actual context: exactness holds."""
@@ -109,6 +117,7 @@ class _Loop:
         self.num_generated = 0
         self.index = 0  # Proposal.round of the next proposal sent (a stretch is one), from 0 per call
         self.draft_read_prompt = draft is None
+        self.draft_warm = False  # the draft's prefill left the logits for its next token
         self.ahead: _Sent | None = None  # a proposal sent beyond the one being verified
         self.start_ns = 0  # when the current step began (its decision)
         self.finish_reason: FinishReason | None = None
@@ -140,16 +149,15 @@ class _Loop:
         return min(self.params.max_new_tokens - self.num_generated, self.context_length - self.base_len)
 
     def _draft_current(self, action: Action, room: int) -> _Sent | int:
-        """Drafts and sends the next proposal (k capped by the room), with a guess when
-        it may be drafted ahead of; or, when the drafter found nothing, the stretch the
-        policy prefers to an empty round (an int)."""
+        """Drafts and sends the next proposal (k capped by the room); or, when the
+        drafter found nothing, the stretch the policy prefers to an empty round (an int)."""
         if not self.draft_read_prompt:
             # The draft reads the prompt only now: a call the target decodes alone from
             # its start never runs the draft model on it.
             self.draft.prefill()
             self.draft_read_prompt, self.start_ns = True, time.perf_counter_ns()
+            self.draft_warm = True
         k = min(action.k, room - 1)
-        pipelined = action.ahead and self.verifier.overlaps and room - k - 1 >= 2
         sent = self._draft(self.base_len, k)
         if k > 0:
             self.policy.observe_turn(proposed=bool(sent.proposal.token_ids))
@@ -160,44 +168,66 @@ class _Loop:
             if stretch:
                 return stretch
         self._send(sent, None)
-        if pipelined:
-            self._draft_guess(sent, k)
         return sent
 
-    def _draft(self, base_len: int, k: int) -> _Sent:
-        """Drafts k tokens after base_len."""
+    def _draft(self, base_len: int, k: int, until: Callable[[], bool] | None = None) -> _Sent:
+        """Drafts up to k tokens after base_len. With `until`, a drafter whose tokens cost
+        a pass drafts them one at a time and stops once until() holds."""
         start = time.perf_counter_ns()
-        proposal = self.draft.propose(k) if k > 0 else EMPTY_PROPOSAL
-        sent = _Sent(base_len, proposal, 0, 0)
+        if k > 0 and until is not None and self.draft.peek(0) is None:
+            proposal, open_ended = self._propose_until(k, until)
+        else:
+            proposal = self.draft.propose(k) if k > 0 else EMPTY_PROPOSAL
+            open_ended = len(proposal) == k  # shorter: the drafter found no more
+        sent = _Sent(base_len, proposal, 0, 0, open_ended=k > 0 and open_ended, warm=self.draft_warm and k > 0)
+        self.draft_warm = self.draft_warm and k == 0
         sent.draft_ns = time.perf_counter_ns() - start
         sent.sent_ns = time.perf_counter_ns()
         return sent
 
-    def _draft_guess(self, sent: _Sent, k: int) -> None:
-        """The draft's next token after a full proposal: what a proposal ahead assumes the
-        target's own token will be. Drafted after sending, while the target verifies."""
-        if k > 0 and len(sent.proposal) == k:
-            guess = self.draft.propose(1)
-            sent.guess = guess.token_ids[0] if len(guess) else None
+    def _propose_until(self, k: int, until: Callable[[], bool]) -> tuple[Proposal, bool]:
+        """Up to k tokens, one at a time, until until() holds; and whether the drafter
+        could go on. A proposal keeps one kind of q (a lookup token's is implied)."""
+        token_ids: list[int] = []
+        probs: list | None = None
+        while len(token_ids) < k and not until():
+            length = self.draft.length
+            piece = self.draft.propose(1)
+            if not piece.token_ids:
+                return Proposal(token_ids, probs), False
+            if token_ids and (piece.draft_probs is None) != (probs is None):
+                self.draft.truncate_to(length)
+                break
+            token_ids += piece.token_ids
+            probs = None if piece.draft_probs is None else (probs or []) + list(piece.draft_probs)
+        return Proposal(token_ids, probs), True
 
     def _send_ahead(self, current: _Sent, k: int) -> None:
-        """Drafts and sends the proposal after `current`, assuming all of it accepted and
-        its guess next. Not past the room, a stop token, or a guess it does not have."""
-        guess = current.guess
-        if guess is None or guess in self.params.stop_token_ids or len(current.proposal) == 0:
+        """Drafts and sends the proposal after `current` while it is verified, assuming
+        all of it accepted and the target's next token the draft's guess (drafted
+        first). A costly drafter stops where `current`'s verdict has come (drafting on
+        would only keep it waiting), unless the call is seeded sampling. Not past the
+        room or a stop token."""
+        if not current.open_ended:
             return
         base_len = current.base_len + len(current.proposal) + 1
         room = self._room() - (base_len - self.base_len)
         k = min(k, room - 1)
         if k < 1:
             return
-        ahead = self._draft(base_len, k)
-        if not ahead.proposal.token_ids:  # nothing to send: the draft keeps the guess, truncated later
+        guess = self.draft.propose(1)
+        if not guess.token_ids or guess.token_ids[0] in self.params.stop_token_ids:
+            return  # the draft keeps the guess, truncated with the verdict
+        current.guess = guess.token_ids[0]
+        # A seeded sampling call drafts whole proposals: its draws depend on where its
+        # tokens split into rounds, which must not depend on timing.
+        reproducible = not self.params.greedy and self.params.seed is not None
+        ahead = self._draft(base_len, k, until=None if reproducible else self.verifier.verdict_came)
+        if not ahead.proposal.token_ids:  # nothing to send
             return
-        self._send(ahead, guess)
+        ahead.ahead = True
+        self._send(ahead, current.guess)
         self.ahead = ahead
-        if room - k - 1 >= 2:
-            self._draft_guess(ahead, k)
 
     def _send(self, sent: _Sent, expected_last: int | None) -> None:
         sent.index, self.index = self.index, self.index + 1
@@ -206,7 +236,8 @@ class _Loop:
     def _round(self, current: _Sent) -> Iterator[RoundResult]:
         """Receives the verdict on `current` and brings the draft to it."""
         result = self.verifier.receive()
-        verify_ns = time.perf_counter_ns() - current.sent_ns
+        now = time.perf_counter_ns()
+        received = min(result.received_ns or now, now)
         survives = self.ahead is not None and result.committed_len == self.ahead.base_len \
             and result.token_ids[-1] == current.guess and not result.stopped
         if self.ahead is not None and not survives:
@@ -217,8 +248,9 @@ class _Loop:
         stats = RoundStats(
             index=current.index, base_len=current.base_len, num_drafted=len(current.proposal),
             num_accepted=result.verdict.num_accepted, num_committed=len(result.token_ids),
-            next_token_kind=result.verdict.next_token_kind, draft_ns=current.draft_ns, verify_ns=verify_ns,
-            target_compute_ns=result.target_compute_ns, step=result.step,
+            next_token_kind=result.verdict.next_token_kind, draft_ns=current.draft_ns,
+            verify_ns=received - current.sent_ns, target_compute_ns=result.target_compute_ns, step=result.step,
+            drafted_ahead=current.ahead, late_ns=now - received, draft_warm=current.warm,
         )
         yield from self._commit(result, stats)
 
@@ -239,7 +271,7 @@ class _Loop:
         self.index += 1
         if intervals:
             self.draft.prefill()
-            self.draft_read_prompt = True
+            self.draft_read_prompt = self.draft_warm = True
             self.policy.observe_stretch(len(intervals), time.perf_counter_ns() - stretch_start,
                                         per_token_ns(intervals), empty_turns=len(intervals) - 1 if until else 0)
 

@@ -42,6 +42,9 @@ class RoundStats:
     # faster than drafting): no proposal, and verify_ns is the time since the last token.
     streamed: bool = False
     step: StepLoad | None = None  # the target's batched step (None: not reported)
+    drafted_ahead: bool = False  # its proposal was drafted while the one before was verified
+    late_ns: int = 0  # its verdict waited this long for the draft (busy drafting the next proposal)
+    draft_warm: bool = False  # the draft's first token came with its prefill: drafting cost a pass less
 
 
 @dataclass

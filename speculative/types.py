@@ -92,6 +92,7 @@ class VerifyResult:
     stopped: bool  # a stop token ended the round
     target_compute_ns: int  # forward pass and decision, in nanoseconds (0: no pass ran, logits were kept)
     step: StepLoad | None = None  # the batched step that ran it (None: run alone)
+    received_ns: int = 0  # when it reached the draft (time.perf_counter_ns; 0: as it was read)
 
 
 # The drafters a draft worker offers, by the names of the API (SpeculationParams.drafter).

@@ -193,3 +193,22 @@ def test_a_rounds_time_away_from_the_target_counts_under_load():
     quick = settled(CostEstimator(4), [round_(4, 2, 90.0, step=step)])
     away = settled(CostEstimator(4), [round_(4, 2, 90.0, overhead_ms=40.0, step=step)])
     assert quick.worker_k() == 1 and away.worker_k() == 0
+
+
+def test_a_round_drafted_ahead_leaves_the_round_trip_alone():
+    """Its drafting fell within the round before, so its elapsed time holds no R."""
+    estimator = settled(CostEstimator(4, overlaps=True), [round_(4, 3, 14.0, overhead_ms=5.0, draft_ms=8.0)])
+    stats, elapsed = round_(4, 3, 14.0, draft_ms=8.0)
+    estimator.observe(dataclasses.replace(stats, drafted_ahead=True), elapsed - int(8.0 * MS))
+    assert estimator.estimates().overhead_ns == pytest.approx(5.0 * MS)
+    assert estimator.estimates().overlaps
+
+
+def test_a_draft_token_that_came_with_the_prefill_is_not_counted_as_a_pass():
+    """d is per pass: a first round after the draft's prefill drafts k tokens in k - 1."""
+    estimator = CostEstimator(4)
+    stats, elapsed = round_(4, 3, 14.0, draft_ms=30.0)
+    estimator.observe(dataclasses.replace(stats, draft_warm=True), elapsed)
+    assert estimator.estimates().draft_token_ns == pytest.approx(10.0 * MS)
+    estimator.observe(*round_(4, 3, 14.0, draft_ms=40.0))
+    assert estimator.estimates().draft_token_ns == pytest.approx(10.0 * MS)

@@ -5,6 +5,7 @@ target-only greedy, sampling the target's distribution, in process and over gRPC
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -84,6 +85,52 @@ def test_pipelined_greedy_equals_target_only_for_every_drafter_and_k(name, draft
         assert 0 < abandoned < ahead or name == "unrelated" and abandoned > 0
     if name == "same":
         assert abandoned == 0  # its own weights: every guess right
+
+
+class EarlyVerdicts(CountingVerifier):
+    """Its verdicts come while the draft is drafting ahead, after every `every` tokens:
+    a costly drafter then sends the shorter proposal it has."""
+
+    every = 2
+
+    def __init__(self, target):
+        super().__init__(target)
+        self.asked = 0
+        self.ahead_sizes: list[int] = []
+
+    def verdict_came(self) -> bool:
+        self.asked += 1
+        return self.asked % (self.every + 1) == 0
+
+    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None):
+        if expected_last_token_id is not None:
+            self.ahead_sizes.append(len(draft_token_ids))
+        super().send(base_len, draft_token_ids, draft_probs, expected_last_token_id)
+
+
+@pytest.mark.parametrize("name", ["same", "perturbed", "ngram+model"])
+def test_a_verdict_that_comes_while_drafting_ahead_sends_what_is_drafted_and_stays_exact(
+        name, drafters, tiny_target, prompt_ids, references):
+    sizes = []
+    for k in range(2, 7):
+        for ids, reference in zip(prompt_ids, references):
+            tokens, verifier, target, draft = _run(tiny_target, drafters[name], ids, GREEDY, k, EarlyVerdicts)
+            assert tokens == reference, (name, k, ids)
+            assert target.length == len(ids) + len(tokens)
+            sizes += verifier.ahead_sizes
+    assert sizes and max(sizes) <= EarlyVerdicts.every  # never drafted on past a verdict that came
+    if name == "same":
+        assert verifier.abandoned == 0  # cut short, its proposals still follow the target
+
+
+def test_a_seeded_sampling_call_drafts_whole_proposals_ahead_so_its_draws_do_not_depend_on_timing(
+        drafters, tiny_target, prompt_ids):
+    params = SamplingParams(temperature=1.0, top_k=8, seed=7, max_new_tokens=24)
+    runs = [_run(tiny_target, drafters["same"], prompt_ids[0], params, 4, verifier_type)
+            for verifier_type in (CountingVerifier, EarlyVerdicts)]
+    (tokens, _, _, _), (early_tokens, early, _, _) = runs
+    assert early.ahead_sizes and all(size == 4 for size in early.ahead_sizes[:-1])
+    assert early_tokens == tokens
 
 
 def test_a_stop_token_inside_a_pipelined_round_ends_the_call(drafters, tiny_target, prompt_ids, references):
@@ -190,6 +237,26 @@ def test_a_rejection_with_a_proposal_in_flight_is_discarded_by_the_target(target
     length = stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=len(ids) + len(tokens)),
                            timeout=30).committed_len
     assert length == draft.length == len(ids) + len(tokens)
+    stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=30)
+
+
+def test_the_remote_verifier_tells_when_a_verdict_came_without_waiting(target_stub, prompt_ids, references):
+    stub, address = target_stub
+    ids = prompt_ids[2]
+    handle = stub.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=ids), timeout=30).handle
+    verifier = RemoteVerifier(stub, address, handle.session_id, GREEDY, first_round=0, deadline=Deadline(60),
+                              stall_timeout_s=30)
+    try:
+        assert not verifier.verdict_came()  # nothing sent
+        verifier.send(len(ids), references[2][:3], None)
+        deadline = time.monotonic() + 30
+        while not verifier.verdict_came():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert verifier.receive().token_ids == references[2][:4]
+        assert not verifier.verdict_came()
+    finally:
+        verifier.close()
     stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=30)
 
 

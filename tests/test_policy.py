@@ -47,6 +47,7 @@ def estimates(draw, **fixed) -> Estimates:
         stretch_start_ns=draw(st.floats(0.0, 4.0)) * (overhead_ms + one_token_ms) * MS,
         worker_k=8, stretches_measure=draw(st.booleans()), after_stretch=False, losing_stretches=draw(st.integers(0, 6)),
         empty_turns_in_a_row=draw(st.integers(1, 10)), rounds_since_stretch_ns=draw(st.floats(0.0, 1e4)) * MS,
+        overlaps=draw(st.booleans()),
     )
     values.update(fixed)
     return Estimates(**values)
@@ -170,7 +171,40 @@ def test_drafting_ahead_only_grows_with_acceptance_and_is_free_for_a_free_drafte
     assert draft_ahead(dataclasses.replace(e, draft_token_ns=0.0), k)
 
 
+@PROPERTY
+@given(estimates(overlaps=True), st.integers(1, 8))
+def test_where_the_target_overlaps_a_round_never_costs_more_than_waiting_for_its_verdict(e, k):
+    assert e.round_ns(k) <= e.sync_round_ns(k)
+    assert (e.round_ns(k) < e.sync_round_ns(k)) <= draft_ahead(e, k)
+
+
+@PROPERTY
+@given(estimates(), st.integers(1, 8))
+def test_a_draft_slower_than_the_pass_never_drafts_ahead_of_a_round_that_never_survives(e, k):
+    """With nothing accepted (a = 0) a proposal drafted ahead is always wasted: it pays
+    only where drafting it is hidden within the verification anyway."""
+    e = dataclasses.replace(e, acceptance=0.0)
+    outlasts = (k + 1) * e.draft_token_ns > e.compute_ns(k + 1) + e.overhead_ns
+    assert draft_ahead(e, k) != outlasts
+
+
 # --- replays of measured calls ----------------------------------------------------------
+
+
+def test_drafting_ahead_prefers_rounds_short_enough_to_survive():
+    """Qwen2.5-Coder 0.5B -> 1.5B, one CPU each: c(1) = 594 ms, 20 ms a token more,
+    drafting 198 ms a token, R = 4 ms, a = 0.8. Waiting for each verdict, k = 2 yields
+    E = 2.44 tokens per 1.03 s. Drafted ahead, a round of k = 2 survives with
+    0.8^3 = 0.51, and then the next follows max(c(3), 3 d) = 0.63 s after it: k = 2 at
+    0.83 s a round, 1.25x the rounds that wait (a longer k survives too rarely)."""
+    costs = dict(max_k=4, acceptance=0.8, proposal_rate=1.0, draft_token_ns=198 * MS, one_token_ns=594 * MS,
+                 per_token_ns=20 * MS, overhead_ns=4 * MS, solo_token_ns=594 * MS, solo_measured=True,
+                 one_token_measured=True, stretch_start_ns=8 * MS, worker_k=8, stretches_measure=False,
+                 after_stretch=False, losing_stretches=0, empty_turns_in_a_row=0, rounds_since_stretch_ns=0.0)
+    waiting, overlapping = Estimates(**costs), Estimates(**costs, overlaps=True)
+    assert decide(overlapping, remaining=64) == Action(k=2, ahead=True)
+    assert overlapping.round_ns(2) == pytest.approx(0.83e9, rel=0.01)
+    assert overlapping.tokens_per_ns(2) / waiting.tokens_per_ns(waiting.best_k()) == pytest.approx(1.25, abs=0.01)
 
 
 def test_one_rejected_first_round_does_not_stop_speculation():
