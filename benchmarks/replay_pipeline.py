@@ -1,0 +1,209 @@
+"""What pipelining can gain on a model pair: greedy traces replayed under the
+synchronous and the pipelined schedule, with costs measured on one core per side.
+
+    .venv/bin/python -m benchmarks.replay_pipeline record     # ~8 min: traces + costs
+    .venv/bin/python -m benchmarks.replay_pipeline            # the replay, instant
+
+`record` decodes each prompt greedily with the target (chat template), and at every
+position the draft's greedy continuation of MAX_K tokens from the target's own prefix;
+it times one draft pass and target passes of width 1..MAX_K + 1, one torch thread each
+(run it under `taskset -c 1` on a quiet machine). Greedy acceptance is then exact
+arithmetic: a proposal from position i is accepted up to its first token that differs
+from the target's path.
+
+The replay runs the speculation loop's two schedules in virtual time, R the round trip:
+- synchronous: draft k tokens (k d), send, the target's pass c(k + 1), the verdict;
+- pipelined, depth 1 (speculative.speculation_loop): after sending a proposal the draft
+  drafts its guess of the target's next token, then up to k more while the verdict has
+  not come, and sends them; the target verifies queued proposals back to back; one
+  drafted ahead survives when all of its predecessor was accepted and the guess was
+  right, else the draft starts afresh after the verdict.
+It prints, per prompt and round trip, tokens/s of the best fixed k of each schedule
+and their ratio: the bound a policy choosing k per prompt in hindsight would reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRACES = REPO / "benchmarks" / "traces_pipeline_qwen.json"
+MAX_K = 8
+PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+
+
+def record(args) -> None:
+    import torch
+    from transformers import DynamicCache
+
+    from benchmarks.prompts import PROMPTS
+    from speculative.loading import load_model
+
+    torch.set_num_threads(1)
+    loaded_target, loaded_draft = (load_model(name) for name in PAIR)
+    target, draft, tokenizer = loaded_target.model, loaded_draft.model, loaded_target.tokenizer
+
+    def crop(cache, length):
+        if cache.get_seq_length() > length:
+            cache.crop(length - cache.get_seq_length())
+
+    @torch.inference_mode()
+    def greedy(ids, n):
+        cache, x, out = DynamicCache(), torch.tensor([ids]), []
+        for _ in range(n):
+            out.append(int(target(x, past_key_values=cache, use_cache=True).logits[0, -1].argmax()))
+            x = torch.tensor([[out[-1]]])
+        return out
+
+    @torch.inference_mode()
+    def continuations(ids, path):
+        cache = DynamicCache()
+        logits = draft(torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
+        rows = []
+        for token in path:
+            length, row, step = cache.get_seq_length(), [], logits
+            for _ in range(MAX_K):
+                row.append(int(step.argmax()))
+                step = draft(torch.tensor([[row[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            crop(cache, length)
+            rows.append(row)
+            logits = draft(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        return rows
+
+    @torch.inference_mode()
+    def pass_ns(model, ids, width, repeats=9):
+        cache = DynamicCache()
+        model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        length, times = cache.get_seq_length(), []
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            model(torch.tensor([[100] * width]), past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter_ns() - start)
+            crop(cache, length)
+        return sorted(times)[repeats // 2]
+
+    traces = {}
+    for name in args.prompts.split(","):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[name]}], add_generation_prompt=True)
+        ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+        path = greedy(ids, args.tokens)
+        traces[name] = {"path": path, "drafts": continuations(ids, path)}
+        print(f"{name}: {len(ids)} prompt tokens", file=sys.stderr, flush=True)
+    ids = list(range(100, 160))
+    costs = {"draft_ns": pass_ns(draft, ids, 1),
+             "target_ns": [pass_ns(target, ids, width) for width in range(1, MAX_K + 2)]}
+    TRACES.write_text(json.dumps({"pair": PAIR, "costs": costs, "traces": traces}))
+
+
+class Replay:
+    """One prompt's trace under the costs, in virtual time (seconds)."""
+
+    def __init__(self, path: list[int], drafts: list[list[int]], draft_s: float, target_s: list[float],
+                 round_trip_s: float):
+        self.path, self.drafts = path, drafts
+        self.d, self.c, self.one_way = draft_s, target_s, round_trip_s / 2
+
+    def accepted(self, base: int, k: int) -> int:
+        proposal, n = self.drafts[base][:k], 0
+        while n < k and base + n < len(self.path) and proposal[n] == self.path[base + n]:
+            n += 1
+        return n
+
+    def verified(self, target_free: float, base: int, k: int, sent: float) -> tuple[float, float]:
+        """(target free again, verdict at the draft) for k tokens sent at `sent`."""
+        done = max(target_free, sent + self.one_way) + self.c[k]  # c[k]: a pass of width k + 1
+        return done, done + self.one_way
+
+    def synchronous(self, k: int) -> float:
+        position, now, target_free = 0, 0.0, 0.0
+        while position < len(self.path):
+            size = max(0, min(k, len(self.path) - position - 1))
+            now += size * self.d
+            target_free, now = self.verified(target_free, position, size, now)
+            position += self.accepted(position, size) + 1
+        return len(self.path) / now
+
+    def pipelined(self, k: int) -> float:
+        position, now, target_free, ahead = 0, 0.0, 0.0, None
+        while position < len(self.path):
+            if ahead is None:
+                base, size = position, max(0, min(k, len(self.path) - position - 1))
+                now += size * self.d
+                sent = now
+            else:
+                base, size, sent = ahead
+            target_free, verdict = self.verified(target_free, base, size, sent)
+            ahead, drafted = None, 0
+            next_base = base + size + 1
+            room = min(k, len(self.path) - next_base - 1, MAX_K)
+            if size and room >= 1 and size < MAX_K:
+                now += self.d  # the guess
+                while drafted < room and now < verdict:
+                    now += self.d
+                    drafted += 1
+                if drafted:
+                    ahead_sent = now
+            now = max(now, verdict)
+            accepted = self.accepted(base, size)
+            position = base + accepted + 1
+            guess_right = size < MAX_K and accepted == size and next_base - 1 < len(self.path) \
+                and self.drafts[base][size] == self.path[base + size]
+            if drafted and guess_right:
+                ahead = (next_base, drafted, ahead_sent)
+        return len(self.path) / now
+
+
+def _line(pass_s: list[float]) -> list[float]:
+    """c(w) for w = 1.. as the least-squares line through the timed passes (one timed
+    pass is noisy; the target's cost grows about linearly with width)."""
+    widths = range(len(pass_s))
+    mean_w, mean_c = sum(widths) / len(pass_s), sum(pass_s) / len(pass_s)
+    slope = sum((w - mean_w) * (c - mean_c) for w, c in zip(widths, pass_s)) / sum((w - mean_w) ** 2 for w in widths)
+    return [mean_c + slope * (w - mean_w) for w in widths]
+
+
+def replay(args) -> str:
+    data = json.loads(TRACES.read_text())
+    costs = data["costs"]
+    draft_s, target_s = costs["draft_ns"] / 1e9, _line([t / 1e9 for t in costs["target_ns"]])
+    lines = [f"# What depth-1 pipelining can gain: {data['pair'][1]} -> {data['pair'][0]}, replayed", "",
+             f"Command: `python -m benchmarks.replay_pipeline` (traces: `{TRACES.relative_to(REPO)}`); one core "
+             f"each: d = {draft_s * 1e3:.0f} ms a draft token, c(1) = {target_s[0] * 1e3:.0f} ms, "
+             f"c({MAX_K + 1}) = {target_s[-1] * 1e3:.0f} ms (a line through the timed passes). Best fixed k per prompt (1-{MAX_K - 1}), greedy, "
+             f"{len(next(iter(data['traces'].values()))['path'])} tokens.", "",
+             "| round trip | prompt | target-only tok/s | synchronous (k) | pipelined (k) | pipelined / synchronous |",
+             "|---|---|---|---|---|---|"]
+    for round_trip_ms in args.round_trips:
+        for name, trace in data["traces"].items():
+            run = Replay(trace["path"], trace["drafts"], draft_s, target_s, round_trip_ms / 1e3)
+            sync = {k: run.synchronous(k) for k in range(1, MAX_K)}
+            piped = {k: run.pipelined(k) for k in range(1, MAX_K)}
+            best_sync, best_piped = max(sync, key=sync.get), max(piped, key=piped.get)
+            alone = 1.0 / (target_s[0] + round_trip_ms / 1e3 / len(trace["path"]))
+            lines.append(f"| {round_trip_ms:g} ms | {name} | {alone:.2f} | {sync[best_sync]:.2f} ({best_sync}) | "
+                         f"{piped[best_piped]:.2f} ({best_piped}) | {piped[best_piped] / sync[best_sync]:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.replay_pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("command", nargs="?", choices=["record", "replay"], default="replay")
+    parser.add_argument("--prompts", default="chat,code_new,code_edit,summary,explain")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--round-trips", type=float, nargs="+", default=[4.0, 44.0], help="ms")
+    args = parser.parse_args(argv)
+    if args.command == "record":
+        record(args)
+        return 0
+    text = replay(args)
+    (REPO / "benchmarks" / "results_replay_qwen.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
