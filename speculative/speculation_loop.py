@@ -118,6 +118,7 @@ class _Loop:
         self.index = 0  # Proposal.round of the next proposal sent (a stretch is one), from 0 per call
         self.draft_read_prompt = draft is None
         self.draft_warm = False  # the draft's prefill left the logits for its next token
+        self.free_draft = draft is not None and draft.peek(0) is not None  # proposing costs no pass (lookup)
         self.ahead: _Sent | None = None  # a proposal sent beyond the one being verified
         self.start_ns = 0  # when the current step began (its decision)
         self.finish_reason: FinishReason | None = None
@@ -174,7 +175,7 @@ class _Loop:
         """Drafts up to k tokens after base_len. With `until`, a drafter whose tokens cost
         a pass drafts them one at a time and stops once until() holds."""
         start = time.perf_counter_ns()
-        if k > 0 and until is not None and self.draft.peek(0) is None:
+        if k > 0 and until is not None and not self.free_draft:
             proposal, open_ended = self._propose_until(k, until)
         else:
             proposal = self.draft.propose(k) if k > 0 else EMPTY_PROPOSAL
@@ -259,8 +260,7 @@ class _Loop:
         catches up on them after (what starting a stretch costs, not drafting)."""
         stretch_start, intervals = self.start_ns, []
         # Only a free drafter is checked; a stretch that ends at its next proposal has none.
-        free = self.draft.peek(0) is not None
-        shadow = _ShadowRounds(self.draft, self.policy) if free and until is None else None
+        shadow = _ShadowRounds(self.draft, self.policy) if self.free_draft and until is None else None
         for stats, result in _solo_stretch(self.verifier, self.draft, self.base_len, num_tokens, until, shadow):
             intervals.append(stats.verify_ns)
             yield from self._commit(result, dataclasses.replace(stats, index=self.index))
