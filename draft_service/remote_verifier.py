@@ -24,6 +24,7 @@ import grpc
 
 from service_common.convert import (
     NEXT_TOKEN_KIND_FROM_PROTO,
+    lookup_rounds_to_proto,
     lookup_stop_to_proto,
     sampling_to_proto,
     sparse_to_proto,
@@ -36,7 +37,7 @@ from service_common.status import Unavailable
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.policy import MeasuredCosts
-from speculative.prompt_lookup import LookupStop
+from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.types import SamplingParams, Verdict, VerifyResult
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ class RemoteVerifier:
         """overlaps: the target verifies while the draft drafts (False: never draft ahead)."""
         self.address = address
         self.overlaps = overlaps
+        self.runs_lookup = True  # it runs a prompt-lookup drafter's rounds inside stretches (Stretch.lookup_rounds)
         self.session_id = target_session_id
         self.round = first_round  # Proposal.round of the next proposal (0-based per session)
         self.proposal_bytes = 0  # serialized size of the last Proposal, in bytes
@@ -259,16 +261,18 @@ class RemoteVerifier:
         self._outstanding.append([proposal, False])
         self.round += 1
 
-    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
-        """A stretch: the target decodes up to max_tokens tokens alone (ending early
-        where prompt lookup with `until`'s sizes finds text to copy), one result per
-        token as it arrives; StaleProposal if it was discarded. Closing the iterator
-        before the stretch ended leaves its verdicts unread: the stream is then only
-        good for close()."""
+    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
+               lookup: LookupRounds | None = None) -> Iterator[VerifyResult]:
+        """A stretch: the target decodes up to max_tokens tokens (ending early where
+        prompt lookup with `until`'s sizes finds text to copy; verifying what it finds
+        with `lookup`), one result per pass as it arrives; StaleProposal if it was
+        discarded. Closing the iterator before the stretch ended leaves its verdicts
+        unread: the stream is then only good for close()."""
         self._skip_abandoned()
         assert not self._outstanding, "a stretch starts with nothing in flight"
         stretch = target_pb2.Stretch(max_tokens=max_tokens,
-                                     until_lookup=lookup_stop_to_proto(until) if until else None)
+                                     until_lookup=lookup_stop_to_proto(until) if until else None,
+                                     lookup_rounds=lookup_rounds_to_proto(lookup) if lookup else None)
         proposal = self._proposal(base_len, [], None)
         proposal.stretch.CopyFrom(stretch)
         self._put(proposal)
@@ -277,8 +281,10 @@ class RemoteVerifier:
             self.verdict_bytes = verdict.ByteSize()
             if verdict.stretch_ended or verdict.discarded:
                 self._outstanding.popleft()
-            # Each token's verdict is checked as a one-token round from the length before it.
-            result = self._result(target_pb2.Proposal(round=proposal.round, base_len=base_len), verdict)
+            # Each pass's verdict is checked as a round from the length before it, of the
+            # looked-up tokens it accepted.
+            result = self._result(target_pb2.Proposal(round=proposal.round, base_len=base_len,
+                                                      draft_token_ids=verdict.accepted_token_ids), verdict)
             yield result
             if not self._outstanding:
                 return
@@ -353,6 +359,7 @@ class RemoteVerifier:
             target_compute_ns=verdict.target_compute_ns,
             step=step_load_from_proto(verdict.step),
             received_ns=self._received_ns,
+            num_drafted=max(len(draft_token_ids), verdict.num_drafted),  # a stretch's: its looked-up tokens
         )
 
     def close(self) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, target_pb2
 from speculative.errors import InvalidArgument
-from speculative.prompt_lookup import LookupStop
+from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.stats import GenerationStats, RoundStats, StepLoad
 from speculative.types import FinishReason, NextTokenKind, SamplingParams
 
@@ -61,6 +61,15 @@ def lookup_stop_from_proto(message: common_pb2.LookupStop) -> LookupStop:
 
 def lookup_stop_to_proto(stop: LookupStop) -> common_pb2.LookupStop:
     return common_pb2.LookupStop(min_ngram=stop.min_ngram, max_ngram=stop.max_ngram)
+
+
+def lookup_rounds_from_proto(message: target_pb2.LookupRounds) -> LookupRounds:
+    """InvalidArgument for sizes prompt lookup refuses, or a k out of range."""
+    return LookupRounds(lookup_stop_from_proto(message.sizes), message.max_draft_tokens)
+
+
+def lookup_rounds_to_proto(lookup: LookupRounds) -> target_pb2.LookupRounds:
+    return target_pb2.LookupRounds(sizes=lookup_stop_to_proto(lookup.sizes), max_draft_tokens=lookup.max_draft_tokens)
 
 
 def sparse_from_proto(message: common_pb2.SparseDistribution) -> SparseProbs:

@@ -73,7 +73,7 @@ METER_NAME = "specdec"
 # Span names and attributes written by the workers (and read by `python -m report`).
 ROUND_SPAN = "specdec.round"  # draft worker: one per speculation round
 VERIFY_SPAN = "specdec.verify"  # target worker: one per proposal on a Verify stream
-DECODE_SPAN = "specdec.decode"  # target worker: one per token of a target-only Decode stream
+DECODE_SPAN = "specdec.decode"  # target worker: one per pass of a Decode stream or a stretch
 PREFILL_SPAN = "specdec.prefill"  # both workers: OpenSession / Extend
 
 # Prometheus names the Kubernetes HPA reads: do not change them.

@@ -108,6 +108,7 @@ class Estimates:
     empty_turns_in_a_row: int  # drafter turns that proposed nothing since one that did
     rounds_since_stretch_ns: float  # time of the rounds since the last stretch
     overlaps: bool = False  # the target verifies while the draft drafts (it may draft ahead)
+    target_runs_lookup: bool = False  # the target runs the (prompt-lookup) drafter's rounds inside stretches
 
     @property
     def measured(self) -> bool:
@@ -171,6 +172,7 @@ class CostEstimator:
 
     def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None, overlaps: bool = False):
         self.max_k, self.decay, self.overlaps = max_k, decay, overlaps
+        self.target_runs_lookup = False
         self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # decayed Bernoulli counts behind a
         self.proposals, self.turns = 1.0, 2.0  # decayed counts behind f (prior 0.5)
         self.draft_token_ns = 0.0
@@ -201,7 +203,7 @@ class CostEstimator:
             self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns,
             self.worker_k(), self.stretches_measure, self.after_stretch,
             self.stretches_in_a_row if self.rounds_since_stretch <= 1 else 0, self.empty_turns_in_a_row,
-            self.rounds_since_stretch_ns, self.overlaps,
+            self.rounds_since_stretch_ns, self.overlaps, self.target_runs_lookup,
         )
 
     def acceptance(self) -> float:
@@ -253,8 +255,10 @@ class CostEstimator:
         one token of a stretch (its pass only: the stretch is observed whole)."""
         self._observe_load(stats.step)
         ran_pass = stats.target_compute_ns > 0  # else the logits were kept from the prefill
-        if stats.streamed:
-            if ran_pass:
+        if stats.streamed:  # a pass of a stretch: one token, or verifying looked-up ones as a round's
+            if ran_pass and stats.num_drafted:
+                self._observe_compute(stats.num_drafted + 1, stats.target_compute_ns)
+            elif ran_pass:
                 self._observe_compute(1, stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
                 self.one_token_measured = True
             return
@@ -296,15 +300,18 @@ class CostEstimator:
         self.turns = self.decay * self.turns + 1.0
         self.empty_turns_in_a_row = 0 if proposed else self.empty_turns_in_a_row + 1
 
-    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0) -> None:
+    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0,
+                        passes_ns: int | None = None) -> None:
         """A whole stretch: elapsed_ns from deciding on it to being ready to draft again
-        after its num_tokens, which came token_ns apart (s; also a bound on c(1)); the
-        rest is o. In empty_turns of its tokens the drafter would have proposed nothing
-        (a stretch that ended where it would propose again)."""
+        after its num_tokens passes, which took passes_ns (default num_tokens token_ns),
+        those that decoded one token alone token_ns apart (s; also a bound on c(1));
+        the rest is o. In empty_turns of its tokens the drafter would have proposed
+        nothing (a stretch that ended where it would propose again)."""
         for _ in range(empty_turns):
             self.observe_turn(proposed=False)
         self.observe_solo_tokens(num_tokens, token_ns)
-        self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - num_tokens * token_ns), self.decay)
+        passes_ns = num_tokens * token_ns if passes_ns is None else passes_ns
+        self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - passes_ns), self.decay)
         self.stretches_in_a_row = self.stretches_in_a_row + 1 if self.rounds_since_stretch <= 1 else 1
         self.after_stretch = True
         self.rounds_since_stretch, self.rounds_since_stretch_ns = 0, 0.0

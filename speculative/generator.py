@@ -16,7 +16,7 @@ from speculative.fingerprint import check_compatible
 from speculative.limits import validate_num_speculative_tokens
 from speculative.loading import LoadedModel
 from speculative.policy import AdaptiveK, FixedK, MeasuredCosts, SpeculationPolicy
-from speculative.prompt_lookup import LookupStop
+from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams
 from speculative.speculation_loop import RoundResult, Verifier, speculation_rounds  # noqa: F401 - their home before
 from speculative.stats import GenerationStats
@@ -29,10 +29,11 @@ class LocalVerifier:
     its verdict is received, with the target's own staleness rule (base_len, and the
     last token a proposal sent ahead assumed). overlaps=False: nothing computes while
     the loop drafts, so drafting ahead would only cost; tests turn it on to run the
-    pipelined protocol in process."""
+    pipelined protocol in process. runs_lookup=False: a prompt-lookup drafter's rounds
+    cost no round trip here, so the target need not run them; tests turn it on too."""
 
-    def __init__(self, target: TargetSession, overlaps: bool = False):
-        self.target, self.overlaps = target, overlaps
+    def __init__(self, target: TargetSession, overlaps: bool = False, runs_lookup: bool = False):
+        self.target, self.overlaps, self.runs_lookup = target, overlaps, runs_lookup
         self._outstanding: collections.deque[list] = collections.deque()  # [base_len, ids, probs, last, abandoned]
 
     def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None) -> None:
@@ -67,10 +68,11 @@ class LocalVerifier:
         self.send(base_len, draft_token_ids, draft_probs)
         return self.receive()
 
-    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
+    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
+               lookup: LookupRounds | None = None) -> Iterator[VerifyResult]:
         self._skip_abandoned()
         assert not self._outstanding, "a stretch starts with nothing in flight"
-        return self.target.decode(base_len, max_tokens, until)
+        return self.target.decode(base_len, max_tokens, until, lookup)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ verifies while the draft drafts, a round may cost less (its successor drafted ah
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class Action:
     k: int = 0  # draft k tokens for a round (0: a plain target step)
     stretch: int = 0  # > 0: instead, the target decodes up to this many tokens alone
     ahead: bool = False  # draft the next proposal while this one is verified (where the target overlaps)
+    lookup_k: int = 0  # in a stretch: looked-up tokens the target verifies a pass, at most (0: none)
 
 
 TAKE_ROUND = Action()  # after a turn that proposed nothing: the plain step, one round trip
@@ -59,6 +61,7 @@ class StretchRules:
 def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: StretchRules = StretchRules()) -> Action:
     """The next action of a call that may still generate `remaining` tokens (None: not
     known). Rules:
+    - Where the target runs the drafter's rounds (prompt lookup): see `_lookup_stretch`.
     - Nothing measured yet: a round of the k the priors favour.
     - A loaded target whose worker_k is 0 decodes alone. Where stretches measure
       acceptance (a free drafter), in stretches of the longest size: nothing needs a
@@ -70,6 +73,8 @@ def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: 
     - The drafter proposed nothing: see `_after_empty_turn`.
     - Whether a round's next proposal is drafted ahead: see `draft_ahead`.
     - A stretch after which fewer tokens would remain than it has runs to the end."""
+    if e.target_runs_lookup:
+        return _lookup_stretch(e, remaining, rules)
     if not e.measured:
         return Action(k=e.best_k(), ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
     if turn is not Turn.DRAFT:
@@ -85,6 +90,19 @@ def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: 
                                     otherwise=Action(k=k, ahead=draft_ahead(e, k)))
     stretch = rules.sized(e, min(rules.first * 2 ** e.losing_stretches, rules.longest))
     return _stretch_unless_last(stretch, remaining, least=stretch)
+
+
+def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) -> Action:
+    """The target runs a prompt-lookup drafter's rounds inside a stretch: the same
+    proposals, without a round trip or drafting each. Its passes verify up to the k
+    fastest at that price (R = d = 0), or none where even those rounds lose to decoding
+    alone; the stretch is the longest size (k is chosen again after it), or runs to
+    the end."""
+    inside = dataclasses.replace(e, overhead_ns=0.0, draft_token_ns=0.0, overlaps=False)
+    k = inside.best_k()
+    if e.worker_k == 0 or (inside.measured and inside.tokens_per_ns(k) <= inside.tokens_per_ns(0)):
+        k = 0
+    return dataclasses.replace(_stretch_unless_last(rules.longest, remaining, least=rules.first), lookup_k=k)
 
 
 def draft_ahead(e: Estimates, k: int) -> bool:
@@ -147,11 +165,16 @@ class SpeculationPolicy:
     def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
         """During a stretch, a round not run (CostEstimator.observe_shadow)."""
 
-    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0) -> None:
+    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0,
+                        passes_ns: int | None = None) -> None:
         """A whole stretch (CostEstimator.observe_stretch)."""
 
     def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
         """The stretch that ended the call (CostEstimator.observe_solo_tokens)."""
+
+    def target_runs_lookup(self) -> None:
+        """The target can run this call's drafter's rounds itself, inside stretches: a
+        prompt-lookup drafter, across the network (Verifier.runs_lookup)."""
 
 
 class FixedK(SpeculationPolicy):
@@ -195,11 +218,15 @@ class AdaptiveK(SpeculationPolicy):
     def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
         self.estimator.observe_shadow(num_drafted, num_accepted)
 
-    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0) -> None:
-        self.estimator.observe_stretch(num_tokens, elapsed_ns, token_ns, empty_turns)
+    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0,
+                        passes_ns: int | None = None) -> None:
+        self.estimator.observe_stretch(num_tokens, elapsed_ns, token_ns, empty_turns, passes_ns)
 
     def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
         self.estimator.observe_solo_tokens(num_tokens, token_ns)
+
+    def target_runs_lookup(self) -> None:
+        self.estimator.target_runs_lookup = True
 
     def seed(self, costs: MeasuredCosts) -> None:
         self.estimator.seed(costs)

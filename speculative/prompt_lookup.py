@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.errors import InvalidArgument
 from speculative.fingerprint import ANY_VOCABULARY
+from speculative.limits import MAX_SPECULATIVE_TOKENS
 from speculative.types import NGRAM, SamplingParams
 
 # Longest suffix prompt lookup will search for, in tokens: each size is one scan of the
@@ -39,6 +40,26 @@ class LookupStop:
     def matches(self, token_ids: list[int]) -> bool:
         """Whether prompt lookup proposes after token_ids."""
         return bool(lookup_continuation(token_ids, 1, self.min_ngram, self.max_ngram))
+
+
+@dataclass(frozen=True)
+class LookupRounds:
+    """A prompt-lookup drafter's rounds, run by the target inside a stretch: each pass
+    also verifies up to max_draft_tokens looked-up tokens (what the drafter would have
+    proposed there), so a free drafter's rounds cost no round trip each."""
+
+    sizes: LookupStop
+    max_draft_tokens: int
+
+    def __post_init__(self):
+        if not 1 <= self.max_draft_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidArgument(f"lookup_rounds.max_draft_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                                  f"got {self.max_draft_tokens}")
+
+    def proposal(self, token_ids: list[int], room: int) -> list[int]:
+        """What the pass after token_ids verifies, when `room` tokens may still come."""
+        return lookup_continuation(token_ids, min(self.max_draft_tokens, room - 1),
+                                   self.sizes.min_ngram, self.sizes.max_ngram)
 
 
 # --- prompt lookup: no model at all ---------------------------------------------------

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from speculative.drafter_base import EMPTY_PROPOSAL, DraftSession, Proposal
 from speculative.policy import Action, SpeculationPolicy, Turn
-from speculative.prompt_lookup import LookupStop
-from speculative.stats import RoundStats, per_token_ns
+from speculative.prompt_lookup import LookupRounds, LookupStop
+from speculative.stats import RoundStats
 from speculative.types import FinishReason, SamplingParams, VerifyResult
 
 if TYPE_CHECKING:
@@ -34,6 +34,9 @@ class Verifier(Protocol):
     # Whether the target verifies while the loop drafts (across the network): only
     # then does drafting the next proposal ahead of a verdict pay.
     overlaps: bool
+    # Whether the target runs a prompt-lookup drafter's rounds inside a stretch
+    # (`decode` with lookup): across the network that saves a round trip per round.
+    runs_lookup: bool
 
     def send(self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
              expected_last_token_id: int | None = None) -> None:
@@ -52,10 +55,12 @@ class Verifier(Protocol):
         """The proposal sent last will be discarded (its context turned out wrong): its
         verdict is skipped, and RuntimeError raised should the target apply it."""
 
-    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
+    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
+               lookup: LookupRounds | None = None) -> Iterator[VerifyResult]:
         """A stretch: target-only decoding of up to max_tokens tokens, one result per
-        token, ending after a stop token or the first token at which prompt lookup with
-        `until`'s sizes finds text to copy. Nothing may be in flight."""
+        pass, ending after a stop token or the first token at which prompt lookup with
+        `until`'s sizes finds text to copy; with `lookup`, each pass also verifies the
+        tokens prompt lookup finds to copy. Nothing may be in flight."""
         ...
 
 
@@ -119,6 +124,10 @@ class _Loop:
         self.draft_read_prompt = draft is None
         self.draft_warm = False  # the draft's prefill left the logits for its next token
         self.free_draft = draft is not None and draft.peek(0) is not None  # proposing costs no pass (lookup)
+        # The target can run this drafter's rounds itself: a free drafter that looks up.
+        self.lookup_sizes = draft.lookup_stop() if self.free_draft and verifier.runs_lookup else None
+        if self.lookup_sizes is not None:
+            policy.target_runs_lookup()
         self.ahead: _Sent | None = None  # a proposal sent beyond the one being verified
         self.start_ns = 0  # when the current step began (its decision)
         self.finish_reason: FinishReason | None = None
@@ -130,7 +139,7 @@ class _Loop:
             # 1. Decide: a stretch, or a round (the one sent ahead, or a new one).
             action = self.policy.next_action(room) if self.draft is not None else Action()
             if self.ahead is None and action.stretch:
-                yield from self._stretch(min(action.stretch, room), None)
+                yield from self._stretch(min(action.stretch, room), None, action.lookup_k)
             else:
                 current = self.ahead or self._draft_current(action, room)
                 self.ahead = None
@@ -255,25 +264,31 @@ class _Loop:
         )
         yield from self._commit(result, stats)
 
-    def _stretch(self, num_tokens: int, until: LookupStop | None) -> Iterator[RoundResult]:
-        """The target decodes up to num_tokens alone; the draft follows each token, and
-        catches up on them after (what starting a stretch costs, not drafting)."""
-        stretch_start, intervals = self.start_ns, []
+    def _stretch(self, num_tokens: int, until: LookupStop | None, lookup_k: int = 0) -> Iterator[RoundResult]:
+        """The target decodes up to num_tokens (verifying up to lookup_k looked-up tokens
+        a pass, where it runs lookup); the draft follows each pass, and catches up on
+        them after (what starting a stretch costs, not drafting)."""
+        stretch_start, intervals, solo = self.start_ns, [], []  # solo: intervals of passes that verified nothing
+        lookup = LookupRounds(self.lookup_sizes, lookup_k) if lookup_k and self.lookup_sizes else None
         # Only a free drafter is checked; a stretch that ends at its next proposal has none.
         shadow = _ShadowRounds(self.draft, self.policy) if self.free_draft and until is None else None
-        for stats, result in _solo_stretch(self.verifier, self.draft, self.base_len, num_tokens, until, shadow):
+        for stats, result in _solo_stretch(self.verifier, self.draft, self.base_len, num_tokens, until, lookup, shadow):
+            if intervals and not stats.num_drafted:  # the first interval holds the stretch's start
+                solo.append(stats.verify_ns)
             intervals.append(stats.verify_ns)
             yield from self._commit(result, dataclasses.replace(stats, index=self.index))
             if self.finished:
-                if len(intervals) > 1:  # what its tokens cost (the first holds the start) seeds the next call
-                    self.policy.observe_solo_tokens(len(intervals) - 1, per_token_ns(intervals))
+                if solo:  # what its tokens cost seeds the next call
+                    self.policy.observe_solo_tokens(len(solo), sum(solo) // len(solo))
                 return
         self.index += 1
         if intervals:
             self.draft.prefill()
             self.draft_read_prompt = self.draft_warm = True
-            self.policy.observe_stretch(len(intervals), time.perf_counter_ns() - stretch_start,
-                                        per_token_ns(intervals), empty_turns=len(intervals) - 1 if until else 0)
+            token_ns = sum(solo) // len(solo) if solo else intervals[0]
+            passes_ns = token_ns + sum(intervals[1:])  # its passes, the first as long as a solo one
+            self.policy.observe_stretch(len(solo) + 1, time.perf_counter_ns() - stretch_start, token_ns,
+                                        empty_turns=len(intervals) - 1 if until else 0, passes_ns=passes_ns)
 
     def _commit(self, result: VerifyResult, stats: RoundStats) -> Iterator[RoundResult]:
         self.base_len += len(result.token_ids)
@@ -319,24 +334,24 @@ class _ShadowRounds:
 
 
 def _solo_stretch(verifier: Verifier, draft: DraftSession, base_len: int, num_tokens: int,
-                 until: LookupStop | None, shadow: _ShadowRounds | None = None):
-    """(stats, result) per token the target decodes alone; the draft follows each."""
-    tokens = verifier.decode(base_len, num_tokens, until)
+                 until: LookupStop | None, lookup: LookupRounds | None = None, shadow: _ShadowRounds | None = None):
+    """(stats, result) per pass of a stretch; the draft follows each."""
+    passes = verifier.decode(base_len, num_tokens, until, lookup)
     try:
         last = time.perf_counter_ns()
-        for result in tokens:
+        for result in passes:
             now = time.perf_counter_ns()
             for token_id in result.token_ids if shadow is not None else ():
                 shadow.see(token_id)
             draft.append(result.token_ids)
-            stats = RoundStats(index=0, base_len=base_len, num_drafted=0, num_accepted=0,
-                               num_committed=len(result.token_ids), next_token_kind=result.verdict.next_token_kind,
-                               draft_ns=0, verify_ns=now - last, target_compute_ns=result.target_compute_ns,
-                               streamed=True, step=result.step)
+            stats = RoundStats(index=0, base_len=base_len, num_drafted=result.num_drafted,
+                               num_accepted=result.verdict.num_accepted, num_committed=len(result.token_ids),
+                               next_token_kind=result.verdict.next_token_kind, draft_ns=0, verify_ns=now - last,
+                               target_compute_ns=result.target_compute_ns, streamed=True, step=result.step)
             base_len, last = base_len + len(result.token_ids), now
             yield stats, result
     finally:
-        tokens.close()  # stops the target's stream when the caller stops early
+        passes.close()  # stops the target's stream when the caller stops early
 
 
 def _finish_reason(result: VerifyResult, out_of_room: bool) -> FinishReason | None:

@@ -5,7 +5,6 @@ Kept out of the round logic: the loop hands each finished round to `record_round
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from speculative.types import NextTokenKind
@@ -132,10 +131,3 @@ class GenerationStats:
 
 def _grow(counts: list[int], size: int) -> None:
     counts.extend([0] * (size - len(counts)))
-
-
-def per_token_ns(intervals: Sequence[int]) -> int:
-    """Time per token of a stream, from the intervals between its tokens: the first
-    one, from the request, also holds the stream's start, so it counts only alone."""
-    later = intervals[1:] or intervals
-    return sum(later) // len(later)

@@ -19,7 +19,7 @@ import torch
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.loading import LoadedModel
 from speculative.model_session import ForwardSteps, ModelSession, run_alone
-from speculative.prompt_lookup import LookupStop
+from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.rejection import check_draft_probs, check_draft_tokens, verify_greedy, verify_sampled
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
 from speculative.types import Verdict, VerifyResult
@@ -119,19 +119,29 @@ class TargetSession:
         # 0 where no pass ran (the logits kept from the prompt's prefill): such a
         # round says nothing of what a pass costs.
         compute_ns = 0 if segment.ready_logits is not None else forward_ns + time.perf_counter_ns() - start
-        return VerifyResult(verdict, token_ids, self.length, stopped, compute_ns)
+        return VerifyResult(verdict, token_ids, self.length, stopped, compute_ns,
+                            num_drafted=len(draft_token_ids))
 
-    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None) -> Iterator[VerifyResult]:
-        """Target-only decoding: up to max_tokens one-token passes from base_len,
-        stopping after a stop token, or after the first token at which prompt lookup
-        with `until`'s sizes finds text to copy (the n-gram drafter would propose
-        again). Each is `verify` with no draft tokens."""
-        for _ in range(max_tokens):
-            result = self.verify(base_len, [])
+    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
+               lookup: LookupRounds | None = None) -> Iterator[VerifyResult]:
+        """Target-only decoding: up to max_tokens tokens from base_len, a pass each, or,
+        with `lookup`, passes that also verify the tokens prompt lookup finds to copy
+        (a prompt-lookup drafter's rounds, run by the target). Stops after a stop
+        token, or after the first token at which prompt lookup with `until`'s sizes
+        finds text to copy (the n-gram drafter would propose again)."""
+        while max_tokens > 0:
+            result = self.verify(base_len, self.lookup_proposal(max_tokens, lookup))
             yield result
             if self.decoding_ends(result, until):
                 return
-            base_len = result.committed_len
+            base_len, max_tokens = result.committed_len, max_tokens - len(result.token_ids)
+
+    def lookup_proposal(self, max_tokens: int, lookup: LookupRounds | None) -> list[int]:
+        """What the next pass of a stretch that may still decode max_tokens tokens
+        verifies: nothing, or with `lookup` the tokens prompt lookup finds to copy."""
+        if lookup is None:
+            return []
+        return lookup.proposal(self.session.token_ids, min(max_tokens, self.context_length - self.length))
 
     def decoding_ends(self, result: VerifyResult, until: LookupStop | None = None) -> bool:
         """Whether target-only decoding ends after `result`: a stop token, a full

@@ -93,6 +93,7 @@ class VerifyResult:
     target_compute_ns: int  # forward pass and decision, in nanoseconds (0: no pass ran, logits were kept)
     step: StepLoad | None = None  # the batched step that ran it (None: run alone)
     received_ns: int = 0  # when it reached the draft (time.perf_counter_ns; 0: as it was read)
+    num_drafted: int = 0  # draft tokens the pass judged (in a stretch: looked-up tokens it verified)
 
 
 # The drafters a draft worker offers, by the names of the API (SpeculationParams.drafter).

@@ -26,13 +26,14 @@ from collections.abc import Iterator
 from opentelemetry import trace
 
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from speculative.drafters import LookupStop
+from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.model_session import Emit, ForwardSteps
 from speculative.sampling import SamplingParams
 from speculative.step_scheduler import StepLoad
 from speculative.target import TargetSession, VerifyResult
-from service_common.convert import NEXT_TOKEN_KIND_TO_PROTO, lookup_stop_from_proto, sampling_from_proto, sparse_from_proto
+from service_common.convert import (NEXT_TOKEN_KIND_TO_PROTO, lookup_rounds_from_proto, lookup_stop_from_proto,
+                                    sampling_from_proto, sparse_from_proto)
 from service_common import telemetry
 from service_common.deadlines import time_remaining
 from service_common.status import FailedPrecondition, rpc_errors
@@ -117,8 +118,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         timing = _DecodeTiming()
         with self._admitted(context) as waited_ns:
             try:
-                for result, _, step in self._decode_tokens(request.session_id, length, max_new_tokens, None,
-                                                           waited_ns, timing, context):
+                for result, _, _, step in self._decode_tokens(request.session_id, length, max_new_tokens, None,
+                                                              None, waited_ns, timing, context):
                     yield target_pb2.DecodeToken(
                         token_id=result.token_ids[0], committed_len=result.committed_len,
                         compute_ns=result.target_compute_ns, step=step,
@@ -219,60 +220,70 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if isinstance(started, int):  # stale: the session's committed length
             yield _echo(proposal, discarded=True, committed_len=started, stretch_ended=True)
             return
-        until, context_length = started
+        until, lookup, context_length = started
         length, timing = proposal.base_len, _DecodeTiming()
         try:
-            tokens = self._decode_tokens(proposal.session_id, length, proposal.stretch.max_tokens, until, waited_ns,
-                                         timing, context, proposal.round)
-            for count, (result, ends, step) in enumerate(tokens, start=1):
+            tokens = self._decode_tokens(proposal.session_id, length, proposal.stretch.max_tokens, until, lookup,
+                                         waited_ns, timing, context, proposal.round)
+            for result, accepted, ends, step in tokens:
                 verdict = _verdict(proposal, result, context_length, base_len=length)
                 verdict.step.CopyFrom(step)
-                verdict.stretch_ended = ends or count == proposal.stretch.max_tokens
+                verdict.stretch_ended = ends or result.committed_len - proposal.base_len >= proposal.stretch.max_tokens
+                verdict.num_drafted = result.num_drafted
+                verdict.accepted_token_ids.extend(accepted)
                 length = result.committed_len
                 yield verdict
         finally:
             timing.record()
 
-    def _start_stretch(self, proposal: target_pb2.Proposal) -> tuple[LookupStop | None, int] | int:
+    def _start_stretch(self, proposal: target_pb2.Proposal) -> tuple[LookupStop | None, LookupRounds | None, int] | int:
         """Checks the stretch, applies the proposal's sampling; returns where text to copy
-        ends it (None: nowhere) and the context length, or, for a proposal that does not
-        match the session, the session's committed length."""
+        ends it (None: nowhere), the lookup it verifies (None: none) and the context
+        length, or, for a proposal that does not match the session, the session's
+        committed length."""
         stretch = proposal.stretch
         if proposal.draft_token_ids or proposal.draft_distributions:
             raise InvalidArgument("a stretch proposal has no draft tokens: send them in a proposal without stretch")
         if stretch.max_tokens < 1:
             raise InvalidArgument(f"stretch.max_tokens must be >= 1, got {stretch.max_tokens}")
+        if stretch.HasField("until_lookup") and stretch.HasField("lookup_rounds"):
+            raise InvalidArgument("a stretch either ends at text to copy (until_lookup) or verifies it "
+                                  "(lookup_rounds), not both")
         until = lookup_stop_from_proto(stretch.until_lookup) if stretch.HasField("until_lookup") else None
+        lookup = lookup_rounds_from_proto(stretch.lookup_rounds) if stretch.HasField("lookup_rounds") else None
         sampling = self._sampling(proposal.sampling) if proposal.HasField("sampling") else None
         with self.sessions.use(proposal.session_id) as target:
             if _is_stale(target, proposal):
                 return target.length
             if sampling is not None:
                 target.set_sampling(sampling)
-            return until, target.context_length
+            return until, lookup, target.context_length
 
     def _decode_tokens(self, session_id: str, length: int, max_tokens: int, until: LookupStop | None,
-                       waited_ns: int, timing: _DecodeTiming, context, round_index: int | None = None,
-                       ) -> Iterator[tuple[VerifyResult, bool, common_pb2.StepLoad]]:
-        """Up to max_tokens tokens the target decodes alone from `length`, batched with
-        other sessions' work, each with whether decoding ends after it and its step, in
-        a specdec.decode span; ends early where decoding ends (a stop token, a full
-        context, text to copy with `until`) or the caller went away. Runs of
-        DECODE_RUN_TOKENS: a run holds the session, which closing or evicting it stops
-        within a step (the next run then finds it gone: NOT_FOUND)."""
+                       lookup: LookupRounds | None, waited_ns: int, timing: _DecodeTiming, context,
+                       round_index: int | None = None,
+                       ) -> Iterator[tuple[VerifyResult, list[int], bool, common_pb2.StepLoad]]:
+        """Up to max_tokens tokens the target decodes from `length` (alone, or verifying
+        prompt lookup with `lookup`), batched with other sessions' work: a pass at a
+        time, with the looked-up tokens it accepted, whether decoding ends after it and
+        its step, in a specdec.decode span each. Ends early where decoding ends (a stop
+        token, a full context, text to copy with `until`) or the caller went away. Runs of DECODE_RUN_TOKENS: a run holds
+        the session, which closing or evicting it stops within a step (the next run
+        then finds it gone: NOT_FOUND)."""
         decoded, last_ns = 0, time.time_ns()
+        extra = lookup.max_draft_tokens if lookup is not None else 0  # a pass's rejected tokens, cached until cut
         while decoded < max_tokens:
             size, stop, progressed = min(DECODE_RUN_TOKENS, max_tokens - decoded), threading.Event(), False
-            with self.sessions.use(session_id, growth=size, stop=stop) as target:
-                run = _decode_run(target, length, size, until, stop)
+            with self.sessions.use(session_id, growth=size + extra, stop=stop) as target:
+                run = _decode_run(target, length, size, until, lookup, stop)
                 with contextlib.closing(self.sessions.compute.stream(run, key=session_id)) as tokens:
-                    for (result, ends, emitted_ns), load in tokens:
+                    for (result, accepted, ends, emitted_ns), load in tokens:
                         step = _step_proto(load, waited_ns)
                         timing.add(emitted_ns - last_ns)
                         _decode_span(session_id, length, result, step, last_ns, emitted_ns, round_index)
-                        yield result, ends, step
+                        yield result, accepted, ends, step
                         decoded, length, last_ns, waited_ns, progressed = \
-                            decoded + 1, result.committed_len, emitted_ns, 0, True
+                            decoded + len(result.token_ids), result.committed_len, emitted_ns, 0, True
                         if ends or not context.is_active():  # done, or the caller went away
                             return
             if not progressed and not stop.is_set():  # the context is full: nothing to decode
@@ -298,30 +309,35 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 
 def _decode_run(target: TargetSession, base_len: int, max_tokens: int, until: LookupStop | None,
-                stop: threading.Event) -> ForwardSteps[None]:
-    """Up to max_tokens tokens decoded by the target alone, each emitted as it is decided
-    with whether decoding ends after it and when (wall clock, ns); on the compute
-    thread, as the lookup scans a tensor. Ends early once `stop` is set."""
-    length = base_len
-    for _ in range(max_tokens):
+                lookup: LookupRounds | None, stop: threading.Event) -> ForwardSteps[None]:
+    """Up to max_tokens tokens decoded by the target (alone, or verifying prompt lookup
+    with `lookup`), each pass's result emitted as it is decided with the looked-up
+    tokens it accepted, whether decoding ends after it and when (wall clock, ns); on
+    the compute thread, as lookup scans the sequence. Ends early once `stop` is set."""
+    length, left = base_len, max_tokens
+    while left > 0:
         if stop.is_set() or length >= target.context_length:
             return
-        result = yield from target.verify_steps(length, [])
+        proposal = target.lookup_proposal(left, lookup)
+        result = yield from target.verify_steps(length, proposal)
         ends = target.decoding_ends(result, until)
-        yield Emit((result, ends, time.time_ns()))
+        yield Emit((result, proposal[: result.verdict.num_accepted], ends, time.time_ns()))
         if ends:
             return
-        length = result.committed_len
+        length, left = result.committed_len, left - len(result.token_ids)
 
 
 def _decode_span(session_id: str, base_len: int, result: VerifyResult, step: common_pb2.StepLoad,
                  start_ns: int, end_ns: int, round_index: int | None) -> None:
-    """A specdec.decode span for one token decoded alone, from the previous token's
-    time (the run's start for the first) to its own."""
+    """A specdec.decode span for one pass of decoding (a token alone, or verifying prompt
+    lookup's tokens too), from the previous pass's time (the run's start for the
+    first) to its own."""
     span = tracer.start_span(telemetry.DECODE_SPAN, start_time=start_ns)
     if span.is_recording():
         attributes = {"specdec.session_id": session_id, "specdec.base_len": base_len,
                       "specdec.target_compute_ns": result.target_compute_ns, **_step_attributes(step)}
+        if result.num_drafted:  # a pass that verified prompt lookup's tokens (Stretch.lookup_rounds)
+            attributes.update({"specdec.k": result.num_drafted, "specdec.accepted": result.verdict.num_accepted})
         if round_index is not None:
             attributes["specdec.round"] = round_index
         span.set_attributes(attributes)

@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import copy  # noqa: E402
+import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -67,6 +68,18 @@ def tiny_perturbed(tiny_target) -> LoadedModel:
         fingerprint=tiny_target.fingerprint, context_length=tiny_target.context_length,
         vocab_size=tiny_target.vocab_size,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_bigram(tiny_target) -> LoadedModel:
+    """The target with its attention and MLP outputs zeroed: its next token depends on
+    the last one only, so its greedy text soon repeats and prompt lookup copies it."""
+    model = copy.deepcopy(tiny_target.model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return dataclasses.replace(tiny_target, name="tiny-bigram", model=model)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from speculative.drafters import DraftSession, ModelDrafter, NgramDrafter
 from speculative.estimator import Estimates, MeasuredCosts, expected_tokens
-from speculative.generator import SpeculativeGenerator
+from speculative.generator import LocalVerifier, SpeculativeGenerator
 from speculative.policy import (
     FixedK,
     TAKE_ROUND,
@@ -26,6 +26,7 @@ from speculative.policy import (
 )
 from speculative.sampling import SamplingParams
 from speculative.speculation_loop import speculation_rounds
+from speculative.target import TargetSession
 from speculative.types import NextTokenKind, Verdict, VerifyResult
 from speculative.stats import StepLoad
 from tests.test_estimator import MS, round_, settled, streamed
@@ -109,6 +110,27 @@ def test_a_free_drafter_with_nothing_to_propose_never_costs_a_round_trip_per_tok
                             overhead_ns=max(e.overhead_ns, e.one_token_ns),
                             stretch_start_ns=min(e.stretch_start_ns, 20 * e.overhead_ns))
     assert decide(e, remaining, turn).stretch > 0
+
+
+@PROPERTY
+@given(estimates(target_runs_lookup=True), remaining_tokens, turns)
+def test_where_the_target_runs_lookup_no_round_costs_a_round_trip(e, remaining, turn):
+    """A prompt-lookup drafter whose rounds the target runs inside stretches: every
+    action is a stretch, whose passes verify at most max_k looked-up tokens, only
+    where such rounds beat decoding alone (none on a worker with no room for drafts)."""
+    action = decide(e, remaining, turn)
+    assert action.stretch > 0 and action.k == 0 and 0 <= action.lookup_k <= e.max_k
+    inside = dataclasses.replace(e, overhead_ns=0.0, draft_token_ns=0.0, overlaps=False)
+    if action.lookup_k:
+        assert e.worker_k > 0 and inside.tokens_per_ns(action.lookup_k) > inside.tokens_per_ns(0)
+
+
+@PROPERTY
+@given(estimates(target_runs_lookup=True), remaining_tokens, st.floats(0.01, 0.99), st.floats(0.01, 0.99))
+def test_where_the_target_runs_lookup_higher_acceptance_never_lowers_its_k(e, remaining, lower, higher):
+    lower, higher = sorted((lower, higher))
+    assert decide(dataclasses.replace(e, acceptance=lower), remaining).lookup_k <= \
+        decide(dataclasses.replace(e, acceptance=higher), remaining).lookup_k
 
 
 @PROPERTY
@@ -452,6 +474,25 @@ def test_adaptive_generation_is_still_exact(tiny_target, prompt_ids):
         assert adaptive.generate(ids, params, k=AdaptiveK(8)).token_ids == plain.generate(ids, params, k=0).token_ids
 
 
+@pytest.mark.parametrize("max_k", [1, 3, 8])
+def test_a_lookup_drafters_rounds_run_by_the_target_keep_the_output_exact(tiny_bigram, prompt_ids, max_k):
+    """Where the target runs prompt lookup's rounds (LocalVerifier(runs_lookup=True) in
+    process), the call is stretches whose passes verify looked-up tokens: no round of
+    the draft's, the target's greedy output token for token."""
+    params = SamplingParams(max_new_tokens=40)
+    plain = SpeculativeGenerator(tiny_bigram)
+    accepted = 0
+    for ids in prompt_ids[:6]:
+        target = TargetSession(tiny_bigram, ids, params)
+        loop = speculation_rounds(LocalVerifier(target, runs_lookup=True), NgramDrafter(1, 3).open(ids, params),
+                                  len(ids), params, AdaptiveK(max_k), tiny_bigram.context_length)
+        results = list(loop)
+        assert [t for r in results for t in r.token_ids] == plain.generate(ids, params, k=0).token_ids
+        assert all(r.stats.streamed and r.stats.num_drafted <= max_k for r in results)
+        accepted += sum(r.stats.num_accepted for r in results)
+    assert accepted >= 20
+
+
 # Rounds that propose win (k = 4 at a = 0.93: 4.6 tokens for 14 + 20 ms, against 10 ms a
 # token alone); an empty round (30 ms) loses to a stretch until text to copy (10 ms a
 # token and 20 ms to start, over the 2 tokens f = 0.5 expects).
@@ -475,7 +516,7 @@ class _StretchesToCopies(AdaptiveK):
             self.asked = action.stretch if turn is Turn.NOTHING_UNTIL_MATCH else 0
         return action
 
-    def observe_stretch(self, num_tokens, elapsed_ns, token_ns, empty_turns=0):
+    def observe_stretch(self, num_tokens, elapsed_ns, token_ns, empty_turns=0, passes_ns=None):
         if self.asked:
             self.stretches.append((self.asked, num_tokens))
         assert empty_turns == (num_tokens - 1 if self.asked else 0)
@@ -507,7 +548,7 @@ class _Alternating(SpeculationPolicy):
         self.drafting = not self.drafting
         return Action(k=self.max_k, ahead=True) if self.drafting else Action(stretch=self.solo)
 
-    def observe_stretch(self, num_tokens, elapsed_ns, token_ns, empty_turns=0):
+    def observe_stretch(self, num_tokens, elapsed_ns, token_ns, empty_turns=0, passes_ns=None):
         self.stretches.append((num_tokens, elapsed_ns, token_ns))
 
 
@@ -648,7 +689,7 @@ class _ScriptedVerifier:
     """A target whose greedy output is `script`, in process: verdicts accept the draft's
     prefix that matches it; a stretch decodes it."""
 
-    overlaps = False
+    overlaps = runs_lookup = False
 
     def __init__(self, prompt_len, script):
         self.prompt_len, self.script, self.sent = prompt_len, script, []
@@ -667,7 +708,7 @@ class _ScriptedVerifier:
     def abandon_last(self):
         self.sent.pop()
 
-    def decode(self, base_len, max_tokens, until=None):
+    def decode(self, base_len, max_tokens, until=None, lookup=None):
         for i, token in enumerate(self.script[base_len - self.prompt_len:][:max_tokens]):
             yield VerifyResult(Verdict(0, token, NextTokenKind.BONUS), [token], base_len + i + 1, False, 0)
 

@@ -16,6 +16,7 @@ from speculative import rejection
 from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
 from speculative.generator import LocalVerifier, SpeculativeGenerator, speculation_rounds
 from speculative.policy import FixedK
+from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams, logits_to_probs
 from speculative.step_scheduler import StepScheduler
 from speculative.target import TargetSession
@@ -101,6 +102,25 @@ def test_lookup_then_model_sampling_follows_the_target_distribution(tiny_target,
     assert lookup.proposals > 100 and model.proposals > 100
     assert 0.1 < acceptance < 0.9, f"the drafts should be partly right, acceptance {acceptance:.2f}"
     assert _chi_square_p_value(samples, _exact_target_distribution(tiny_target, prompt)) > ALPHA
+
+
+def test_a_stretch_that_verifies_prompt_lookup_samples_the_target_distribution(tiny_bigram, prompt_ids):
+    """The target running a prompt-lookup drafter's rounds inside a stretch judges each
+    looked-up token as proposed with certainty: its tokens follow its own distribution.
+    The prompt ends with the target's own greedy text, which repeats, so lookup proposes
+    at the first pass, often the token the target draws."""
+    greedy = SpeculativeGenerator(tiny_bigram).generate(prompt_ids[0], SamplingParams(max_new_tokens=16), k=0)
+    prompt = prompt_ids[0] + greedy.token_ids
+    lookup = LookupRounds(LookupStop(1, 2), 2)
+    samples, drafted, accepted = Counter(), 0, 0
+    for seed in range(NUM_RUNS):
+        target = TargetSession(tiny_bigram, prompt, PARAMS.replace(seed=seed))
+        results = list(target.decode(len(prompt), PARAMS.max_new_tokens, lookup=lookup))
+        samples[tuple(t for r in results for t in r.token_ids)] += 1
+        drafted += sum(r.num_drafted for r in results)
+        accepted += sum(r.verdict.num_accepted for r in results)
+    assert drafted > NUM_RUNS and 0.1 < accepted / drafted < 0.9, (drafted, accepted)
+    assert _chi_square_p_value(samples, _exact_target_distribution(tiny_bigram, prompt)) > ALPHA
 
 
 def test_the_distribution_test_catches_a_biased_rule(tiny_target, tiny_perturbed, prompt_ids, exact, monkeypatch):

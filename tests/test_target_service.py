@@ -24,6 +24,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.drafters import LookupStop
+from speculative.prompt_lookup import LookupRounds
+from service_common.convert import lookup_rounds_to_proto
 from tests.polling import settled
 from speculative.generator import SpeculativeGenerator
 from speculative.sampling import SamplingParams, SparseProbs
@@ -216,6 +218,31 @@ def test_a_stretch_on_the_verify_stream_ends_where_the_core_does(stub, greedy, t
     assert (verified.num_accepted, verified.committed_len) == (2, after + 6)
 
 
+def test_a_stretch_that_verifies_prompt_lookup_sends_the_tokens_it_accepted(tiny_bigram, prompt_ids):
+    """Stretch.lookup_rounds over a real socket: one verdict per pass, each carrying the
+    looked-up tokens it accepted before its own token, ending with stretch_ended once
+    max_tokens tokens came; the tokens are the target's greedy ones, as in the core
+    (a target whose text repeats, so lookup is right often)."""
+    server, channel = _start(tiny_bigram)
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        lookup = LookupRounds(LookupStop(1, 3), 4)
+        for ids in prompt_ids[:3]:
+            core = TargetSession(tiny_bigram, ids, SamplingParams(max_new_tokens=30))
+            expected = list(core.decode(len(ids), 30, lookup=lookup))
+            session_id = _open(stub, ids, max_new_tokens=30).session_id
+            stretch = target_pb2.Stretch(max_tokens=30, lookup_rounds=lookup_rounds_to_proto(lookup))
+            verdicts = _verify(stub, _proposal(session_id, len(ids), stretch=stretch))
+            assert [(list(v.accepted_token_ids) + [v.next_token_id], v.num_drafted) for v in verdicts] == [
+                (r.token_ids, r.num_drafted) for r in expected]
+            assert [v.num_accepted for v in verdicts] == [len(v.accepted_token_ids) for v in verdicts]
+            assert [v.stretch_ended for v in verdicts] == [False] * (len(verdicts) - 1) + [True]
+            assert verdicts[-1].committed_len == len(ids) + 30 and sum(v.num_accepted for v in verdicts) > 0
+    finally:
+        channel.close()
+        server.stop(None)
+
+
 def test_a_stale_stretch_is_discarded_and_a_bad_one_refused(stub, prompt_ids):
     ids = prompt_ids[0]
     session_id = _open(stub, ids).session_id
@@ -224,8 +251,18 @@ def test_a_stale_stretch_is_discarded_and_a_bad_one_refused(stub, prompt_ids):
     [wrong_last] = _verify(stub, _stretch(session_id, len(ids), 4, expected_last_token_id=(ids[-1] + 1) % 64))
     assert wrong_last.discarded
     code = grpc.StatusCode.INVALID_ARGUMENT
+    sizes = common_pb2.LookupStop(min_ngram=1, max_ngram=2)
+    both = target_pb2.Stretch(max_tokens=2, until_lookup=sizes,
+                              lookup_rounds=target_pb2.LookupRounds(sizes=sizes, max_draft_tokens=2))
     for proposal, message in ((_stretch(session_id, len(ids), 0), "stretch.max_tokens must be >= 1"),
-                              (_stretch(session_id, len(ids), 2, draft_token_ids=[1]), "has no draft tokens")):
+                              (_stretch(session_id, len(ids), 2, draft_token_ids=[1]), "has no draft tokens"),
+                              (_proposal(session_id, len(ids), stretch=both), "not both"),
+                              (_proposal(session_id, len(ids), stretch=target_pb2.Stretch(
+                                  max_tokens=2, lookup_rounds=target_pb2.LookupRounds(sizes=sizes))),
+                               "max_draft_tokens must be in [1, 16]"),
+                              (_proposal(session_id, len(ids), stretch=target_pb2.Stretch(
+                                  max_tokens=2, lookup_rounds=target_pb2.LookupRounds(max_draft_tokens=2))),
+                               "prompt_lookup_min <= prompt_lookup_max")):
         error = _status(lambda: _verify(stub, proposal))
         assert error.code() == code and message in error.details()
     assert _truncate(stub, session_id, len(ids)).committed_len == len(ids)  # nothing was applied

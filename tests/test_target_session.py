@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from speculative.drafters import LookupStop, lookup_continuation
+from speculative.prompt_lookup import LookupRounds
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.generator import SpeculativeGenerator
 from speculative.rejection import NextTokenKind
@@ -77,6 +78,36 @@ def test_decoding_alone_ends_where_prompt_lookup_finds_text_to_copy(tiny_target,
         assert tokens == expected
         ended_early += len(tokens) < len(reference)
     assert ended_early >= 2  # the stop was really exercised
+
+
+@pytest.mark.parametrize(("sizes", "max_draft_tokens"), [((1, 1), 1), ((1, 3), 4), ((2, 4), 16)])
+def test_a_stretch_that_verifies_prompt_lookup_decodes_what_the_target_alone_does(
+        tiny_bigram, prompt_ids, sizes, max_draft_tokens):
+    """A prompt-lookup drafter's rounds run by the target inside a stretch: each pass
+    verifies what lookup finds to copy (at most max_draft_tokens, never past the
+    stretch's tokens), and the tokens are exactly the target's own greedy ones (a
+    target whose text repeats, so lookup is right often)."""
+    params = SamplingParams(max_new_tokens=32)
+    lookup = LookupRounds(LookupStop(*sizes), max_draft_tokens)
+    verified = accepted = 0
+    for ids in prompt_ids[:8]:
+        reference = SpeculativeGenerator(tiny_bigram).generate(ids, params, k=0).token_ids
+        for max_tokens in (32, 7):
+            target = TargetSession(tiny_bigram, ids, params)
+            results = list(target.decode(len(ids), max_tokens, lookup=lookup))
+            assert [t for r in results for t in r.token_ids] == reference[:max_tokens]
+            assert all(r.num_drafted <= max_draft_tokens and len(r.token_ids) == r.verdict.num_accepted + 1
+                       for r in results)
+            assert target.length == len(ids) + max_tokens
+            verified += sum(r.num_drafted for r in results)
+            accepted += sum(r.verdict.num_accepted for r in results)
+    assert accepted >= 10 and verified > accepted  # passes verified, accepted and rejected looked-up tokens
+
+
+def test_lookup_rounds_are_bounded():
+    for max_draft_tokens in (0, 17):
+        with pytest.raises(InvalidArgument, match=r"max_draft_tokens must be in \[1, 16\]"):
+            LookupRounds(LookupStop(1, 2), max_draft_tokens)
 
 
 def test_prompt_lookup_sizes_are_bounded():

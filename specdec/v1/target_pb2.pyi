@@ -46,15 +46,25 @@ class Proposal(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., expected_last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stretch: _Optional[_Union[Stretch, _Mapping]] = ...) -> None: ...
 
 class Stretch(_message.Message):
-    __slots__ = ("max_tokens", "until_lookup")
+    __slots__ = ("max_tokens", "until_lookup", "lookup_rounds")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     UNTIL_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     until_lookup: _common_pb2.LookupStop
-    def __init__(self, max_tokens: _Optional[int] = ..., until_lookup: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ...) -> None: ...
+    lookup_rounds: LookupRounds
+    def __init__(self, max_tokens: _Optional[int] = ..., until_lookup: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ..., lookup_rounds: _Optional[_Union[LookupRounds, _Mapping]] = ...) -> None: ...
+
+class LookupRounds(_message.Message):
+    __slots__ = ("sizes", "max_draft_tokens")
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sizes: _common_pb2.LookupStop
+    max_draft_tokens: int
+    def __init__(self, sizes: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("session_id", "round", "base_len", "discarded", "num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finished", "finish_reason", "step", "stretch_ended")
+    __slots__ = ("session_id", "round", "base_len", "discarded", "num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finished", "finish_reason", "step", "stretch_ended", "accepted_token_ids", "num_drafted")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +78,8 @@ class Verdict(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STRETCH_ENDED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     base_len: int
@@ -81,7 +93,9 @@ class Verdict(_message.Message):
     finish_reason: _common_pb2.FinishReason
     step: _common_pb2.StepLoad
     stretch_ended: bool
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., discarded: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ..., stretch_ended: _Optional[bool] = ...) -> None: ...
+    accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_drafted: int
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., discarded: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ..., stretch_ended: _Optional[bool] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "base_len", "sampling", "max_tokens")
