@@ -2,6 +2,7 @@
 synchronous and the pipelined schedule, with costs measured on one core per side.
 
     .venv/bin/python -m benchmarks.replay_pipeline record     # ~8 min: traces + costs
+    .venv/bin/python -m benchmarks.replay_pipeline record-branches  # ~2 min: top-2 tokens, batch-2 cost
     .venv/bin/python -m benchmarks.replay_pipeline            # the replay, instant
 
 `record` decodes each prompt greedily with the target (chat template), and at every
@@ -20,12 +21,16 @@ The replay runs the speculation loop's two schedules in virtual time, R the roun
   right, else the draft starts afresh after the verdict.
 It prints, per prompt and round trip, tokens/s of the best fixed k of each schedule
 and their ratio: the bound a policy choosing k per prompt in hindsight would reach.
+With `record-branches` data it also bounds schedules beyond one guess: drafting ahead
+for the draft's two likeliest next tokens at once, and a target that decodes alone
+while it would idle.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -99,12 +104,51 @@ def record(args) -> None:
     TRACES.write_text(json.dumps({"pair": PAIR, "costs": costs, "traces": traces}))
 
 
+def record_branches(args) -> None:
+    """Adds to the traces what the branching schedules need: at each position the
+    draft's two likeliest tokens (one teacher-forced pass over the target's path), and
+    what a draft pass over a batch of two branches costs against one (timed, one
+    torch thread, median of repeats)."""
+    import torch
+    from transformers import DynamicCache
+
+    from benchmarks.prompts import PROMPTS
+    from speculative.loading import load_model
+
+    torch.set_num_threads(1)
+    loaded = load_model(PAIR[1])
+    draft, tokenizer = loaded.model, loaded.tokenizer
+    data = json.loads(TRACES.read_text())
+    for name, trace in data["traces"].items():
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[name]}], add_generation_prompt=True)
+        ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+        with torch.inference_mode():
+            logits = draft(torch.tensor([ids + trace["path"]])).logits[0, len(ids) - 1 : -1]
+        trace["top"] = logits.topk(2).indices.tolist()
+
+    @torch.inference_mode()
+    def step_ns(batch: int, repeats: int = 15) -> float:
+        cache, times = DynamicCache(), []
+        draft(torch.tensor([list(range(100, 400))] * batch), past_key_values=cache, use_cache=True)
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            draft(torch.tensor([[100]] * batch), past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter_ns() - start)
+            cache.crop(-1)
+        return sorted(times)[repeats // 2]
+
+    ratios = sorted(step_ns(2) / step_ns(1) for _ in range(5))
+    data["costs"]["draft_batch2_cost"] = ratios[len(ratios) // 2]
+    TRACES.write_text(json.dumps(data))
+
+
 class Replay:
-    """One prompt's trace under the costs, in virtual time (seconds)."""
+    """One prompt's trace under the costs, in virtual time (seconds). top: at each
+    position, the draft's two likeliest tokens (for the two-guess schedule)."""
 
     def __init__(self, path: list[int], drafts: list[list[int]], draft_s: float, target_s: list[float],
-                 round_trip_s: float):
-        self.path, self.drafts = path, drafts
+                 round_trip_s: float, top: list[list[int]] | None = None):
+        self.path, self.drafts, self.top = path, drafts, top
         self.d, self.c, self.one_way = draft_s, target_s, round_trip_s / 2
 
     def accepted(self, base: int, k: int) -> int:
@@ -113,48 +157,62 @@ class Replay:
             n += 1
         return n
 
-    def verified(self, target_free: float, base: int, k: int, sent: float) -> tuple[float, float]:
-        """(target free again, verdict at the draft) for k tokens sent at `sent`."""
-        done = max(target_free, sent + self.one_way) + self.c[k]  # c[k]: a pass of width k + 1
-        return done, done + self.one_way
+    def synchronous(self, k: int, fill: bool = False) -> float:
+        return self.run(k, ahead=False, fill=fill)
 
-    def synchronous(self, k: int) -> float:
-        position, now, target_free = 0, 0.0, 0.0
-        while position < len(self.path):
-            size = max(0, min(k, len(self.path) - position - 1))
-            now += size * self.d
-            target_free, now = self.verified(target_free, position, size, now)
-            position += self.accepted(position, size) + 1
-        return len(self.path) / now
+    def pipelined(self, k: int, guesses: int = 1, batch_cost: float = 1.0, fill: bool = False) -> float:
+        return self.run(k, ahead=True, guesses=guesses, batch_cost=batch_cost, fill=fill)
 
-    def pipelined(self, k: int) -> float:
-        position, now, target_free, ahead = 0, 0.0, 0.0, None
-        while position < len(self.path):
-            if ahead is None:
-                base, size = position, max(0, min(k, len(self.path) - position - 1))
+    def run(self, k: int, ahead: bool, guesses: int = 1, batch_cost: float = 1.0, fill: bool = False) -> float:
+        """Tokens/s of one schedule. ahead: depth-1 pipelining, drafting ahead for the
+        draft's `guesses` likeliest next tokens at once, each pass costing batch_cost d
+        (a batch of that many branches). fill: the target decodes alone whenever it
+        would idle, in whole steps that end before the next proposal arrives (a bound:
+        a real target cannot know when that is); a proposal that those tokens
+        contradict is answered without a pass."""
+        n = len(self.path)
+        position, now, target_free, queued = 0, 0.0, 0.0, None
+        while position < n:
+            if queued is None:
+                base, size = position, max(0, min(k, n - position - 1))
                 now += size * self.d
                 sent = now
             else:
-                base, size, sent = ahead
-            target_free, verdict = self.verified(target_free, base, size, sent)
-            ahead, drafted = None, 0
-            next_base = base + size + 1
-            room = min(k, len(self.path) - next_base - 1, MAX_K)
-            if size and room >= 1 and size < MAX_K:
-                now += self.d  # the guess
+                base, size, sent = queued
+            arrival = sent + self.one_way
+            solo = 0  # tokens the target decoded alone while it waited
+            if fill and arrival > target_free:
+                solo = min(int((arrival - target_free) / self.c[0]), n - position)
+                target_free += solo * self.c[0]
+            agreed = self.accepted(base, min(solo, size)) == min(solo, size)
+            if solo and (not agreed or solo >= size):
+                position, all_accepted, done = base + solo, agreed, target_free
+            else:
+                rest = size - solo
+                done = target_free = max(target_free, arrival) + self.c[rest]
+                accepted = self.accepted(base, size)
+                position = min(n, base + accepted + 1)
+                all_accepted = accepted == size
+            verdict = done + self.one_way
+            queued, drafted, next_base = None, 0, base + size + 1
+            room = min(k, n - next_base - 1, MAX_K)
+            if ahead and size and room >= 1 and size < MAX_K:
+                now += self.d  # the guesses: one pass
                 while drafted < room and now < verdict:
-                    now += self.d
+                    now += batch_cost * self.d
                     drafted += 1
-                if drafted:
-                    ahead_sent = now
+                ahead_sent = now
             now = max(now, verdict)
-            accepted = self.accepted(base, size)
-            position = base + accepted + 1
-            guess_right = size < MAX_K and accepted == size and next_base - 1 < len(self.path) \
-                and self.drafts[base][size] == self.path[base + size]
-            if drafted and guess_right:
-                ahead = (next_base, drafted, ahead_sent)
-        return len(self.path) / now
+            if drafted and all_accepted and position == next_base and self._guessed(base, size, guesses):
+                queued = (next_base, drafted, ahead_sent)
+        return n / now
+
+    def _guessed(self, base: int, size: int, guesses: int) -> bool:
+        """Whether the target's token after a fully accepted proposal of `size` from
+        `base` is among the draft's `guesses` likeliest there."""
+        if guesses == 1:
+            return self.drafts[base][size] == self.path[base + size]
+        return self.path[base + size] in self.top[base + size][:guesses]
 
 
 def _line(pass_s: list[float]) -> list[float]:
@@ -170,6 +228,7 @@ def replay(args) -> str:
     data = json.loads(TRACES.read_text())
     costs = data["costs"]
     draft_s, target_s = costs["draft_ns"] / 1e9, _line([t / 1e9 for t in costs["target_ns"]])
+    batch2 = costs.get("draft_batch2_cost")
     lines = [f"# What depth-1 pipelining can gain: {data['pair'][1]} -> {data['pair'][0]}, replayed", "",
              f"Command: `python -m benchmarks.replay_pipeline` (traces: `{TRACES.relative_to(REPO)}`); one core "
              f"each: d = {draft_s * 1e3:.0f} ms a draft token, c(1) = {target_s[0] * 1e3:.0f} ms, "
@@ -177,27 +236,63 @@ def replay(args) -> str:
              f"{len(next(iter(data['traces'].values()))['path'])} tokens.", "",
              "| round trip | prompt | target-only tok/s | synchronous (k) | pipelined (k) | pipelined / synchronous |",
              "|---|---|---|---|---|---|"]
+    ratios: dict[str, list[list[float]]] = {}
     for round_trip_ms in args.round_trips:
         for name, trace in data["traces"].items():
-            run = Replay(trace["path"], trace["drafts"], draft_s, target_s, round_trip_ms / 1e3)
+            run = Replay(trace["path"], trace["drafts"], draft_s, target_s, round_trip_ms / 1e3, trace.get("top"))
             sync = {k: run.synchronous(k) for k in range(1, MAX_K)}
             piped = {k: run.pipelined(k) for k in range(1, MAX_K)}
             best_sync, best_piped = max(sync, key=sync.get), max(piped, key=piped.get)
             alone = 1.0 / (target_s[0] + round_trip_ms / 1e3 / len(trace["path"]))
             lines.append(f"| {round_trip_ms:g} ms | {name} | {alone:.2f} | {sync[best_sync]:.2f} ({best_sync}) | "
                          f"{piped[best_piped]:.2f} ({best_piped}) | {piped[best_piped] / sync[best_sync]:.2f}x |")
+            if batch2 is not None and "top" in trace:
+                ratios.setdefault(f"{round_trip_ms:g} ms", []).append(
+                    [max(schedule(run, k) for k in range(1, MAX_K)) / sync[best_sync] for schedule in _BRANCHING(batch2)])
+    if ratios:
+        lines += _branching_table(ratios, batch2)
     return "\n".join(lines) + "\n"
+
+
+def _BRANCHING(batch2: float):
+    """The schedules beyond depth-1 pipelining, each a bound (see Replay.run)."""
+    return (lambda run, k: run.pipelined(k),
+            lambda run, k: run.pipelined(k, guesses=2, batch_cost=batch2),
+            lambda run, k: run.pipelined(k, fill=True),
+            lambda run, k: run.pipelined(k, guesses=2, batch_cost=batch2, fill=True),
+            lambda run, k: run.pipelined(k, guesses=2, batch_cost=1.0))
+
+
+def _branching_table(ratios: dict[str, list[list[float]]], batch2: float) -> list[str]:
+    """Geometric means over the prompts of each schedule's best k over the best
+    synchronous k."""
+    def geomean(values):
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+    lines = ["", "Beyond one guess, each over the best synchronous k, geometric mean over the prompts (lowest "
+             "prompt): drafting ahead for the draft's two likeliest next tokens as one batch (a pass over it "
+             f"costs {batch2:.2f} of one, timed), and a target that decodes alone whenever it would idle, in "
+             "steps that end before the next proposal arrives (it cannot know when: a bound).", "",
+             "| round trip | pipelined | two guesses | target fills idle | both | two guesses, batch free |",
+             "|---|---|---|---|---|---|"]
+    for round_trip, rows in ratios.items():
+        cells = [f"{geomean(column):.2f}x ({min(column):.2f}x)" for column in zip(*rows)]
+        lines.append(f"| {round_trip} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.replay_pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", choices=["record", "replay"], default="replay")
+    parser.add_argument("command", nargs="?", choices=["record", "record-branches", "replay"], default="replay")
     parser.add_argument("--prompts", default="chat,code_new,code_edit,summary,explain")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--round-trips", type=float, nargs="+", default=[4.0, 44.0], help="ms")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args)
+        return 0
+    if args.command == "record-branches":
+        record_branches(args)
         return 0
     text = replay(args)
     (REPO / "benchmarks" / "results_replay_qwen.md").write_text(text)
