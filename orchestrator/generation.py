@@ -64,9 +64,10 @@ class Chunk:
 
 def token_sources(round_stats: common_pb2.RoundStats) -> list[int]:
     """How each token a round committed was produced: its accepted draft tokens, then the
-    target's recovered or bonus token; a round that drafted nothing (a stretch, or a
-    drafter with no proposal) is the target's alone."""
-    if round_stats.stretch or round_stats.num_drafted == 0:
+    target's recovered or bonus token; a round that drafted nothing (a token of a
+    stretch, or a drafter with no proposal) is the target's alone. A stretch's pass
+    that verified prompt lookup's tokens is a round."""
+    if round_stats.num_drafted == 0:
         return [orchestrator_pb2.TOKEN_SOURCE_TARGET]
     last = (orchestrator_pb2.TOKEN_SOURCE_RECOVERED
             if round_stats.next_token_kind == common_pb2.NEXT_TOKEN_KIND_RECOVERED else orchestrator_pb2.TOKEN_SOURCE_BONUS)

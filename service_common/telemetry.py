@@ -124,7 +124,7 @@ class Instruments:
     """Every metric instrument of the system. Attributes are noted per instrument; the
     totals of the per-position counters are their sums over `position`."""
 
-    drafts: metrics.Counter  # rounds that drafted k > 0 tokens
+    drafts: metrics.Counter  # rounds (or stretch passes verifying prompt lookup) that drafted k > 0 tokens
     drafted_tokens: metrics.Counter  # draft tokens proposed; attribute position (0-based)
     accepted_tokens: metrics.Counter  # draft tokens accepted; attribute position (0-based)
     rounds: metrics.Counter  # rounds of a speculation loop: a proposal (k >= 0), one target pass
@@ -135,18 +135,18 @@ class Instruments:
     time_per_output_token: metrics.Histogram  # seconds per generated token, per call
 
     def record_round(self, stats: RoundStats) -> None:
-        """Counts one finished round, or one token of a stretch (the draft worker calls
-        this for each)."""
-        if stats.streamed:
-            self.stretch_tokens.add(1)
-            return
-        self.rounds.add(1)
+        """Counts one finished round, or one pass of a stretch (the draft worker calls
+        this for each): its own token, and the prompt-lookup tokens it verified."""
         if stats.num_drafted > 0:
             self.drafts.add(1)
         for position in range(stats.num_drafted):
             self.drafted_tokens.add(1, {"position": position})
         for position in range(stats.num_accepted):
             self.accepted_tokens.add(1, {"position": position})
+        if stats.streamed:
+            self.stretch_tokens.add(1)
+            return
+        self.rounds.add(1)
         network_ns = max(0, stats.verify_ns - stats.target_compute_ns)
         for phase, ns in (("draft", stats.draft_ns), ("verify_compute", stats.target_compute_ns),
                           ("network", network_ns)):
