@@ -3,9 +3,10 @@
 `RemoteVerifier` implements the loop's `Verifier` protocol
 (speculative.speculation_loop) over one open bidirectional `TargetService.Verify`
 stream: each `verify` call sends one Proposal and reads one Verdict, one round trip per
-round; `decode` sends one stretch proposal and reads a verdict per token the target
-decodes alone. The stream lives as long as the Speculate caller's deadline; each
-verdict is waited for at most a stall timeout. `TargetConnections` keeps one gRPC
+round; `decode` sends one stretch proposal and reads a verdict per pass the target
+makes in it (a token alone, or with the prompt-lookup tokens it verified). The stream
+lives as long as the Speculate caller's deadline; each verdict is waited for at most a
+stall timeout. `TargetConnections` keeps one gRPC
 channel per target address, and what each target serves.
 """
 

@@ -213,7 +213,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             verdict.step.CopyFrom(_step_proto(load, waited_ns))
             return verdict
 
-    # A stretch: the target decodes alone on the Verify stream, one verdict per token.
+    # A stretch: the target decodes on the Verify stream, one verdict per pass.
 
     def _stretch(self, proposal: target_pb2.Proposal, waited_ns: int, context) -> Iterator[target_pb2.Verdict]:
         started = self._start_stretch(proposal)

@@ -104,7 +104,7 @@ class TargetServiceServicer:
 
     def Verify(self, request_iterator, context):
         """The hot path: proposals in, one verdict per proposal out, in order (a stretch:
-        one verdict per token it decodes). One stream may carry several proposals in
+        one verdict per pass it makes). One stream may carry several proposals in
         flight, of one session or of many (so the target can verify them in one batched
         forward pass). A proposal whose base_len (or expected_last_token_id) does not
         match the session is stale or duplicated: it is never applied and is answered
