@@ -45,16 +45,11 @@ def record(args) -> None:
     import torch
     from transformers import DynamicCache
 
-    from benchmarks.prompts import PROMPTS
     from speculative.loading import load_model
 
     torch.set_num_threads(1)
     loaded_target, loaded_draft = (load_model(name) for name in PAIR)
     target, draft, tokenizer = loaded_target.model, loaded_draft.model, loaded_target.tokenizer
-
-    def crop(cache, length):
-        if cache.get_seq_length() > length:
-            cache.crop(length - cache.get_seq_length())
 
     @torch.inference_mode()
     def greedy(ids, n):
@@ -74,33 +69,20 @@ def record(args) -> None:
             for _ in range(MAX_K):
                 row.append(int(step.argmax()))
                 step = draft(torch.tensor([[row[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]
-            crop(cache, length)
+            _crop(cache, length)
             rows.append(row)
             logits = draft(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
         return rows
 
-    @torch.inference_mode()
-    def pass_ns(model, ids, width, repeats=9):
-        cache = DynamicCache()
-        model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
-        length, times = cache.get_seq_length(), []
-        for _ in range(repeats):
-            start = time.perf_counter_ns()
-            model(torch.tensor([[100] * width]), past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter_ns() - start)
-            crop(cache, length)
-        return sorted(times)[repeats // 2]
-
     traces = {}
     for name in args.prompts.split(","):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[name]}], add_generation_prompt=True)
-        ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+        ids = _chat_ids(tokenizer, name)
         path = greedy(ids, args.tokens)
         traces[name] = {"path": path, "drafts": continuations(ids, path)}
         print(f"{name}: {len(ids)} prompt tokens", file=sys.stderr, flush=True)
     ids = list(range(100, 160))
-    costs = {"draft_ns": pass_ns(draft, ids, 1),
-             "target_ns": [pass_ns(target, ids, width) for width in range(1, MAX_K + 2)]}
+    costs = {"draft_ns": _pass_ns(draft, ids, 1),
+             "target_ns": [_pass_ns(target, ids, width) for width in range(1, MAX_K + 2)]}
     TRACES.write_text(json.dumps({"pair": PAIR, "costs": costs, "traces": traces}))
 
 
@@ -110,9 +92,7 @@ def record_branches(args) -> None:
     what a draft pass over a batch of two branches costs against one (timed, one
     torch thread, median of repeats)."""
     import torch
-    from transformers import DynamicCache
 
-    from benchmarks.prompts import PROMPTS
     from speculative.loading import load_model
 
     torch.set_num_threads(1)
@@ -120,26 +100,46 @@ def record_branches(args) -> None:
     draft, tokenizer = loaded.model, loaded.tokenizer
     data = json.loads(TRACES.read_text())
     for name, trace in data["traces"].items():
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[name]}], add_generation_prompt=True)
-        ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+        ids = _chat_ids(tokenizer, name)
         with torch.inference_mode():
             logits = draft(torch.tensor([ids + trace["path"]])).logits[0, len(ids) - 1 : -1]
         trace["top"] = logits.topk(2).indices.tolist()
-
-    @torch.inference_mode()
-    def step_ns(batch: int, repeats: int = 15) -> float:
-        cache, times = DynamicCache(), []
-        draft(torch.tensor([list(range(100, 400))] * batch), past_key_values=cache, use_cache=True)
-        for _ in range(repeats):
-            start = time.perf_counter_ns()
-            draft(torch.tensor([[100]] * batch), past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter_ns() - start)
-            cache.crop(-1)
-        return sorted(times)[repeats // 2]
-
-    ratios = sorted(step_ns(2) / step_ns(1) for _ in range(5))
+    ids = list(range(100, 400))
+    ratios = sorted(_pass_ns(draft, ids, 1, batch=2, repeats=15) / _pass_ns(draft, ids, 1, repeats=15)
+                    for _ in range(5))
     data["costs"]["draft_batch2_cost"] = ratios[len(ratios) // 2]
     TRACES.write_text(json.dumps(data))
+
+
+def _chat_ids(tokenizer, name: str) -> list[int]:
+    """The prompt's token ids, as a user message under the chat template."""
+    from benchmarks.prompts import PROMPTS
+
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[name]}], add_generation_prompt=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def _crop(cache, length: int) -> None:
+    if cache.get_seq_length() > length:
+        cache.crop(length - cache.get_seq_length())
+
+
+def _pass_ns(model, ids: list[int], width: int, batch: int = 1, repeats: int = 9) -> int:
+    """A pass over `width` tokens after `ids` (cached), for `batch` sequences at once:
+    the median of `repeats` timings, in nanoseconds."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(torch.tensor([ids] * batch), past_key_values=cache, use_cache=True)
+        length, times = cache.get_seq_length(), []
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            model(torch.tensor([[100] * width] * batch), past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter_ns() - start)
+            _crop(cache, length)
+    return sorted(times)[repeats // 2]
 
 
 class Replay:
