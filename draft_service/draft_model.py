@@ -46,7 +46,8 @@ def start_draft_model(config: DraftConfig, loaded: LoadedModel | None = None) ->
     compute = StepScheduler(name="draft-compute")
     compute.run(configure_threads, config.threads or None)
     if loaded is None:
-        loaded = compute.run(load_model, config.model, device=config.device, dtype=config.dtype)
+        loaded = compute.run(load_model, config.model, device=config.device, dtype=config.dtype,
+                             quantize=config.quantization, keep_output_layer=config.keep_output_layer)
     compute.model = loaded.model
     if warmup.pays_off(loaded):
         log.info("warmed up in %.2f s", compute.run(warmup.warm_up, loaded) * 1e-9)

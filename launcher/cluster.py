@@ -24,6 +24,7 @@ from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from service_common.security import Tls, TlsFiles, write_throwaway_pki
 from service_common.server import channel
+from speculative.quantization import SELF_DRAFT, SELF_QUANTIZATION
 
 
 # How often a wait looks again: a server is seen within this of serving (the channels'
@@ -131,7 +132,18 @@ def _http_ok(url: str) -> bool:
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m launcher", description="Target, draft, orchestrator and HTTP API as local processes, health-checked.")
     parser.add_argument("--target-model", default="smollm2-135m")
-    parser.add_argument("--draft-model", default="", help="model for the 'model' drafter; empty = n-gram only")
+    parser.add_argument("--draft-model", default="",
+                        help="model for the 'model' drafter; 'self' = the target's own weights, quantized; "
+                             "empty = n-gram only")
+    parser.add_argument("--draft-quantization", default="",
+                        help="the draft model's linears (speculative/quantization.py: none, int8-dynamic, ...); "
+                             f"empty = {SELF_QUANTIZATION} for a 'self' draft, none otherwise")
+    parser.add_argument("--draft-keep-output-layer", action="store_true",
+                        help="leave the draft model's output layer unquantized")
+    parser.add_argument("--draft-pipeline", choices=("auto", "on", "off"), default="auto",
+                        help="draft the next proposal while the last is verified; auto = off with a draft "
+                             "model (here every role shares this host's cores, and drafting ahead would slow "
+                             "the target's passes), on for n-gram lookup (it costs no compute)")
     parser.add_argument("--drafter", default="ngram", help="the draft workers' default drafter")
     parser.add_argument("--target-workers", type=int, default=1)
     parser.add_argument("--draft-workers", type=int, default=1)
@@ -162,6 +174,23 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+def draft_flags(args) -> list[str]:
+    """The draft workers' model flags: 'self' resolved to the target's model, its
+    quantization, and drafting ahead as --draft-pipeline says."""
+    model, quantization = args.draft_model, args.draft_quantization
+    if model == SELF_DRAFT:
+        model, quantization = args.target_model, quantization or SELF_QUANTIZATION
+    flags = ["--model", model, "--default-drafter", args.drafter]
+    if model:
+        flags += ["--quantization", quantization or "none"]
+        flags += ["--keep-output-layer"] if args.draft_keep_output_layer else []
+    if args.draft_pipeline == "off" or (args.draft_pipeline == "auto" and model):
+        flags.append("--no-pipeline")
+    elif args.draft_pipeline == "on":
+        flags.append("--pipeline")
+    return flags
+
+
 @dataclass
 class Role:
     """One process of the system: its name, module, flags and gRPC address."""
@@ -183,7 +212,7 @@ def layout(args) -> list[Role]:
     roles = []
     for pool, count, module, flags in (
         ("target", args.target_workers, "target_service", ["--model", args.target_model]),
-        ("draft", args.draft_workers, "draft_service", ["--model", args.draft_model, "--default-drafter", args.drafter]),
+        ("draft", args.draft_workers, "draft_service", draft_flags(args)),
     ):
         for index in range(count):
             address = f"127.0.0.1:{free_port()}"

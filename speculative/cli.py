@@ -16,6 +16,7 @@ from speculative.errors import SpeculativeError
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import DEFAULT_MODEL, DTYPES, configure_threads, load_model
 from speculative.policy import AdaptiveK
+from speculative.quantization import SCHEMES, SELF_DRAFT, SELF_QUANTIZATION
 from speculative.sampling import SamplingParams
 
 
@@ -23,8 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m speculative", description=__doc__.splitlines()[0])
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="target model: packaged name, .gguf path, HF id or tiny-random[:SEED]")
-    parser.add_argument("--drafter", default="ngram", help="'ngram', 'none', 'model:NAME' (a small model with the target's tokenizer) "
-                        "or 'ngram+model:NAME' (prompt lookup, the model where it finds nothing)")
+    parser.add_argument("--drafter", default="ngram", help="'ngram', 'none', 'model:NAME' (a small model with the target's tokenizer; "
+                        "'model:self' = the target's own weights, quantized) or 'ngram+model:NAME' (prompt lookup, the model "
+                        "where it finds nothing)")
+    parser.add_argument("--draft-quantization", default="", choices=["", *SCHEMES],
+                        help=f"the draft model's linears; empty = {SELF_QUANTIZATION} for 'self', none otherwise")
+    parser.add_argument("--draft-keep-output-layer", action="store_true", help="leave the draft's output layer unquantized")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (0 = target-only)")
     parser.add_argument("--adaptive", action="store_true", help="choose k per round (up to --k) from measured acceptance and costs")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -77,12 +82,15 @@ def _make_drafter(args):
         return None
     if args.drafter == "ngram":
         return NgramDrafter()
-    if args.drafter.startswith("model:"):
-        return ModelDrafter(load_model(args.drafter[len("model:"):], device=args.device, dtype=args.dtype))
-    if args.drafter.startswith("ngram+model:"):
-        model = load_model(args.drafter[len("ngram+model:"):], device=args.device, dtype=args.dtype)
-        return LookupThenModelDrafter(ModelDrafter(model), NgramDrafter())
-    raise SystemExit(f"error: --drafter must be 'ngram', 'none', 'model:NAME' or 'ngram+model:NAME', got {args.drafter!r}")
+    kind, _, name = args.drafter.partition(":")
+    if kind not in ("model", "ngram+model") or not name:
+        raise SystemExit(f"error: --drafter must be 'ngram', 'none', 'model:NAME' or 'ngram+model:NAME', got {args.drafter!r}")
+    quantization = args.draft_quantization
+    if name == SELF_DRAFT:
+        name, quantization = args.model, quantization or SELF_QUANTIZATION
+    model = ModelDrafter(load_model(name, device=args.device, dtype=args.dtype, quantize=quantization or "none",
+                                    keep_output_layer=args.draft_keep_output_layer))
+    return model if kind == "model" else LookupThenModelDrafter(model, NgramDrafter())
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:

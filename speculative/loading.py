@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from speculative import model_cache, tiny
+from speculative import model_cache, quantization, tiny
 from speculative.cpu_linear import pack_linears
 from speculative.errors import InvalidArgument, NotFound
 from speculative.fingerprint import tokenizer_fingerprint
@@ -181,14 +181,21 @@ def load_model(
     dtype: str = "float32",
     device_map: str | None = None,
     pack_cpu_linears: bool = True,
+    quantize: str = quantization.NONE,
+    keep_output_layer: bool = False,
 ) -> LoadedModel:
     """Loads weights and tokenizer. device_map (e.g. "auto") shards across GPUs via
     accelerate and overrides device. pack_cpu_linears: oneDNN linears for fp32 on CPU
-    (see cpu_linear.py); the model can then no longer be copied or moved."""
+    (see cpu_linear.py); the model can then no longer be copied or moved. quantize: a
+    scheme of speculative.quantization for the linears (drafts), the output layer
+    left alone with keep_output_layer; the linears it leaves in fp32 are packed."""
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    quantization.check_scheme(quantize, device)  # before seconds of loading
     if _is_tiny(name):
-        return load_tiny_model(name, device=device, dtype=dtype)
+        loaded = load_tiny_model(name, device=device, dtype=dtype)
+        quantization.quantize(loaded.model, quantize, keep_output_layer)
+        return loaded
     source = resolve_model_source(name)
     if source.gguf_file:
         converted = model_cache.ensure_converted(Path(source.path) / source.gguf_file, dtype)
@@ -198,6 +205,7 @@ def load_model(
     if device_map is None:
         model = model.to(device)
     loaded = _describe(name, model.eval(), tokenizer)
+    quantization.quantize(model, quantize, keep_output_layer)
     if pack_cpu_linears:
         pack_linears(model)
     return loaded
