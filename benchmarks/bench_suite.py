@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -67,6 +68,7 @@ class Pair:
     target: str
     draft: str  # "" = no draft model: the n-gram drafter
     prompts: tuple[str, ...]
+    quantization: str = "none"  # the draft model's (speculative/quantization.py)
 
     @property
     def drafter(self) -> str:
@@ -75,7 +77,8 @@ class Pair:
 
 PAIRS = {
     "smollm2": Pair("smollm2-135m", "", tuple(PROMPTS)),
-    "qwen": Pair("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", ("chat", "code_new", "code_edit", "summary")),
+    # The 0.5B draft in int8 costs a third of its fp32 self (benchmarks/results_drafts.md).
+    "qwen": Pair("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", tuple(PROMPTS), "int8-dynamic"),
 }
 
 
@@ -132,7 +135,7 @@ def in_process_methods(target, draft, k: int, max_new_tokens: int) -> dict:
     return methods
 
 
-def service_methods(stub, drafter: str, k: int, max_new_tokens: int) -> dict:
+def service_methods(stub, drafter: str, k: int, max_new_tokens: int, fixed_ks: tuple[int, ...] = ()) -> dict:
     def method(num_speculative_tokens: int, adaptive: bool, drafter: str = drafter):
         def run(text):
             request = orchestrator_pb2.GenerateRequest(include_stats=True)
@@ -148,7 +151,7 @@ def service_methods(stub, drafter: str, k: int, max_new_tokens: int) -> dict:
         return run
     methods = {
         "target-only (Decode)": method(0, False),
-        f"k={k}": method(k, False),
+        **{f"k={fixed}": method(fixed, False) for fixed in sorted({k, *fixed_ks})},
         f"adaptive k<={ADAPTIVE_MAX_K}": method(ADAPTIVE_MAX_K, True),
     }
     if drafter == "model":
@@ -197,7 +200,8 @@ def _rate(runs: list[Run]) -> float:
 def run_in_process(pair: Pair, dtype: str, args) -> dict:
     print(f"in process, {dtype}: loading {pair.target}" + (f" and {pair.draft}" if pair.draft else ""), flush=True)
     target = load_model(pair.target, dtype=dtype)
-    draft = load_model(pair.draft, dtype=dtype) if pair.draft else None
+    quantize = pair.quantization if dtype == "float32" else "none"  # CPU int8 starts from fp32
+    draft = load_model(pair.draft, dtype=dtype, quantize=quantize) if pair.draft else None
     freeze_startup_heap()  # as the services do: no method pays for walking the models in a collection
     try:
         methods = in_process_methods(target, draft, args.k, args.max_new_tokens)
@@ -214,6 +218,7 @@ def run_services(pair: Pair, delay_ms: float, trace_dir: Path, args) -> dict:
     print(f"services, {'loopback' if not delay_ms else f'{delay_ms:g} ms added one-way delay'}: starting", flush=True)
     system_args = parse_args(["--http-port", "-1"])  # no HTTP front: gRPC clients only
     system_args.target_model, system_args.draft_model, system_args.drafter = pair.target, pair.draft, pair.drafter
+    system_args.draft_quantization = pair.quantization
     system_args.port, system_args.threads, system_args.startup_timeout = 0, args.threads, 1800.0
     system_args.log_dir = tempfile.mkdtemp(prefix="bench-suite-logs-")
     system_args.draft_target_delay_ms = delay_ms
@@ -222,7 +227,7 @@ def run_services(pair: Pair, delay_ms: float, trace_dir: Path, args) -> dict:
         try:
             channel = grpc.insecure_channel(start_system(system_args, cluster))
             methods = service_methods(orchestrator_pb2_grpc.OrchestratorStub(channel), pair.drafter, args.k,
-                                      args.max_new_tokens)
+                                      args.max_new_tokens, fixed_ks(args.fixed_ks))
             inputs = {name: PROMPTS[name] for name in pair.prompts}
             _warm_up(methods, next(iter(inputs.values())))
             results = measure(methods, inputs, args.repeats)
@@ -289,6 +294,37 @@ def table(title: str, results: dict, baseline: str, reference: str) -> tuple[lis
 
 
 HF_ASSISTED = "HF assisted (assistant_model)"
+
+
+def fixed_ks(text: str) -> tuple[int, ...]:
+    return tuple(int(k) for k in text.split(",") if k)
+
+
+def against_hindsight(title: str, results: dict) -> list[str]:
+    """Markdown rows: per prompt, the fixed k that was fastest there in hindsight (median
+    tok/s), and each adaptive method over it, with the 95% interval of paired repeats."""
+    methods = list(next(iter(results.values())))
+    fixed = [m for m in methods if m.startswith("k=")]
+    adaptive = [m for m in methods if "adaptive" in m]
+    if len(fixed) < 2 or not adaptive:
+        return []
+    lines = [f"### {title}", "", "| prompt | best fixed k (tok/s) | " + " | ".join(f"{m} / best" for m in adaptive) + " |",
+             "|---" * (len(adaptive) + 2) + "|"]
+    ratios = {m: [] for m in adaptive}
+    for prompt, runs in results.items():
+        best = max(fixed, key=lambda m: _rate(runs[m]))
+        cells = []
+        for name in adaptive:
+            ratio = _rate(runs[name]) / _rate(runs[best])
+            ratios[name].append(ratio)
+            paired = paired_ratio(runs[name], runs[best])
+            cells.append(f"{ratio:.2f}x" + (f" [{paired[1]:.2f}, {paired[2]:.2f}]" if paired else ""))
+        lines.append(f"| {prompt} | {best} ({_rate(runs[best]):.2f}) | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"- {name} over the hindsight-best fixed k: geometric mean {statistics.geometric_mean(values):.2f}x, "
+              f"lowest {min(values):.2f}x" for name, values in ratios.items()]
+    lines.append("")
+    return lines
 
 
 def against_reference(title: str, reference: dict, reference_baseline: str, services: dict,
@@ -414,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="fixed k of the speculative methods")
+    parser.add_argument("--fixed-ks", default="1,2,4,6,8",
+                        help="more fixed k through the services: adaptive is set beside the best in hindsight")
+    parser.add_argument("--draft-quantization", default=None,
+                        help="the draft model's quantization (default: the pair's: int8-dynamic for qwen)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in process and per worker process")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="in-process dtypes (services run float32)")
     parser.add_argument("--delays-ms", default="1,5,20", help="added one-way draft<->target delays, besides loopback")
@@ -425,9 +465,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.max_new_tokens, args.repeats, args.dtypes, args.delays_ms = 16, 1, "float32", "5"
+        args.fixed_ks = "2"  # one more fixed k: the hindsight table runs too
     pair = PAIRS[args.pair]
+    if args.draft_quantization is not None:
+        pair = dataclasses.replace(pair, quantization=args.draft_quantization)
     if args.quick:  # two prompts with text to copy: the drafts get accepted
-        pair = Pair(pair.target, pair.draft, ("code_edit", "summary"))
+        pair = dataclasses.replace(pair, prompts=("code_edit", "summary"))
     out = Path(args.out or (tempfile.mkdtemp(prefix="bench-suite-") if args.quick else REPO / "benchmarks"))
     plots = out / "plots" / args.pair
     plots.mkdir(parents=True, exist_ok=True)
@@ -435,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     started = time.monotonic()
 
-    lines = [f"# Benchmark suite: {pair.target}" + (f" with draft {pair.draft}" if pair.draft else " with the n-gram drafter"),
+    lines = [f"# Benchmark suite: {pair.target}" + (f" with draft {pair.draft} ({pair.quantization})" if pair.draft
+                                                    else " with the n-gram drafter"),
              "", f"Command: `python -m benchmarks.bench_suite {shlex.join(argv if argv is not None else sys.argv[1:])}`",
              "", f"Hardware: {hardware()}; {args.threads} torch threads in process and in each worker process "
              f"(draft and target share the cores). Greedy, {args.max_new_tokens} new tokens (fewer when the model "
@@ -458,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += rows
         measured[f"services, {label}"] = results
         sections[label] = {m: v for m, v in ratios.items() if not m.startswith("target-only")}
+        lines += against_hindsight(f"Services, {label}: adaptive against the fixed k fastest in hindsight", results)
         in_process = measured.get("in process, float32")
         if in_process is not None and HF_ASSISTED in next(iter(in_process.values())):
             lines += against_reference(

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from benchmarks.bench_suite import (
-    HF_ASSISTED, Run, against_reference, measure, paired_ratio, round_order, runs_as_json, service_delays, table)
+    HF_ASSISTED, Run, against_hindsight, against_reference, measure, paired_ratio, round_order, runs_as_json, service_delays, table)
 
 
 def test_repeats_are_interleaved_rotated_and_reversed():
@@ -89,3 +89,21 @@ def test_services_phases_run_loopback_first_unless_told_not_to():
     assert service_delays("1,5,20") == [0.0, 1.0, 5.0, 20.0]
     assert service_delays("1,5", loopback=False) == [1.0, 5.0]
     assert service_delays("") == [0.0]
+
+
+def test_adaptive_is_set_against_the_fixed_k_fastest_on_each_prompt():
+    def runs(seconds):
+        return [Run([1] * 10, s) for s in seconds]
+
+    results = {
+        "copy": {"k=2": runs([2.0, 2.0]), "k=8": runs([1.0, 1.1]), "adaptive k<=8": runs([1.25, 1.3])},
+        "chat": {"k=2": runs([1.0, 1.0]), "k=8": runs([2.0, 2.0]), "adaptive k<=8": runs([1.0, 1.0])},
+    }
+    lines = against_hindsight("t", results)
+    assert any(line.startswith("| copy | k=8 (9.55) | 0.82x") for line in lines), lines
+    assert any(line.startswith("| chat | k=2 (10.00) | 1.00x") for line in lines), lines
+    assert lines[-2].endswith("lowest 0.82x")
+
+
+def test_no_hindsight_table_without_two_fixed_k():
+    assert against_hindsight("t", {"p": {"k=4": [Run([1], 1.0)], "adaptive k<=8": [Run([1], 1.0)]}}) == []
