@@ -10,7 +10,10 @@ A model name resolves to one of:
   every GGUF source is converted once into the model cache (speculative/model_cache.py)
   and read from there afterwards, with no GGUF parsing;
 - a Hugging Face id or local directory;
-- `tiny-random[:SEED]`: a seeded random Llama with a byte tokenizer (tests, wiring).
+- `tiny-random[:SEED]`: a seeded random Llama with a byte tokenizer (tests, wiring);
+- `random:SHAPE[:SEED]` (`random:qwen2.5-1.5b`, `random:qwen2.5-7b:1`, ...): a seeded random
+  model with a published model's sizes, made on the device in the dtype asked for, with
+  the byte tokenizer (GPU checks without downloads; speculative/tiny.py).
 """
 
 from __future__ import annotations
@@ -224,7 +227,8 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
 
 
 def _is_tiny(name: str) -> bool:
-    return name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":")
+    """A model made in code with the byte tokenizer: tiny-random[:SEED] or random:SHAPE[:SEED]."""
+    return name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":") or tiny.is_random_shaped(name)
 
 
 def _from_pretrained(auto_class, name: str, source: ModelSource, **kwargs):
@@ -236,13 +240,17 @@ def _from_pretrained(auto_class, name: str, source: ModelSource, **kwargs):
     except OSError as error:
         raise NotFound(
             f"unknown model {name!r}: not a packaged model ({', '.join([*PACKAGED_MODELS, *CHUNKED_MODELS])}), "
-            f"not a {TINY_PREFIX}[:SEED] model, and not loadable as a local path or "
-            f"Hugging Face id ({error.__class__.__name__}: {str(error).splitlines()[0]})"
+            f"not a {TINY_PREFIX}[:SEED] or {tiny.RANDOM_PREFIX}:SHAPE[:SEED] model, and not loadable as a local "
+            f"path or Hugging Face id ({error.__class__.__name__}: {str(error).splitlines()[0]})"
         ) from None
 
 
 def load_tiny_model(name: str, *, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
-    """`tiny-random` or `tiny-random:SEED`."""
+    """`tiny-random` or `tiny-random:SEED`; `random:SHAPE[:SEED]`, made on the device."""
+    if tiny.is_random_shaped(name):
+        if dtype not in DTYPES:
+            raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        return _describe(name, tiny.random_shaped(name, device=device, dtype=DTYPES[dtype]), tiny.byte_tokenizer())
     seed_text = name.partition(":")[2] or "0"
     if not seed_text.isdigit():
         raise InvalidArgument(f"tiny model seed must be a non-negative integer, got {name!r}")
