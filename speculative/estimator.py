@@ -7,6 +7,11 @@ with the cost model the decision uses (Leviathan et al. 2023, with a per-round d
 - a, acceptance: per-draft-token acceptance, from the rounds that drafted (prior 0.5
   over PRIOR_TRIALS tokens); decisions read it with HOPE more accepted token
   (`hopeful acceptance`), so one rejected first round does not stop speculation.
+- a_i, acceptance by depth: the chance that draft token i is accepted once tokens
+  1..i-1 were, from the rounds that reached i, with a's prior and HOPE (a is the same
+  count over every depth). A copied run of text either goes on or stops, so its deep
+  tokens are accepted more often than its first: one rate for every depth underrates
+  a long proposal. Depths no round has reached yet are read at the deepest one reached.
 - f, proposal rate: the share of the drafter's turns that proposed anything (a
   prompt-lookup drafter proposes only where the context has text to copy).
 - d: drafting time per draft token (a pass of a model drafter; the first token after
@@ -109,10 +114,20 @@ class Estimates:
     rounds_since_stretch_ns: float  # time of the rounds since the last stretch
     overlaps: bool = False  # the target verifies while the draft drafts (it may draft ahead)
     target_runs_lookup: bool = False  # the target runs the (prompt-lookup) drafter's rounds inside stretches
+    # [max_k] a_i, hopeful, for draft tokens 1..max_k; empty: `acceptance` at every depth.
+    depth_acceptance: tuple[float, ...] = ()
 
     @property
     def measured(self) -> bool:
         return self.one_token_ns > 0
+
+    def reach(self, depth: int) -> float:
+        """The chance that the first `depth` draft tokens are all accepted."""
+        return _reach(self.depth_acceptance, self.acceptance, depth)
+
+    def expected_tokens(self, k: int) -> float:
+        """E[tokens] of a round of k draft tokens: the accepted ones and the target's own."""
+        return 1.0 + sum(self.reach(i) for i in range(1, k + 1))
 
     def compute_ns(self, width: int) -> float:
         """c(width): the target's pass over `width` tokens."""
@@ -137,7 +152,7 @@ class Estimates:
         Otherwise it is drafted again after the verdict, once the draft has finished the
         pass it was in (drafting ahead stops when the verdict comes): up to d later,
         where drafting ahead (k + 1) d outlasts the verification, c(k + 1) + R."""
-        survives = self.acceptance ** (k + 1)
+        survives = self.reach(k + 1)
         ahead_ns = (k + 1) * self.draft_token_ns
         saved = self.sync_round_ns(k) - max(self.compute_ns(k + 1), ahead_ns)
         wasted = min(self.draft_token_ns, max(0.0, ahead_ns - self.compute_ns(k + 1) - self.overhead_ns))
@@ -145,13 +160,13 @@ class Estimates:
 
     def tokens_per_ns(self, k: int) -> float:
         """Expected output tokens per nanosecond of rounds drafting k tokens."""
-        return expected_tokens(self.acceptance, k) / self.round_ns(k)
+        return self.expected_tokens(k) / self.round_ns(k)
 
     def mixed_tokens_per_ns(self, k: int) -> float:
         """The same, when only a share f of the drafter's turns propose and the others
         are one plain step that still pays R."""
         f = self.proposal_rate
-        tokens = f * expected_tokens(self.acceptance, k) + (1.0 - f)
+        tokens = f * self.expected_tokens(k) + (1.0 - f)
         return tokens / (f * self.round_ns(k) + (1.0 - f) * self.round_ns(0))
 
     def stretch_ns(self, num_tokens: float) -> float:
@@ -163,7 +178,7 @@ class Estimates:
         smaller k on a tie. Before any measurement: relative costs (c(w) = 1 + 0.1 w)."""
         largest = max(1, min(self.max_k, self.worker_k))
         if not self.measured:
-            return max(range(1, largest + 1), key=lambda k: (expected_tokens(self.acceptance, k) / (1 + 0.1 * k), -k))
+            return max(range(1, largest + 1), key=lambda k: (self.expected_tokens(k) / (1 + 0.1 * k), -k))
         return max(range(1, largest + 1), key=lambda k: (self.tokens_per_ns(k), -k))
 
 
@@ -174,6 +189,10 @@ class CostEstimator:
         self.max_k, self.decay, self.overlaps = max_k, decay, overlaps
         self.target_runs_lookup = False
         self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # decayed Bernoulli counts behind a
+        # [max_k] decayed (accepted, reached) counts behind a_i, per draft token depth;
+        # a's counts are these summed over the depths, plus the prior's
+        self.depth_counts = [[0.0, 0.0] for _ in range(max_k)]
+        self.prior_counts = [0.5 * PRIOR_TRIALS, PRIOR_TRIALS]
         self.proposals, self.turns = 1.0, 2.0  # decayed counts behind f (prior 0.5)
         self.draft_token_ns = 0.0
         self.one_token_ns, self.per_token_ns = 0.0, None  # the line c(w), once fitted
@@ -194,7 +213,8 @@ class CostEstimator:
 
     def estimates(self) -> Estimates:
         per_token = self.per_token_ns if self.per_token_ns is not None else 0.1 * self.one_token_ns
-        acceptance = (self.accepted + HOPE) / (self.trials + HOPE) if self.one_token_ns else self.acceptance()
+        hope = HOPE if self.one_token_ns else 0.0
+        acceptance = (self.accepted + hope) / (self.trials + hope)
         return Estimates(
             self.max_k, acceptance, self.proposals / self.turns, self.draft_token_ns,
             self.one_token_ns, per_token, self.overhead_ns,
@@ -203,8 +223,20 @@ class CostEstimator:
             self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns,
             self.worker_k(), self.stretches_measure, self.after_stretch,
             self.stretches_in_a_row if self.rounds_since_stretch <= 1 else 0, self.empty_turns_in_a_row,
-            self.rounds_since_stretch_ns, self.overlaps, self.target_runs_lookup,
+            self.rounds_since_stretch_ns, self.overlaps, self.target_runs_lookup, self.depth_acceptance(hope),
         )
+
+    def depth_acceptance(self, hope: float = 0.0) -> tuple[float, ...]:
+        """a_i for depths 1..max_k, read with `hope` more accepted tokens; a depth no
+        round reached takes the deepest reached one's (a, before any)."""
+        prior_accepted, prior_trials = self.prior_counts
+        last = (self.accepted + hope) / (self.trials + hope)
+        rates = []
+        for accepted, reached in self.depth_counts:
+            if reached > 0:
+                last = (prior_accepted + accepted + hope) / (prior_trials + reached + hope)
+            rates.append(last)
+        return tuple(rates)
 
     def acceptance(self) -> float:
         """a as measured (decisions read the hopeful estimate)."""
@@ -220,10 +252,12 @@ class CostEstimator:
         if not self.step_base_ns and not self.step_token_ns:
             return self.max_k
         sessions, acceptance = max(self.batch_sessions, 1.0), self.acceptance()
+        depths = self.depth_acceptance()
 
         def rate(k: int) -> float:
             step_ns = self.step_base_ns + self.step_token_ns * sessions * (k + 1)
-            return expected_tokens(acceptance, k) / (step_ns + (self.overhead_ns if k else 0.0))
+            tokens = 1.0 + sum(_reach(depths, acceptance, i) for i in range(1, k + 1))
+            return tokens / (step_ns + (self.overhead_ns if k else 0.0))
 
         return max(range(self.max_k + 1), key=lambda k: (rate(k), -k))
 
@@ -239,6 +273,7 @@ class CostEstimator:
             self.measured, self.one_token_measured = True, costs.one_token_measured
         if costs.acceptance is not None:
             self.accepted, self.trials = PRIOR_TRIALS * costs.acceptance, PRIOR_TRIALS
+            self.prior_counts = [self.accepted, self.trials]
         self.batch_sessions, self.step_base_ns, self.step_token_ns = \
             costs.batch_sessions, costs.step_base_ns, costs.step_token_ns
         self.stretches_measure = costs.stretches_measure
@@ -293,6 +328,10 @@ class CostEstimator:
         rejected = num_accepted < num_drafted
         self.accepted = self.decay * self.accepted + num_accepted
         self.trials = self.decay * self.trials + num_accepted + rejected
+        self.prior_counts = [self.decay * count for count in self.prior_counts]
+        for depth, counts in enumerate(self.depth_counts):  # depth 0: the first draft token
+            counts[0] = self.decay * counts[0] + (depth < num_accepted)
+            counts[1] = self.decay * counts[1] + (depth <= num_accepted and depth < num_drafted)
 
     def observe_turn(self, proposed: bool) -> None:
         """The drafter was asked for tokens and proposed some, or nothing."""
@@ -354,6 +393,14 @@ class CostEstimator:
         decayed = [self.decay * total if age else total for total in self._sums]
         self._sums = [decayed[0] + weight, decayed[1] + weight * x, decayed[2] + weight * x * x,
                       decayed[3] + weight * compute_ns, decayed[4] + weight * x * compute_ns]
+
+
+def _reach(depth_acceptance: tuple[float, ...], acceptance: float, depth: int) -> float:
+    """The product of a_1..a_depth (`acceptance` past the tuple's end)."""
+    product = 1.0
+    for i in range(depth):
+        product *= depth_acceptance[i] if i < len(depth_acceptance) else acceptance
+    return product
 
 
 def _blend(old: float | None, new: float, decay: float) -> float:

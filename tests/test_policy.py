@@ -319,19 +319,20 @@ def test_a_lead_over_an_extrapolated_c1_is_checked_by_a_stretch():
 
 
 def test_break_even_round_trip_matches_the_cost_model():
-    """2 of 4 drafts accepted: a = 21/31 as decided on; c(1) = 10 ms, c(5) = 14 ms, solo
-    10 ms a token: k = 4 yields E = 2.658 tokens per c(5) + R, so it stops paying at
-    R* = 26.58 - 14 = 12.58 ms."""
-    break_even_ms = expected_tokens(21 / 31, 4) * 10.0 - 14.0
-    assert break_even_ms == pytest.approx(12.58, abs=0.01)
+    """2 of 4 drafts accepted every round: the first two always, the third never (read
+    1 / 11 with hope); c(1) = 10 ms, c(5) = 14 ms, solo 10 ms a token: k = 2 yields
+    E = 3 tokens per c(3) + R = 12 ms + R, so it stops paying at R* = 30 - 12 = 18 ms."""
+    break_even_ms = 18.0
     below, above = AdaptiveK(4), AdaptiveK(4)
     settled(below.estimator, [round_(4, 2, 14.0, overhead_ms=break_even_ms - 0.3), streamed(10.0)])
     settled(above.estimator, [round_(4, 2, 14.0, overhead_ms=break_even_ms + 0.3), streamed(10.0)])
-    assert _k(below.next_action()) == 4 and above.next_action().stretch > 0
+    assert below.estimates().expected_tokens(2) == pytest.approx(3.0, abs=1e-4)
+    assert _k(below.next_action()) == 2 and above.next_action().stretch > 0
 
 
 def _settled_policy(overhead_ms=5.0) -> AdaptiveK:
-    """c(1) = 10 ms, c(5) = 14 ms, R = overhead_ms, solo 10 ms a token, k = 4 at a = 3/4."""
+    """c(1) = 10 ms, c(5) = 14 ms, R = overhead_ms, solo 10 ms a token, 3 of 4 drafts
+    accepted every round (the fourth never): k = 3, E = 4 tokens."""
     policy = AdaptiveK(4)
     settled(policy.estimator, [round_(4, 3, 14.0, overhead_ms=overhead_ms), streamed(10.0, overhead_ms)], times=30)
     return policy
@@ -357,13 +358,13 @@ def _drafter_turns(policy, pattern, times=30, overhead_ms=5.0, remaining=None, t
 
 
 def test_an_empty_proposal_is_worth_a_round_trip_only_while_proposals_pay_for_it():
-    """Rounds with a share f proposing yield (3.05 f + 1 - f) / (19 f + 15 (1 - f))
-    tokens per ms, which beats 0.1 from f >= 0.30: a drafter proposing every other turn
-    is worth an empty round; one proposing every fifth is not: a stretch, long enough
+    """Rounds with a share f proposing yield (4 f + 1 - f) / (18 f + 15 (1 - f)) tokens
+    per ms, which beats 0.1 from f >= 0.19: a drafter proposing every other turn is
+    worth an empty round; one proposing every seventh is not: a stretch, long enough
     that its start (2 R = 10 ms) is at most 5% of it (20 tokens), and twice the last
     after each further empty turn, up to 4 x 8."""
     assert set(_drafter_turns(_settled_policy(), "PE")) == {0}
-    assert _drafter_turns(_settled_policy(), "PEEEE")[-4:] == [20, 20, 32, 32]
+    assert _drafter_turns(_settled_policy(), "PEEEEEE")[-6:] == [20, 20, 32, 32, 32, 32]
     assert AdaptiveK(4).next_action(turn=Turn.NOTHING_PROPOSED) == TAKE_ROUND  # nothing measured yet
 
 
@@ -398,7 +399,7 @@ def test_a_measured_stretch_sizes_the_next_stretches():
     policy = _settled_policy()
     for _ in range(100):
         policy.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
-    assert set(_drafter_turns(policy, "PEEEEEEE", start_ms=30, token_ms=11)[-7:]) == {55}
+    assert set(_drafter_turns(policy, "PEEEEEEE", start_ms=30, token_ms=11)[-5:]) == {55}
 
 
 def test_costs_measured_by_an_earlier_call_decide_the_first_round():
