@@ -24,7 +24,7 @@ from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from service_common.security import Tls, TlsFiles, write_throwaway_pki
 from service_common.server import channel
-from speculative.quantization import SELF_DRAFT, SELF_QUANTIZATION
+from speculative.quantization import SELF_QUANTIZATION, resolve_draft
 
 
 # How often a wait looks again: a server is seen within this of serving (the channels'
@@ -177,12 +177,10 @@ def parse_args(argv):
 def draft_flags(args) -> list[str]:
     """The draft workers' model flags: 'self' resolved to the target's model, its
     quantization, and drafting ahead as --draft-pipeline says."""
-    model, quantization = args.draft_model, args.draft_quantization
-    if model == SELF_DRAFT:
-        model, quantization = args.target_model, quantization or SELF_QUANTIZATION
+    model, quantization = resolve_draft(args.draft_model, args.draft_quantization, args.target_model)
     flags = ["--model", model, "--default-drafter", args.drafter]
     if model:
-        flags += ["--quantization", quantization or "none"]
+        flags += ["--quantization", quantization]
         flags += ["--keep-output-layer"] if args.draft_keep_output_layer else []
     if args.draft_pipeline == "off" or (args.draft_pipeline == "auto" and model):
         flags.append("--no-pipeline")

@@ -16,7 +16,7 @@ from speculative.errors import SpeculativeError
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import DEFAULT_MODEL, DTYPES, configure_threads, load_model
 from speculative.policy import AdaptiveK
-from speculative.quantization import SCHEMES, SELF_DRAFT, SELF_QUANTIZATION
+from speculative.quantization import SCHEMES, SELF_QUANTIZATION, resolve_draft
 from speculative.sampling import SamplingParams
 
 
@@ -85,10 +85,8 @@ def _make_drafter(args):
     kind, _, name = args.drafter.partition(":")
     if kind not in ("model", "ngram+model") or not name:
         raise SystemExit(f"error: --drafter must be 'ngram', 'none', 'model:NAME' or 'ngram+model:NAME', got {args.drafter!r}")
-    quantization = args.draft_quantization
-    if name == SELF_DRAFT:
-        name, quantization = args.model, quantization or SELF_QUANTIZATION
-    model = ModelDrafter(load_model(name, device=args.device, dtype=args.dtype, quantize=quantization or "none",
+    name, quantization = resolve_draft(name, args.draft_quantization, args.model)
+    model = ModelDrafter(load_model(name, device=args.device, dtype=args.dtype, quantize=quantization,
                                     keep_output_layer=args.draft_keep_output_layer))
     return model if kind == "model" else LookupThenModelDrafter(model, NgramDrafter())
 

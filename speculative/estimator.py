@@ -127,7 +127,7 @@ class Estimates:
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens] of a round of k draft tokens: the accepted ones and the target's own."""
-        return 1.0 + sum(self.reach(i) for i in range(1, k + 1))
+        return _expected_tokens(self.depth_acceptance, self.acceptance, k)
 
     def compute_ns(self, width: int) -> float:
         """c(width): the target's pass over `width` tokens."""
@@ -256,8 +256,7 @@ class CostEstimator:
 
         def rate(k: int) -> float:
             step_ns = self.step_base_ns + self.step_token_ns * sessions * (k + 1)
-            tokens = 1.0 + sum(_reach(depths, acceptance, i) for i in range(1, k + 1))
-            return tokens / (step_ns + (self.overhead_ns if k else 0.0))
+            return _expected_tokens(depths, acceptance, k) / (step_ns + (self.overhead_ns if k else 0.0))
 
         return max(range(self.max_k + 1), key=lambda k: (rate(k), -k))
 
@@ -401,6 +400,11 @@ def _reach(depth_acceptance: tuple[float, ...], acceptance: float, depth: int) -
     for i in range(depth):
         product *= depth_acceptance[i] if i < len(depth_acceptance) else acceptance
     return product
+
+
+def _expected_tokens(depth_acceptance: tuple[float, ...], acceptance: float, k: int) -> float:
+    """1 + reach(1) + ... + reach(k): the accepted draft tokens and the target's own."""
+    return 1.0 + sum(_reach(depth_acceptance, acceptance, i) for i in range(1, k + 1))
 
 
 def _blend(old: float | None, new: float, decay: float) -> float:

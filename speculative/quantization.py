@@ -41,6 +41,14 @@ SELF_DRAFT = "self"
 SELF_QUANTIZATION = "int8-dynamic"
 
 
+def resolve_draft(model: str, quantization: str, target_model: str) -> tuple[str, str]:
+    """(model, scheme) of a draft named `model` ('self': the target's) with `quantization`
+    ('': the default, SELF_QUANTIZATION for 'self', none otherwise)."""
+    if model == SELF_DRAFT:
+        return target_model, quantization or SELF_QUANTIZATION
+    return model, quantization or NONE
+
+
 @dataclass(frozen=True)
 class Scheme:
     cpu: str | None  # how the CPU runs it ("fbgemm-per-channel", ...), None: refused there
