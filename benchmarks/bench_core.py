@@ -17,10 +17,10 @@ import time
 import torch
 
 from benchmarks.prompts import PROMPTS
-from speculative.drafters import NgramDrafter
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import load_model
 from speculative.policy import AdaptiveK
+from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 
 PROMPT_LOOKUP_K = 4  # Hugging Face prompt_lookup_num_tokens, and our fixed k

@@ -52,10 +52,11 @@ from benchmarks.prompts import PROMPTS
 from launcher.cluster import Cluster, parse_args, start_system
 from service_common.server import freeze_startup_heap
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
+from speculative.drafters import ModelDrafter
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import load_model
 from speculative.policy import AdaptiveK, FixedK
+from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent

@@ -73,6 +73,15 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # it pays (speculative.policy.draft_ahead): on its own hardware the draft would
     # otherwise idle through every verification. Off where draft and target share cores.
     pipeline: bool = True
+    # Stretches of target-only decoding where the policy finds speculation losing
+    # (speculative/stretches.py); off: a plain target step there instead.
+    stretches: bool = True
+    # In a stretch, the target runs a prompt-lookup drafter's rounds itself, saving a
+    # round trip per round (speculative/stretches.py); needs stretches.
+    target_lookup: bool = True
+    # A model drafter stops drafting where its own confidence says the next token would
+    # not pay for its pass (speculative.policy.stop_reach; adaptive calls only).
+    draft_stop: bool = True
     # Used when a request leaves max_new_tokens at 0; the same default as the target's.
     default_max_new_tokens: int = 256
     # torch intra-op threads; 0 = torch's default (all cores), which suits a worker

@@ -116,8 +116,8 @@ class SerializedModelDraftSession(DraftSession):
     def length(self) -> int:
         return self.inner.length
 
-    def propose(self, k: int) -> Proposal:
-        return self.compute.submit(self.inner.propose_steps(k))[0]
+    def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
+        return self.compute.submit(self.inner.propose_steps(k, min_reach))[0]
 
     def prefill(self) -> None:
         self.compute.submit(self.inner.prefill_steps())

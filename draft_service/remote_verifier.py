@@ -42,7 +42,9 @@ from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.types import SamplingParams, Verdict, VerifyResult
 
 if TYPE_CHECKING:
-    from speculative.sampling import SparseProbs  # only a model drafter's proposals carry them
+    from speculative.sampling import (
+        SparseProbs,  # only a model drafter's proposals carry them
+    )
 
 log = logging.getLogger(__name__)
 
@@ -246,13 +248,6 @@ class RemoteVerifier:
 
     def abandon_last(self) -> None:
         self._outstanding[-1][1] = True
-
-    def verify(
-        self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None
-    ) -> VerifyResult:
-        """Sends one proposal, waits for its verdict; StaleProposal if it was discarded."""
-        self.send(base_len, draft_token_ids, draft_probs)
-        return self.receive()
 
     def _put(self, proposal: target_pb2.Proposal) -> None:
         self.proposal_bytes = proposal.ByteSize()

@@ -27,14 +27,18 @@ from draft_service.drafting import Drafters, DraftSettings
 from draft_service.remote_verifier import RemoteVerifier, TargetInfo
 from draft_service.sessions import SessionEntry
 from service_common import telemetry
-from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
+from service_common.convert import (
+    FINISH_REASON_TO_PROTO,
+    round_stats_to_proto,
+    sampling_from_proto,
+)
 from specdec.v1 import draft_pb2
 from speculative.errors import InvalidArgument, ResourceExhausted, StaleProposal
 from speculative.fingerprint import check_compatible
 from speculative.limits import validate_num_speculative_tokens
 from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.prompt_lookup import LookupStop
-from speculative.speculation_loop import RoundResult, speculation_rounds
+from speculative.speculation_loop import Features, RoundResult, speculation_rounds
 
 tracer = trace.get_tracer(__name__)
 
@@ -48,6 +52,7 @@ class SpeculatePlan:
     drafter: str  # requested drafter; "" = the session's own
     target_address: str  # "host:port" of the target worker
     target_session_id: str
+    features: Features  # the optimisations around the round loop this worker runs
 
 
 def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> SpeculatePlan:
@@ -69,6 +74,8 @@ def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> Specu
         drafter=speculation.drafter,
         target_address=request.target.worker_address,
         target_session_id=request.target.session_id,
+        features=Features(draft_ahead=config.pipeline, stretches=config.stretches,
+                          target_lookup=config.target_lookup, draft_stop=config.draft_stop),
     )
 
 
@@ -118,7 +125,7 @@ def run_rounds(
         # Round times are taken around the loop's own work, not the sending of updates.
         round_start_ns = time.time_ns()
         rounds = speculation_rounds(verifier, entry.draft, base_len, plan.settings.params, plan.policy,
-                                    context_length)
+                                    context_length, plan.features)
         with contextlib.closing(rounds):
             for result in rounds:
                 round_end_ns = time.time_ns()

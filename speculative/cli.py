@@ -11,11 +11,12 @@ import sys
 import threading
 import time
 
-from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
+from speculative.drafters import ModelDrafter
 from speculative.errors import SpeculativeError
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import DEFAULT_MODEL, DTYPES, configure_threads, load_model
 from speculative.policy import AdaptiveK
+from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.quantization import SCHEMES, SELF_QUANTIZATION, resolve_draft
 from speculative.sampling import SamplingParams
 

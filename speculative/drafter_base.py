@@ -53,8 +53,10 @@ class DraftSession(abc.ABC):
         """Tokens the session knows (committed plus its own unverified proposal)."""
 
     @abc.abstractmethod
-    def propose(self, k: int) -> Proposal:
-        """Proposes up to k tokens after the current sequence and appends them."""
+    def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
+        """Proposes up to k tokens after the current sequence and appends them. A model
+        drafter stops early once its own chance that the target accepts all of them so
+        far (the product of its probabilities of its tokens) is below min_reach."""
 
     @abc.abstractmethod
     def append(self, token_ids: Sequence[int]) -> None: ...

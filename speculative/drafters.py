@@ -4,8 +4,7 @@
 Three drafters: a small model (`ModelDrafter`, here), prompt lookup (`NgramDrafter`),
 and the two together (`LookupThenModelDrafter`): lookup where the context has text to
 copy, the model elsewhere. The last two, and the interface, live in torch-free modules
-(prompt_lookup.py, drafter_base.py) so that an n-gram draft worker never imports torch;
-they are importable from here as well.
+(prompt_lookup.py, drafter_base.py) so that an n-gram draft worker never imports torch.
 """
 
 from __future__ import annotations
@@ -15,26 +14,20 @@ from collections.abc import Sequence
 
 import torch
 
-from speculative.drafter_base import (  # noqa: F401 - their home before
+from speculative.drafter_base import (
     DEFAULT_DRAFT_TOP_K,
-    EMPTY_PROPOSAL,
     Drafter,
     DraftSession,
     Proposal,
 )
 from speculative.loading import LoadedModel
 from speculative.model_session import ForwardSteps, ModelSession, run_alone
-from speculative.prompt_lookup import (  # noqa: F401 - their home before
-    MAX_LOOKUP_NGRAM,
-    LookupStop,
-    LookupThenModelDrafter,
-    LookupThenModelSession,
-    NgramDrafter,
-    NgramDraftSession,
-    lookup_continuation,
+from speculative.sampling import (
+    SamplingParams,
+    SparseProbs,
+    logits_to_probs,
+    make_generator,
 )
-from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
-from speculative.types import DRAFTER_NAMES, MODEL, NGRAM, NGRAM_THEN_MODEL, check_drafter_name  # noqa: F401 - their home before
 
 
 def draft_seed(seed: int | None) -> int | None:
@@ -73,24 +66,27 @@ class ModelDraftSession(DraftSession):
     def length(self) -> int:
         return self.session.length
 
-    def propose(self, k: int) -> Proposal:
-        return run_alone(self.session.model, self.propose_steps(k))
+    def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
+        return run_alone(self.session.model, self.propose_steps(k, min_reach))
 
-    def propose_steps(self, k: int) -> ForwardSteps[Proposal]:
-        """`propose` as k forward passes for a scheduler to batch with other sessions'."""
-        token_ids, draft_probs = [], []
-        for _ in range(k):
+    def propose_steps(self, k: int, min_reach: float = 0.0) -> ForwardSteps[Proposal]:
+        """`propose` as up to k forward passes for a scheduler to batch with other sessions'."""
+        token_ids, draft_probs, reach = [], [], 1.0
+        while len(token_ids) < k and (not token_ids or reach >= min_reach):  # the first token always
             segment = self.session.pending_segment(1)  # the pending tokens: 1 or 2
             logits, _ = yield segment
             self.session.segment_done(segment)
             logits = logits[0]
             if self.params.greedy:
                 token_id = int(logits.argmax())
+                confidence = float(torch.softmax(logits.float(), -1)[token_id]) if min_reach else 1.0
             else:
                 probs = SparseProbs.truncate(logits_to_probs(logits[None], self.params)[0], self.draft_top_k)
                 token_id = probs.sample(float(torch.rand(1, generator=self.generator, dtype=torch.float64)))
                 draft_probs.append(probs)
+                confidence = probs.prob_of(token_id)
             token_ids.append(token_id)
+            reach *= confidence
             # The last token stays pending: it runs only if accepted (draft lag).
             self.session.append([token_id])
         return Proposal(token_ids, None if self.params.greedy else draft_probs)

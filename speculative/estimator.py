@@ -54,6 +54,9 @@ HOPE = 1.0  # accepted draft tokens added to the evidence when deciding
 # A token decoded alone weighs this much of a pass in the fit of c(w), and does not age
 # the passes: a long stretch refines c(1) without erasing what wider passes cost.
 SOLO_TOKEN_WEIGHT = 0.1
+# The slope g of c(w) before passes of two widths tell it, as a share of c(1): a pass
+# one token wider costs a tenth more (a memory-bound target, the common case).
+SLOPE_PRIOR = 0.1
 # A pass slower than this many times the line counts as this slow: a burst of load on a
 # shared machine must not be carried into later decisions; a lasting slowdown is still
 # learnt, by at most (SLOW_PASS_CLIP - 1) * (1 - decay) a pass.
@@ -175,10 +178,10 @@ class Estimates:
 
     def best_k(self) -> int:
         """The fastest k in 1..max_k, at most worker_k (when that is above 0); the
-        smaller k on a tie. Before any measurement: relative costs (c(w) = 1 + 0.1 w)."""
+        smaller k on a tie. Before any measurement: relative costs (c(w) = 1 + SLOPE_PRIOR w)."""
         largest = max(1, min(self.max_k, self.worker_k))
         if not self.measured:
-            return max(range(1, largest + 1), key=lambda k: (self.expected_tokens(k) / (1 + 0.1 * k), -k))
+            return max(range(1, largest + 1), key=lambda k: (self.expected_tokens(k) / (1 + SLOPE_PRIOR * k), -k))
         return max(range(1, largest + 1), key=lambda k: (self.tokens_per_ns(k), -k))
 
 
@@ -212,7 +215,7 @@ class CostEstimator:
             self.seed(costs)
 
     def estimates(self) -> Estimates:
-        per_token = self.per_token_ns if self.per_token_ns is not None else 0.1 * self.one_token_ns
+        per_token = self.per_token_ns if self.per_token_ns is not None else SLOPE_PRIOR * self.one_token_ns
         hope = HOPE if self.one_token_ns else 0.0
         acceptance = (self.accepted + hope) / (self.trials + hope)
         return Estimates(
@@ -379,13 +382,13 @@ class CostEstimator:
         self._add_sample(width - 1, compute_ns, weight, age)
         n, sx, sxx, sc, sxc = self._sums
         mean_x, mean_c = sx / n, sc / n
-        prior = 0.1 * mean_c / (1.0 + 0.1 * mean_x)  # g where one width tells nothing
+        prior = SLOPE_PRIOR * mean_c / (1.0 + SLOPE_PRIOR * mean_x)  # g where one width tells nothing
         g = (sxc / n - mean_x * mean_c + SLOPE_PRIOR_WEIGHT * prior) / (sxx / n - mean_x**2 + SLOPE_PRIOR_WEIGHT)
         g = min(max(g, 0.0), mean_c / (1.0 + mean_x))
         self.one_token_ns, self.per_token_ns = mean_c - g * mean_x, g
 
     def _line(self, width: int) -> float:
-        per_token = self.per_token_ns if self.per_token_ns is not None else 0.1 * self.one_token_ns
+        per_token = self.per_token_ns if self.per_token_ns is not None else SLOPE_PRIOR * self.one_token_ns
         return self.one_token_ns + per_token * (width - 1)
 
     def _add_sample(self, x: float, compute_ns: float, weight: float, age: bool = True) -> None:

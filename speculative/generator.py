@@ -18,7 +18,7 @@ from speculative.loading import LoadedModel
 from speculative.policy import AdaptiveK, FixedK, MeasuredCosts, SpeculationPolicy
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams
-from speculative.speculation_loop import RoundResult, Verifier, speculation_rounds  # noqa: F401 - their home before
+from speculative.speculation_loop import Features, speculation_rounds
 from speculative.stats import GenerationStats
 from speculative.target import TargetSession, VerifyResult
 from speculative.types import FinishReason
@@ -64,10 +64,6 @@ class LocalVerifier:
     def _verify(self, base_len: int, token_ids: list[int], probs) -> VerifyResult:
         return self.target.verify(base_len, token_ids, probs)
 
-    def verify(self, base_len, draft_token_ids, draft_probs=None) -> VerifyResult:
-        self.send(base_len, draft_token_ids, draft_probs)
-        return self.receive()
-
     def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
                lookup: LookupRounds | None = None) -> Iterator[VerifyResult]:
         self._skip_abandoned()
@@ -85,13 +81,16 @@ class GenerationResult:
 class SpeculativeGenerator:
     """Target + drafter in one process: the reference for the services' behaviour."""
 
-    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, pipelined: bool = False):
-        """pipelined: draft ahead as across the network (LocalVerifier), for tests."""
+    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, pipelined: bool = False,
+                 features: Features = Features()):
+        """pipelined: draft ahead as across the network (LocalVerifier), for tests;
+        features: the optimisations around the round loop."""
         if drafter is not None:
             check_compatible(target.name, target.fingerprint, drafter.name, drafter.fingerprint)
         self.target = target
         self.drafter = drafter
         self.pipelined = pipelined
+        self.features = features
         # What adaptive calls measured of the costs: it seeds the next call's policy (as
         # the draft service does per target), so a call can decide before measuring.
         self.measured_costs: MeasuredCosts | None = None
@@ -116,7 +115,7 @@ class SpeculativeGenerator:
         try:
             verifier = LocalVerifier(target, overlaps=self.pipelined)
             for result in speculation_rounds(
-                verifier, draft, len(prompt_token_ids), params, policy, self.target.context_length
+                verifier, draft, len(prompt_token_ids), params, policy, self.target.context_length, self.features
             ):
                 token_ids += result.token_ids
                 stats.record_round(result.stats)

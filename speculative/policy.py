@@ -40,6 +40,9 @@ class Action:
     stretch: int = 0  # > 0: instead, the target decodes up to this many tokens alone
     ahead: bool = False  # draft the next proposal while this one is verified (where the target overlaps)
     lookup_k: int = 0  # in a stretch: looked-up tokens the target verifies a pass, at most (0: none)
+    # A model drafter stops drafting once its own chance that the target accepts every
+    # token so far falls below this (DraftSession.propose): see `stop_reach`.
+    min_reach: float = 0.0
 
 
 TAKE_ROUND = Action()  # after a turn that proposed nothing: the plain step, one round trip
@@ -84,10 +87,9 @@ def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: 
     k = e.best_k()
     lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(k) * e.solo_token_ns  # speculation's speed over alone
     if (e.after_stretch and not e.stretches_measure) or (lead >= 1.0 and e.one_token_measured):
-        return Action(k=k, ahead=draft_ahead(e, k))
+        return _round(e, k)
     if lead >= 1.0:
-        return _stretch_unless_last(rules.sized(e, rules.first), remaining, least=None,
-                                    otherwise=Action(k=k, ahead=draft_ahead(e, k)))
+        return _stretch_unless_last(rules.sized(e, rules.first), remaining, least=None, otherwise=_round(e, k))
     stretch = rules.sized(e, min(rules.first * 2 ** e.losing_stretches, rules.longest))
     return _stretch_unless_last(stretch, remaining, least=stretch)
 
@@ -103,6 +105,19 @@ def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) ->
     if e.worker_k == 0 or (inside.measured and inside.tokens_per_ns(k) <= inside.tokens_per_ns(0)):
         k = 0
     return dataclasses.replace(_stretch_unless_last(rules.longest, remaining, least=rules.first), lookup_k=k)
+
+
+def _round(e: Estimates, k: int) -> Action:
+    return Action(k=k, ahead=draft_ahead(e, k), min_reach=stop_reach(e, k))
+
+
+def stop_reach(e: Estimates, k: int) -> float:
+    """The chance of acceptance below which a model drafter's next token does not pay:
+    drafting it costs d and widens the target's pass by g, so it must bring at least
+    (d + g) times the tokens per ns that rounds of k earn. 0 for a free drafter."""
+    if e.draft_token_ns <= 0.0:
+        return 0.0
+    return min(1.0, (e.draft_token_ns + e.per_token_ns) * e.tokens_per_ns(k))
 
 
 def draft_ahead(e: Estimates, k: int) -> bool:

@@ -97,7 +97,7 @@ class NgramDraftSession(DraftSession):
     def length(self) -> int:
         return len(self.token_ids)
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
         proposal = lookup_continuation(self.token_ids, k, self.min_ngram, self.max_ngram)
         self.token_ids.extend(proposal)
         return Proposal(proposal)
@@ -178,12 +178,12 @@ class LookupThenModelSession(DraftSession):
     def length(self) -> int:
         return self.model.length
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
         proposal = self.lookup.propose(k)
         if proposal:  # deterministic: draft_probs None, one-hot distributions
             self.model.append(proposal.token_ids)
             return proposal
-        proposal = self.model.propose(k)
+        proposal = self.model.propose(k, min_reach)
         self.lookup.append(proposal.token_ids)
         return proposal
 

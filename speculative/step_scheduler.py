@@ -38,11 +38,10 @@ Rules:
   generator, on this thread; batching changes which pass computes a segment, never
   what the job decides.
 
-Also runs plain functions between steps (`run`): loading, warm-up. Why one thread: on
-the 2-core development machine (torch 2.13, OpenMP intra-op parallelism) SmolLM2-135M
-decoded at 19-21 tokens/s on the thread that first ran torch work and at 11-14 tokens/s
-when the same calls came from other threads (as gRPC handler threads are); and on a CPU
-torch already spreads one pass over every core, so concurrent passes would only contend.
+Also runs plain functions between steps (`run`): loading, warm-up. Why one thread:
+torch's OpenMP intra-op pool runs fastest on the thread that first ran torch work
+(calls from gRPC handler threads were measured markedly slower), and on a CPU torch
+already spreads one pass over every core, so concurrent passes would only contend.
 """
 
 from __future__ import annotations

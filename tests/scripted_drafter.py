@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from speculative.drafters import Drafter, DraftSession, Proposal
+from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.fingerprint import ANY_VOCABULARY
 from speculative.sampling import SamplingParams
 
@@ -36,7 +36,7 @@ class ScriptedDraftSession(DraftSession):
     def length(self) -> int:
         return len(self.token_ids)
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
         assert self.token_ids == self.drafter.reference[: self.length], "session drifted from the reference"
         truth = self.drafter.reference[self.length : self.length + k]
         proposal = [
@@ -63,8 +63,8 @@ def counting_proposals(drafter: Drafter) -> Drafter:
         session = open_session(prompt_token_ids, params)
         propose = session.propose
 
-        def propose_counted(k):
-            proposal = propose(k)
+        def propose_counted(k, min_reach=0.0):
+            proposal = propose(k, min_reach)
             drafter.proposals += bool(proposal)
             return proposal
         session.propose = propose_counted

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from speculative.drafters import ModelDrafter, NgramDrafter
+from speculative.drafters import ModelDrafter
 from speculative.errors import IncompatibleModels, InvalidArgument, NotFound
 from speculative.fingerprint import tokenizer_fingerprint
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import LoadedModel, load_model
+from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=4)

@@ -22,22 +22,29 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.config import DraftConfig
 from draft_service.draft_model import DraftModel
-from draft_service.drafting import Drafters
+from draft_service.drafting import Drafters, DraftSettings
 from draft_service.remote_verifier import TargetInfo
 from draft_service.server import create_server as create_draft_server
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
-from draft_service.drafting import DraftSettings
 from launcher.delay_proxy import DelayProxy
 from orchestrator.generation import token_sources
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from speculative.drafters import LookupStop, LookupThenModelDrafter, ModelDrafter, NgramDrafter
+from specdec.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+from speculative.drafters import ModelDrafter
 from speculative.errors import IncompatibleModels, NotFound
 from speculative.fingerprint import ANY_VOCABULARY
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import AdaptiveK, MeasuredCosts
+from speculative.prompt_lookup import LookupStop, LookupThenModelDrafter, NgramDrafter
 from speculative.rejection import NextTokenKind, Verdict
 from speculative.sampling import SamplingParams
+from speculative.speculation_loop import Features
 from speculative.target import VerifyResult
 from target_service.config import TargetConfig
 from target_service.server import create_server as create_target_server
@@ -471,7 +478,8 @@ def test_an_ngram_drafters_stretch_ends_where_it_would_propose_again():
     prompt = list(range(10))  # nothing to copy yet
     entry = SessionEntry("s", "ngram", NgramDrafter(2, 3).open(prompt, SamplingParams()))
     params = SamplingParams(max_new_tokens=16)
-    plan = SpeculatePlan(DraftSettings(params, 32, 2, 3), AdaptiveK(4, costs=slow_link), "ngram", "target:1", "t")
+    plan = SpeculatePlan(DraftSettings(params, 32, 2, 3), AdaptiveK(4, costs=slow_link), "ngram", "target:1", "t",
+                         Features())
     verifier = _StretchOnly()
     updates = list(run_rounds(entry, verifier, plan, len(prompt), 1000, cancelled=lambda: False))
     assert verifier.stretches == [(10, 16, LookupStop(2, 3))]

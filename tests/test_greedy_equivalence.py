@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
-from speculative.generator import FinishReason, SpeculativeGenerator
+from speculative.drafters import ModelDrafter
+from speculative.generator import SpeculativeGenerator
+from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
+from speculative.types import FinishReason
 from tests.scripted_drafter import ScriptedDrafter, counting_proposals
 
 K_VALUES = [1, 2, 3, 5, 8]

@@ -15,13 +15,16 @@ from scipy.stats import chisquare
 
 from draft_service.remote_verifier import RemoteVerifier
 from service_common.deadlines import Deadline
-from speculative import rejection
-from speculative.drafters import DraftSession, LookupThenModelDrafter, ModelDrafter, NgramDrafter, Proposal
-from speculative.generator import LocalVerifier, SpeculativeGenerator, speculation_rounds
-from speculative.policy import FixedK
-from speculative.sampling import SamplingParams
-from speculative.target import TargetSession
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from speculative import rejection
+from speculative.drafter_base import DraftSession, Proposal
+from speculative.drafters import ModelDrafter
+from speculative.generator import LocalVerifier, SpeculativeGenerator
+from speculative.policy import FixedK
+from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
+from speculative.sampling import SamplingParams
+from speculative.speculation_loop import speculation_rounds
+from speculative.target import TargetSession
 from target_service.config import TargetConfig
 from target_service.server import create_server as create_target_server
 from tests.test_sampled_generation import _exact_target_distribution
@@ -155,7 +158,7 @@ class WrongAfter(DraftSession):
     def length(self) -> int:
         return len(self.tokens)
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
         # A guess (one token right after a proposal) is the proposal's position k.
         end, size = self.last_proposal
         first = size if k == 1 and end == self.length else 0

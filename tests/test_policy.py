@@ -10,25 +10,27 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from speculative.drafters import DraftSession, ModelDrafter, NgramDrafter
-from speculative.estimator import Estimates, MeasuredCosts, expected_tokens
+from speculative.drafter_base import DraftSession
+from speculative.drafters import ModelDrafter
+from speculative.estimator import Estimates, MeasuredCosts
 from speculative.generator import LocalVerifier, SpeculativeGenerator
 from speculative.policy import (
-    FixedK,
     TAKE_ROUND,
     Action,
     AdaptiveK,
+    FixedK,
     SpeculationPolicy,
     StretchRules,
     Turn,
     decide,
     draft_ahead,
 )
+from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 from speculative.speculation_loop import speculation_rounds
+from speculative.stats import StepLoad
 from speculative.target import TargetSession
 from speculative.types import NextTokenKind, Verdict, VerifyResult
-from speculative.stats import StepLoad
 from tests.test_estimator import MS, round_, settled, streamed
 
 # --- properties -------------------------------------------------------------------------
@@ -224,7 +226,8 @@ def test_drafting_ahead_prefers_rounds_short_enough_to_survive():
                  one_token_measured=True, stretch_start_ns=8 * MS, worker_k=8, stretches_measure=False,
                  after_stretch=False, losing_stretches=0, empty_turns_in_a_row=0, rounds_since_stretch_ns=0.0)
     waiting, overlapping = Estimates(**costs), Estimates(**costs, overlaps=True)
-    assert decide(overlapping, remaining=64) == Action(k=2, ahead=True)
+    action = decide(overlapping, remaining=64)
+    assert (action.k, action.ahead, action.stretch) == (2, True, 0)
     assert overlapping.round_ns(2) == pytest.approx(0.83e9, rel=0.01)
     assert overlapping.tokens_per_ns(2) / waiting.tokens_per_ns(waiting.best_k()) == pytest.approx(1.25, abs=0.01)
 
@@ -585,9 +588,9 @@ class _CallLog(DraftSession):
     def length(self):
         return self.inner.length
 
-    def propose(self, k):
+    def propose(self, k, min_reach=0.0):
         self.calls.append("propose")
-        return self.inner.propose(k)
+        return self.inner.propose(k, min_reach)
 
     def append(self, token_ids):
         self.calls.append("append")
@@ -738,3 +741,32 @@ def test_a_stretch_measures_the_rounds_a_lookup_drafter_would_have_run(k):
             ran.append((drafted, accepted))
     assert shadows[:len(ran)] == ran
     assert sum(accepted >= 2 for _, accepted in ran) >= (2 if k > 1 else 0) and sum(d > 0 for d, _ in ran) >= 8
+
+
+@given(estimates(after_stretch=True))
+@PROPERTY
+def test_a_model_drafter_stops_where_its_next_token_earns_less_than_the_round(e):
+    """stop_reach: one more draft token costs d + g; it must bring what that time earns
+    in rounds of k, so the chance of acceptance below which drafting stops is that
+    time over the time per token; a free drafter (d = 0) never stops early."""
+    action = decide(e, None)
+    if not _is_round(action) or action.k == 0:
+        return
+    if e.draft_token_ns == 0.0:
+        assert action.min_reach == 0.0
+    else:
+        earned = (e.draft_token_ns + e.per_token_ns) * e.tokens_per_ns(action.k)
+        assert action.min_reach == pytest.approx(min(1.0, earned))
+        assert 0.0 < action.min_reach <= 1.0
+
+
+def test_a_fixed_k_never_stops_a_drafter_early():
+    assert FixedK(4).next_action().min_reach == 0.0
+
+
+@pytest.mark.parametrize("min_reach, expected", [(0.0, 4), (0.999, 1)])
+def test_a_model_drafter_stops_below_min_reach(tiny_target, prompt_ids, min_reach, expected):
+    """A tiny random model is far from sure of any token: asked to stop below a near-
+    certain chance, it drafts one token (the one whose pass it already ran)."""
+    session = ModelDrafter(tiny_target).open(prompt_ids[0], SamplingParams())
+    assert len(session.propose(4, min_reach)) == expected

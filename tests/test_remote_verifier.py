@@ -78,12 +78,17 @@ def _verifier(stub, address: str) -> RemoteVerifier:
                           deadline=Deadline(WAIT_S), stall_timeout_s=WAIT_S)
 
 
+def _verify(verifier: RemoteVerifier, base_len: int, token_ids: list[int], probs):
+    verifier.send(base_len, token_ids, probs)
+    return verifier.receive()
+
+
 def test_no_stream_is_opened_without_a_proposal(scripted_target):
     target, stub, address = scripted_target
     _verifier(stub, address).close()
     # A stream, had one opened, would reach the server: a later call proves it did not.
     verifier = _verifier(stub, address)
-    verifier.verify(10, [1, 2], None)
+    _verify(verifier, 10, [1, 2], None)
     verifier.close()
     assert target.half_closed.wait(WAIT_S)
     assert target.streams_opened == 1
@@ -92,7 +97,7 @@ def test_no_stream_is_opened_without_a_proposal(scripted_target):
 def test_close_does_not_wait_for_the_target_to_end_the_stream(scripted_target):
     target, stub, address = scripted_target
     verifier = _verifier(stub, address)
-    result = verifier.verify(10, [1, 2], None)
+    result = _verify(verifier, 10, [1, 2], None)
     assert (result.token_ids, result.committed_len) == ([7], 11)
 
     closed = threading.Event()
@@ -108,11 +113,11 @@ def test_close_does_not_wait_for_the_target_to_end_the_stream(scripted_target):
 def test_a_stretch_streams_its_tokens_between_rounds_on_one_stream(scripted_target):
     target, stub, address = scripted_target
     verifier = _verifier(stub, address)
-    assert verifier.verify(10, [1], None).committed_len == 11
+    assert _verify(verifier, 10, [1], None).committed_len == 11
     results = list(verifier.decode(11, 3))
     assert [(r.token_ids, r.committed_len) for r in results] == [([7], 12), ([8], 13), ([9], 14)]
     assert verifier.round == 2  # the stretch was one proposal
-    result = verifier.verify(14, [1, 2], None)
+    result = _verify(verifier, 14, [1, 2], None)
     assert (result.token_ids, result.committed_len) == ([7], 15)
     verifier.close()
     assert target.half_closed.wait(WAIT_S) and target.streams_opened == 1

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.drafters import NgramDrafter
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import load_model
+from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 
 PROMPTS = [

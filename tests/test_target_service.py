@@ -22,16 +22,15 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from speculative.drafters import LookupStop
-from speculative.prompt_lookup import LookupRounds
 from service_common.convert import lookup_rounds_to_proto
-from tests.polling import settled
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.generator import SpeculativeGenerator
+from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.target import TargetSession
 from target_service.config import TargetConfig
 from target_service.server import SERVICE_NAME, create_server
+from tests.polling import settled
 
 DEADLINE_S = 10  # on every call: a hung server fails the test instead of hanging it
 REPO = Path(__file__).resolve().parent.parent

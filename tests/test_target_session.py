@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from speculative.drafters import LookupStop, lookup_continuation
-from speculative.prompt_lookup import LookupRounds
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.generator import SpeculativeGenerator
+from speculative.prompt_lookup import LookupRounds, LookupStop, lookup_continuation
 from speculative.rejection import NextTokenKind
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.target import TargetSession

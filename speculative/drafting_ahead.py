@@ -1,0 +1,103 @@
+"""Drafting ahead (pipelining, depth 1): while proposal n is verified, proposal n + 1 is
+drafted from the optimistic context (all of n accepted, and the target's own next token
+equal to the draft's guess, drafted first) and sent with that guess as
+expected_last_token_id. It survives when n's verdict commits exactly that context;
+otherwise the target discards it (it checks base_len and the last token), and the draft
+rolls back to the verdict. Every proposal the target applies was judged on its actual
+context: exactness holds.
+
+Pays only where the target verifies while the draft drafts (`Verifier.overlaps`: across
+the network, on separate hardware); the round loop uses the plain `Proposer` otherwise,
+or when the setting is off (the draft worker's `pipeline`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from speculative.drafter_base import Proposal
+from speculative.policy import Action
+from speculative.proposing import Proposer, Sent, apply_to_draft, round_stats
+from speculative.stats import RoundStats
+from speculative.types import VerifyResult
+
+
+class AheadProposer(Proposer):
+    ahead: Sent | None = None  # a proposal sent beyond the one being verified
+
+    @property
+    def idle(self) -> bool:
+        return self.ahead is None
+
+    def propose(self, base_len: int, k: int, min_reach: float = 0.0) -> Sent:
+        """The proposal sent ahead if one survived, else a new one."""
+        return self.ahead or super().propose(base_len, k, min_reach)
+
+    def send(self, sent: Sent, action: Action, room: int) -> None:
+        """Sends `sent` (unless it went ahead), then, where the policy says so, drafts
+        and sends the next proposal while `sent` is verified."""
+        if sent is self.ahead:
+            self.ahead = None
+        else:
+            self._send(sent, None)
+        if action.ahead and not action.stretch:
+            self._send_ahead(sent, action.k, room)
+
+    def settle(self, sent: Sent) -> tuple[VerifyResult, RoundStats]:
+        """Receives the verdict on `sent`; the proposal ahead survives when the verdict
+        committed the context it assumed, else it is abandoned and the draft rolls back."""
+        result = self.verifier.receive()
+        now = time.perf_counter_ns()
+        survives = self.ahead is not None and result.committed_len == self.ahead.base_len \
+            and result.token_ids[-1] == sent.guess and not result.stopped
+        if self.ahead is not None and not survives:
+            self.verifier.abandon_last()
+            self.ahead = None
+        if not survives:  # else the draft already holds the verdict's tokens, and the proposal ahead
+            apply_to_draft(self.draft, sent.base_len, result)
+        return result, round_stats(sent, result, now)
+
+    def _send_ahead(self, current: Sent, k: int, room: int) -> None:
+        """Drafts the guess, then up to k tokens after it (not past the room or a stop
+        token). A costly drafter stops once `current`'s verdict has come (drafting on
+        would only keep it waiting), unless the call is seeded sampling: its draws
+        depend on where its tokens split into rounds, which must not depend on timing."""
+        if not current.open_ended:
+            return
+        base_len = current.base_len + len(current.proposal) + 1
+        k = min(k, room - (base_len - current.base_len) - 1)
+        if k < 1:
+            return
+        guess = self.draft.propose(1)
+        if not guess.token_ids or guess.token_ids[0] in self.params.stop_token_ids:
+            return  # the draft keeps the guess, truncated with the verdict
+        current.guess = guess.token_ids[0]
+        reproducible = not self.params.greedy and self.params.seed is not None
+        start = time.perf_counter_ns()
+        if reproducible or self.free_draft:
+            proposal = self.draft.propose(k)
+            open_ended = len(proposal) == k
+        else:
+            proposal, open_ended = self._propose_until_verdict(k)
+        if not proposal.token_ids:  # nothing to send
+            return
+        self.ahead = Sent(base_len, proposal, time.perf_counter_ns() - start, open_ended=open_ended, ahead=True)
+        self._send(self.ahead, current.guess)
+
+    def _propose_until_verdict(self, k: int) -> tuple[Proposal, bool]:
+        """Up to k tokens, one at a time, until the verdict on the proposal before comes;
+        and whether the drafter could go on. A proposal keeps one kind of q (a lookup
+        token's is implied)."""
+        token_ids: list[int] = []
+        probs: list | None = None
+        while len(token_ids) < k and not self.verifier.verdict_came():
+            length = self.draft.length
+            piece = self.draft.propose(1)
+            if not piece.token_ids:
+                return Proposal(token_ids, probs), False
+            if token_ids and (piece.draft_probs is None) != (probs is None):
+                self.draft.truncate_to(length)
+                break
+            token_ids += piece.token_ids
+            probs = None if piece.draft_probs is None else (probs or []) + list(piece.draft_probs)
+        return Proposal(token_ids, probs), True
