@@ -35,18 +35,20 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_core import chat_ids
-from benchmarks.bench_suite import paired_ratio, round_order, Run
+from benchmarks.bench_suite import Run, paired_ratio, round_order
 from benchmarks.prompts import PROMPTS
-from speculative.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter
+from speculative.drafters import ModelDrafter
 from speculative.generator import SpeculativeGenerator
 from speculative.loading import LoadedModel, load_model
 from speculative.model_session import ModelSession
 from speculative.policy import FixedK
+from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 TARGET_ONLY = "target-only"
-PASS_WIDTHS = (1, 2, 3, 4, 5, 7, 9)  # target pass widths timed: k + 1 for k in 0..8
+PASS_WIDTHS = tuple(range(1, 10))  # target pass widths timed: k + 1 for k in 0..8
+CEILING_KS = range(1, 9)  # the k the ceiling is the best of
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Reading:
 
     agreement: float
     token_ms: list[float] = field(default_factory=list)
+    agreed: list[bool] = field(default_factory=list)  # per reference token: the draft's argmax was it
 
 
 def read_along(loaded: LoadedModel, prompt: list[int], reference: list[int]) -> Reading:
@@ -85,15 +88,15 @@ def read_along(loaded: LoadedModel, prompt: list[int], reference: list[int]) -> 
     session = ModelSession(loaded.model, loaded.context_length)
     session.append(prompt)
     session.prefill()
-    agreed, times = 0, []
+    agreed, times = [], []
     with torch.inference_mode():
         for token in reference:
             start = time.perf_counter()
-            agreed += int(session.logits(1)[0].argmax()) == token
+            agreed.append(int(session.logits(1)[0].argmax()) == token)
             times.append((time.perf_counter() - start) * 1e3)
             session.append([token])
     session.release()
-    return Reading(agreed / len(reference), times[1:])  # the first came with the prefill
+    return Reading(sum(agreed) / len(reference), times[1:], agreed)  # the first came with the prefill
 
 
 def pass_costs(loaded: LoadedModel, prompt: list[int], repeats: int) -> dict[int, float]:
@@ -122,6 +125,25 @@ def leviathan_bound(agreement: float, k: int, draft_ms: float, costs: dict[int, 
     al. 2023, eq. 1 with the target's measured cost per pass width)."""
     expected = k + 1 if agreement >= 1.0 else (1 - agreement ** (k + 1)) / (1 - agreement)
     return expected * costs[1] / (k * draft_ms + costs[k + 1])
+
+
+def expected_tokens(agreed: list[bool], k: int) -> float:
+    """E[tokens] of a greedy round of k draft tokens started at a random point of the
+    text: the draft's run of agreements from there (at most k), plus the target's token."""
+    runs, run = [], 0
+    for ok in reversed(agreed):
+        run = run + 1 if ok else 0
+        runs.append(min(run, k))
+    return 1.0 + statistics.fmean(runs)
+
+
+def ceiling(agreed: list[bool], draft_ms: float, costs: dict[int, float]) -> tuple[float, int]:
+    """The best speedup rounds of any one k can reach on this text with these costs,
+    and that k: E[tokens](k) c(1) / (k d + c(k + 1)) (Leviathan et al. 2023, eq. 1,
+    with the measured run lengths instead of an i.i.d. rate, and the measured pass
+    cost per width). No overhead, no policy: what no scheduling of k can beat."""
+    return max(((expected_tokens(agreed, k) * costs[1] / (k * draft_ms + costs[k + 1]), k) for k in CEILING_KS),
+               key=lambda cell: (cell[0], -cell[1]))
 
 
 def method(target: LoadedModel, drafter, k: int, max_new_tokens: int):
@@ -185,7 +207,8 @@ def main(argv=None) -> int:
     (out / "results_drafts.md").write_text(text)
     (out / "runs_drafts.json").write_text(json.dumps({
         "pass_ms": costs,
-        "readings": {v: {p: {"agreement": r.agreement, "token_ms": [round(t, 2) for t in r.token_ms]}
+        "readings": {v: {p: {"agreement": r.agreement, "token_ms": [round(t, 2) for t in r.token_ms],
+                             "agreed": [int(a) for a in r.agreed]}
                          for p, r in per.items()} for v, per in readings.items()},
         "runs": {p: {m: [[len(r.token_ids), round(r.seconds, 4)] for r in rs] for m, rs in per.items()}
                  for p, per in runs.items()},
@@ -222,6 +245,14 @@ def report(command, args, variants, costs, readings, runs, references) -> str:
             f"({min(agreements):.2f}-{max(agreements):.2f}) | {statistics.geometric_mean(speedups):.2f}x "
             f"({min(speedups):.2f}-{max(speedups):.2f}) | {positions} | "
             f"{statistics.geometric_mean(bounds):.2f}x | {statistics.geometric_mean(ours_over):.2f} | {equal}/{total} |")
+    lines += ["", "Ceiling per prompt: the best speedup rounds of one k can reach with the variant's "
+              "measured run lengths of agreement and costs (`ceiling`; k in brackets):", "",
+              "| variant | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    for variant in variants:
+        per = readings[variant.name]
+        draft_ms = statistics.median(t for r in per.values() for t in r.token_ms)
+        cells = [ceiling(per[p].agreed, draft_ms, costs) for p in runs]
+        lines.append(f"| {variant.name} | " + " | ".join(f"{c:.2f}x (k={k})" for c, k in cells) + " |")
     lines += ["", "Per prompt (speedup over target-only, paired 95% interval where 2+ repeats; agreement):", ""]
     for prompt in runs:
         cells = []

@@ -107,3 +107,27 @@ def test_adaptive_is_set_against_the_fixed_k_fastest_on_each_prompt():
 
 def test_no_hindsight_table_without_two_fixed_k():
     assert against_hindsight("t", {"p": {"k=4": [Run([1], 1.0)], "adaptive k<=8": [Run([1], 1.0)]}}) == []
+
+
+def test_the_features_report_sets_each_switch_beside_all_on():
+    from benchmarks.bench_features import report
+
+    def runs(rate):
+        return [Run([1, 2], 2 / rate), Run([1, 2], 2 / rate)]
+    results = {"chat": {"target-only": runs(1.0), "all on": runs(2.0), "stretches off": runs(1.0)}}
+    args = type("Args", (), {"threads": 2, "max_new_tokens": 8, "repeats": 2})()
+    text = report("cmd", "smollm2", "ngram", results, args)
+    assert "| chat | 2.00x [2.00, 2.00] | 1.00x [1.00, 1.00] |" in text
+    assert "| geomean against all on | 1.000 | 0.500 |" in text
+    assert "4 of 6 runs" not in text and "6 of 6 runs" in text
+
+
+def test_the_ceiling_counts_runs_of_agreement_and_picks_the_best_k():
+    from benchmarks.bench_drafts import ceiling, expected_tokens
+
+    agreed = [True, True, False, True]  # runs from each point: 2, 1, 0, 1
+    assert expected_tokens(agreed, 1) == 1 + (1 + 1 + 0 + 1) / 4
+    assert expected_tokens(agreed, 8) == 1 + (2 + 1 + 0 + 1) / 4
+    flat = dict.fromkeys(range(1, 10), 100.0)  # a pass costs the same at every width
+    speedup, k = ceiling(agreed, 0.0, flat)
+    assert (speedup, k) == (2.0, 2)  # free drafts: the longest run counts; the smallest k that reaches it
