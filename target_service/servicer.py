@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
@@ -216,17 +217,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     # A stretch: the target decodes on the Verify stream, one verdict per pass.
 
     def _stretch(self, proposal: target_pb2.Proposal, waited_ns: int, context) -> Iterator[target_pb2.Verdict]:
-        started = self._start_stretch(proposal)
-        if isinstance(started, int):  # stale: the session's committed length
-            yield _echo(proposal, discarded=True, committed_len=started, stretch_ended=True)
+        start = self._start_stretch(proposal)
+        if start.stale_at is not None:
+            yield _echo(proposal, discarded=True, committed_len=start.stale_at, stretch_ended=True)
             return
-        until, lookup, context_length = started
         length, timing = proposal.base_len, _DecodeTiming()
         try:
-            tokens = self._decode_tokens(proposal.session_id, length, proposal.stretch.max_tokens, until, lookup,
-                                         waited_ns, timing, context, proposal.round)
+            tokens = self._decode_tokens(proposal.session_id, length, proposal.stretch.max_tokens, start.until,
+                                         start.lookup, waited_ns, timing, context, proposal.round)
             for result, accepted, ends, step in tokens:
-                verdict = _verdict(proposal, result, context_length, base_len=length)
+                verdict = _verdict(proposal, result, start.context_length, base_len=length)
                 verdict.step.CopyFrom(step)
                 verdict.stretch_ended = ends or result.committed_len - proposal.base_len >= proposal.stretch.max_tokens
                 verdict.num_drafted = result.num_drafted
@@ -236,11 +236,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         finally:
             timing.record()
 
-    def _start_stretch(self, proposal: target_pb2.Proposal) -> tuple[LookupStop | None, LookupRounds | None, int] | int:
-        """Checks the stretch, applies the proposal's sampling; returns where text to copy
-        ends it (None: nowhere), the lookup it verifies (None: none) and the context
-        length, or, for a proposal that does not match the session, the session's
-        committed length."""
+    def _start_stretch(self, proposal: target_pb2.Proposal) -> _StretchStart:
+        """Checks the stretch and applies the proposal's sampling, unless the proposal
+        does not match the session."""
         stretch = proposal.stretch
         if proposal.draft_token_ids or proposal.draft_distributions:
             raise InvalidArgument("a stretch proposal has no draft tokens: send them in a proposal without stretch")
@@ -254,10 +252,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sampling = self._sampling(proposal.sampling) if proposal.HasField("sampling") else None
         with self.sessions.use(proposal.session_id) as target:
             if _is_stale(target, proposal):
-                return target.length
+                return _StretchStart(None, None, target.context_length, stale_at=target.length)
             if sampling is not None:
                 target.set_sampling(sampling)
-            return until, lookup, target.context_length
+            return _StretchStart(until, lookup, target.context_length)
 
     def _decode_tokens(self, session_id: str, length: int, max_tokens: int, until: LookupStop | None,
                        lookup: LookupRounds | None, waited_ns: int, timing: _DecodeTiming, context,
@@ -383,6 +381,16 @@ def _verify_attributes(proposal: target_pb2.Proposal, verdict: target_pb2.Verdic
         "specdec.target_compute_ns": verdict.target_compute_ns,
         **_step_attributes(verdict.step),
     }
+
+
+@dataclass(frozen=True)
+class _StretchStart:
+    """A stretch checked against its session."""
+
+    until: LookupStop | None  # where text to copy ends it (None: nowhere)
+    lookup: LookupRounds | None  # the lookup its passes verify (None: none)
+    context_length: int
+    stale_at: int | None = None  # the session's committed length, where the proposal does not match it
 
 
 class _DecodeTiming:
