@@ -37,12 +37,13 @@ from speculative.speculation_loop import Features
 
 REPO = Path(__file__).resolve().parent.parent
 SWITCHED_OFF = ("stretches", "draft_stop")  # the switches that act in process
+ALL_ON = Features(**{switch.name: True for switch in dataclasses.fields(Features)})
 
 
 def method(target, drafter, features: Features | None, max_new_tokens: int):
     """A call's runner: adaptive with these features, or target-only (features None)."""
     generator = SpeculativeGenerator(target, drafter if features is not None else None,
-                                     features=features or Features())
+                                     features=features or ALL_ON)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(target.eos_token_id,))
 
     def run(ids):
@@ -54,9 +55,9 @@ def method(target, drafter, features: Features | None, max_new_tokens: int):
 
 def methods(target, drafter, max_new_tokens: int) -> dict:
     every = {"target-only": method(target, drafter, None, max_new_tokens),
-             "all on": method(target, drafter, Features(), max_new_tokens)}
+             "all on": method(target, drafter, ALL_ON, max_new_tokens)}
     for name in SWITCHED_OFF:
-        every[f"{name} off"] = method(target, drafter, dataclasses.replace(Features(), **{name: False}),
+        every[f"{name} off"] = method(target, drafter, dataclasses.replace(ALL_ON, **{name: False}),
                                       max_new_tokens)
     return every
 

@@ -80,8 +80,9 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # round trip per round (speculative/stretches.py); needs stretches.
     target_lookup: bool = True
     # A model drafter stops drafting where its own confidence says the next token would
-    # not pay for its pass (speculative.policy.stop_reach; adaptive calls only).
-    draft_stop: bool = True
+    # not pay for its pass (speculative.policy.stop_reach; adaptive calls only). Off by
+    # default: it has not shown a gain over adaptive k (benchmarks/results_features_qwen.md).
+    draft_stop: bool = False
     # Used when a request leaves max_new_tokens at 0; the same default as the target's.
     default_max_new_tokens: int = 256
     # torch intra-op threads; 0 = torch's default (all cores), which suits a worker

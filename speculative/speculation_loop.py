@@ -33,7 +33,9 @@ class Features:
     draft_ahead: bool = True  # where the verifier overlaps (drafting_ahead.py)
     stretches: bool = True  # target-only runs where speculation loses (stretches.py)
     target_lookup: bool = True  # in stretches, the target runs prompt lookup's rounds itself
-    draft_stop: bool = True  # a model drafter stops where its next token would not pay (policy.stop_reach)
+    # A model drafter stops where its next token would not pay (policy.stop_reach). Off:
+    # on the Qwen pair it bought nothing over adaptive k (benchmarks/results_features_qwen.md).
+    draft_stop: bool = False
 
 
 @dataclass(frozen=True)
