@@ -17,8 +17,8 @@ import time
 import torch
 
 from benchmarks.prompts import PROMPTS
+from model_runtime.loading import load_model
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import load_model
 from speculative.policy import AdaptiveK
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams

@@ -37,10 +37,10 @@ import torch
 from benchmarks.bench_core import chat_ids
 from benchmarks.bench_suite import Run, paired_ratio, round_order
 from benchmarks.prompts import PROMPTS
+from model_runtime.loading import LoadedModel, load_model
+from model_runtime.model_session import ModelSession
 from speculative.drafters import ModelDrafter
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import LoadedModel, load_model
-from speculative.model_session import ModelSession
 from speculative.policy import FixedK
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams

@@ -27,9 +27,9 @@ import torch
 from benchmarks.bench_core import chat_ids
 from benchmarks.bench_suite import ADAPTIVE_MAX_K, PAIRS, Run, hardware, measure, paired_ratio
 from benchmarks.prompts import PROMPTS
+from model_runtime.loading import load_model
 from speculative.drafters import ModelDrafter
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import load_model
 from speculative.policy import AdaptiveK
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams

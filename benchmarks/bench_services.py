@@ -22,9 +22,9 @@ import torch
 from benchmarks.bench_core import chat_ids
 from benchmarks.prompts import PROMPTS
 from launcher.cluster import Cluster, start_system
+from model_runtime.loading import load_model
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import load_model
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 

@@ -50,11 +50,11 @@ import torch
 from benchmarks.bench_core import chat_ids
 from benchmarks.prompts import PROMPTS
 from launcher.cluster import Cluster, parse_args, start_system
+from model_runtime.loading import load_model
 from service_common.server import freeze_startup_heap
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from speculative.drafters import ModelDrafter
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import load_model
 from speculative.policy import AdaptiveK, FixedK
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
@@ -69,7 +69,7 @@ class Pair:
     target: str
     draft: str  # "" = no draft model: the n-gram drafter
     prompts: tuple[str, ...]
-    quantization: str = "none"  # the draft model's (speculative/quantization.py)
+    quantization: str = "none"  # the draft model's (model_runtime/quantization.py)
 
     @property
     def drafter(self) -> str:

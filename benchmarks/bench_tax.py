@@ -34,10 +34,10 @@ from benchmarks.bench_load import LOAD_PROMPTS
 from benchmarks.bench_suite import Run, hardware, round_order
 from benchmarks.prompts import PROMPTS
 from launcher.cluster import Cluster, parse_args, start_system
+from model_runtime.loading import load_model
 from service_common.server import freeze_startup_heap
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import load_model
 from speculative.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent

@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_check [--out DIR]      # on a CUDA machine, about 5-7 minutes
     python -m benchmarks.gpu_check --smoke          # the same steps on a CPU, tiny sizes, fp32
 
-Nothing is downloaded: the models are `random:SHAPE:SEED` (speculative/tiny.py), random
+Nothing is downloaded: the models are `random:SHAPE:SEED` (model_runtime/tiny.py), random
 weights with the real sizes of Qwen2.5 7B (the target) and 1.5B (a draft), bf16 on
 CUDA, with the byte tokenizer. A pass's time depends on the shape, not on the values.
 Measured, in this order (a time budget, --budget-s, drops the optional parts last):
@@ -12,7 +12,7 @@ Measured, in this order (a time budget, --budget-s, drops the optional parts las
    new tokens, through `ModelSession` (the path the target worker's passes take),
    CUDA synchronised around each pass, median of repeats; the 1.5B too;
 2. a draft's time per token (width-1 passes, as a draft worker runs them) for each
-   quantization scheme of speculative/quantization.py, with its greedy agreement with
+   quantization scheme of model_runtime/quantization.py, with its greedy agreement with
    the unquantized model (teacher-forced: the share of positions where the quantized
    model picks the unquantized one's token, what a quantized self-draft can accept);
    a scheme that fails (torchao missing, a kernel this GPU lacks) is a row with its
@@ -58,10 +58,10 @@ import torch  # noqa: E402
 
 from benchmarks.prompts import PROMPTS  # noqa: E402
 from launcher.cluster import Cluster, layout, parse_args, start_system  # noqa: E402
+from model_runtime import quantization, tiny  # noqa: E402
+from model_runtime.loading import LoadedModel, load_model  # noqa: E402
+from model_runtime.model_session import ModelSession  # noqa: E402
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc  # noqa: E402
-from speculative import quantization, tiny  # noqa: E402
-from speculative.loading import LoadedModel, load_model  # noqa: E402
-from speculative.model_session import ModelSession  # noqa: E402
 
 SCHEMES = ("none", "int8-dynamic", "int8-weight-only", "int4-weight-only", "fp8")
 ADAPTIVE_MAX_K = 8
@@ -226,7 +226,7 @@ def header(plan: Plan, argv: list[str]) -> list[str]:
         f"- torch {torch.__version__}, transformers {_version('transformers')}, torchao {_version('torchao')}; "
         f"commit {_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}",
         f"- models: target `{plan.target}`, draft `{plan.draft}` (random weights with the real sizes, "
-        f"speculative/tiny.py: a pass's time depends on the shape), {plan.dtype} on {plan.device}",
+        f"model_runtime/tiny.py: a pass's time depends on the shape), {plan.dtype} on {plan.device}",
     ]
 
 
@@ -376,7 +376,7 @@ def scheme_lines(plan: Plan, timings: dict[str, dict[str, SchemeRow]]) -> list[s
     lines = [f"## 2. {TITLES[2]}", "",
              f"Width-1 passes after a {plan.prompt_tokens}-token prompt, median of {plan.decode_tokens} after 3 "
              "untimed (synchronised around each), quantized by `load_model(..., quantize=SCHEME)` "
-             "(speculative/quantization.py; on CUDA through torchao), output layer quantized too. Agreement: "
+             "(model_runtime/quantization.py; on CUDA through torchao), output layer quantized too. Agreement: "
              "the share of positions where the quantized model's greedy token is the unquantized model's "
              "(teacher-forced on the unquantized model's tokens): what a quantized self-draft can accept.", "",
              "| model | scheme | ms / token | vs none | agreement with none | load + quantize | error |",

@@ -45,7 +45,7 @@ def record(args) -> None:
     import torch
     from transformers import DynamicCache
 
-    from speculative.loading import load_model
+    from model_runtime.loading import load_model
 
     torch.set_num_threads(1)
     loaded_target, loaded_draft = (load_model(name) for name in PAIR)
@@ -93,7 +93,7 @@ def record_branches(args) -> None:
     torch thread, median of repeats)."""
     import torch
 
-    from speculative.loading import load_model
+    from model_runtime.loading import load_model
 
     torch.set_num_threads(1)
     loaded = load_model(PAIR[1])

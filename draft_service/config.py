@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_runtime.quantization import NONE as NO_QUANTIZATION
+from model_runtime.quantization import check_scheme
 from service_common.options import RegistryConfig, ServerConfig, TelemetryConfig
 from service_common.server import advertised_address, default_worker_id
 from speculative.drafter_base import DEFAULT_DRAFT_TOP_K
 from speculative.errors import InvalidArgument
 from speculative.limits import validate_num_speculative_tokens
-from speculative.quantization import NONE as NO_QUANTIZATION
-from speculative.quantization import check_scheme
 
 ENV_PREFIX = "DRAFT"
 
@@ -32,7 +32,7 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # fp32 keeps the draft's greedy proposals deterministic on CPU; "bfloat16" on GPUs
     # halves memory (drafts only change speed, never the output).
     dtype: str = "float32"
-    # The draft model's linears (speculative/quantization.py): a draft's numerics change
+    # The draft model's linears (model_runtime/quantization.py): a draft's numerics change
     # acceptance, never the output, and "int8-dynamic" drafts 2.5x faster on x86 CPUs.
     quantization: str = NO_QUANTIZATION
     # Leave the output layer unquantized: it picks the token, so acceptance may be

@@ -1,6 +1,6 @@
 """The draft worker's small model, started: loaded and warmed up on its compute thread,
 where every forward pass of the model then runs, the drafting steps of all sessions
-batched into one pass per step (speculative/step_scheduler.py).
+batched into one pass per step (model_runtime/step_scheduler.py).
 
 The one module of the draft worker that imports torch and transformers: the server
 imports it only when the worker has a model (`--model`), so that a worker serving the
@@ -13,12 +13,12 @@ import logging
 from dataclasses import dataclass
 
 from draft_service.config import DraftConfig
-from speculative import warmup
+from model_runtime import warmup
+from model_runtime.host_memory import fix_mmap_threshold
+from model_runtime.loading import LoadedModel, configure_threads, load_model
+from model_runtime.step_scheduler import StepScheduler
 from speculative.drafter_base import DEFAULT_DRAFT_TOP_K
 from speculative.drafters import ModelDrafter
-from speculative.host_memory import fix_mmap_threshold
-from speculative.loading import LoadedModel, configure_threads, load_model
-from speculative.step_scheduler import StepScheduler
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from speculative.types import MODEL, NGRAM, NGRAM_THEN_MODEL, SamplingParams, ch
 
 if TYPE_CHECKING:
     from draft_service.draft_model import DraftModel
+    from model_runtime.step_scheduler import StepScheduler
     from speculative.drafters import ModelDraftSession
-    from speculative.step_scheduler import StepScheduler
 
 WITH_MODEL = (MODEL, NGRAM_THEN_MODEL)  # the drafters that run the worker's model
 

@@ -42,9 +42,7 @@ from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.types import SamplingParams, Verdict, VerifyResult
 
 if TYPE_CHECKING:
-    from speculative.sampling import (
-        SparseProbs,  # only a model drafter's proposals carry them
-    )
+    from speculative.sampling import SparseProbs  # only a model drafter's proposals carry them
 
 log = logging.getLogger(__name__)
 

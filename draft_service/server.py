@@ -14,13 +14,13 @@ from service_common import config as config_flags
 from service_common import server as common_server
 from service_common import telemetry
 from service_common.logs import configure_logging
-from service_common.security import tls_of
 from service_common.registry import create_worker_service
+from service_common.security import tls_of
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from speculative.errors import SpeculativeError
 
 if TYPE_CHECKING:
-    from speculative.loading import LoadedModel
+    from model_runtime.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 

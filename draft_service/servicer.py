@@ -17,13 +17,13 @@ from draft_service.drafting import Drafters, apply_settings, prefill
 from draft_service.remote_verifier import RemoteVerifier, TargetConnections
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
+from model_runtime.fingerprint import ANY_VOCABULARY
 from service_common import telemetry
 from service_common.convert import model_info
 from service_common.deadlines import Deadline, bounded, time_remaining
 from service_common.status import Unavailable, rpc_errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from speculative.errors import InvalidArgument, StaleProposal
-from speculative.fingerprint import ANY_VOCABULARY
 from speculative.policy import AdaptiveK
 from speculative.types import MODEL
 

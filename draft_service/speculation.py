@@ -26,15 +26,11 @@ from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters, DraftSettings
 from draft_service.remote_verifier import RemoteVerifier, TargetInfo
 from draft_service.sessions import SessionEntry
+from model_runtime.fingerprint import check_compatible
 from service_common import telemetry
-from service_common.convert import (
-    FINISH_REASON_TO_PROTO,
-    round_stats_to_proto,
-    sampling_from_proto,
-)
+from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
 from specdec.v1 import draft_pb2
 from speculative.errors import InvalidArgument, ResourceExhausted, StaleProposal
-from speculative.fingerprint import check_compatible
 from speculative.limits import validate_num_speculative_tokens
 from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.prompt_lookup import LookupStop

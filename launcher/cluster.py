@@ -20,12 +20,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-
+from model_runtime.quantization import SELF_QUANTIZATION, resolve_draft
 from service_common.security import Tls, TlsFiles, write_throwaway_pki
 from service_common.server import channel
-from speculative.quantization import SELF_QUANTIZATION, resolve_draft
-
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 # How often a wait looks again: a server is seen within this of serving (the channels'
 # reconnect backoff is capped too, service_common/server.py CHANNEL_OPTIONS).
@@ -136,7 +134,7 @@ def parse_args(argv):
                         help="model for the 'model' drafter; 'self' = the target's own weights, quantized; "
                              "empty = n-gram only")
     parser.add_argument("--draft-quantization", default="",
-                        help="the draft model's linears (speculative/quantization.py: none, int8-dynamic, ...); "
+                        help="the draft model's linears (model_runtime/quantization.py: none, int8-dynamic, ...); "
                              f"empty = {SELF_QUANTIZATION} for a 'self' draft, none otherwise")
     parser.add_argument("--draft-keep-output-layer", action="store_true",
                         help="leave the draft model's output layer unquantized")

@@ -26,12 +26,12 @@ from pathlib import Path
 import grpc
 from tokenizers import Tokenizer
 
+from model_runtime.fingerprint import tokenizer_fingerprint
+from orchestrator.chat_template import render_chat_template
+from orchestrator.workers import WorkerPool
 from service_common.server import freeze_startup_heap
 from service_common.status import FailedPrecondition, Unavailable
 from specdec.v1 import target_pb2
-from speculative.fingerprint import tokenizer_fingerprint
-from orchestrator.chat_template import render_chat_template
-from orchestrator.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def load_tokenizer_override(name: str):
         return ServedTokenizer.from_directory(path)
     if path.is_file() and path.suffix == ".json":
         return ServedTokenizer(path.read_text())
-    from speculative.loading import load_tokenizer  # imports transformers: only for this override
+    from model_runtime.loading import load_tokenizer  # imports transformers: only for this override
 
     return load_tokenizer(name)
 

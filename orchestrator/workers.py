@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from model_runtime.fingerprint import check_compatible
 from service_common.registry import WorkerRegistry
 from service_common.security import Tls
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from speculative.errors import SpeculativeError
-from speculative.fingerprint import check_compatible
 from speculative.types import NGRAM
 
 log = logging.getLogger(__name__)

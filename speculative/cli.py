@@ -11,13 +11,13 @@ import sys
 import threading
 import time
 
+from model_runtime.loading import DEFAULT_MODEL, DTYPES, configure_threads, load_model
+from model_runtime.quantization import SCHEMES, SELF_QUANTIZATION, resolve_draft
 from speculative.drafters import ModelDrafter
 from speculative.errors import SpeculativeError
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import DEFAULT_MODEL, DTYPES, configure_threads, load_model
 from speculative.policy import AdaptiveK
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
-from speculative.quantization import SCHEMES, SELF_QUANTIZATION, resolve_draft
 from speculative.sampling import SamplingParams
 
 

@@ -14,20 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from speculative.drafter_base import (
-    DEFAULT_DRAFT_TOP_K,
-    Drafter,
-    DraftSession,
-    Proposal,
-)
-from speculative.loading import LoadedModel
-from speculative.model_session import ForwardSteps, ModelSession, run_alone
-from speculative.sampling import (
-    SamplingParams,
-    SparseProbs,
-    logits_to_probs,
-    make_generator,
-)
+from model_runtime.loading import LoadedModel
+from model_runtime.model_session import ForwardSteps, ModelSession, run_alone
+from speculative.drafter_base import DEFAULT_DRAFT_TOP_K, Drafter, DraftSession, Proposal
+from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
 
 
 def draft_seed(seed: int | None) -> int | None:

@@ -10,11 +10,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from model_runtime.fingerprint import check_compatible
+from model_runtime.loading import LoadedModel
 from speculative.drafter_base import Drafter, DraftSession
 from speculative.errors import StaleProposal
-from speculative.fingerprint import check_compatible
 from speculative.limits import validate_num_speculative_tokens
-from speculative.loading import LoadedModel
 from speculative.policy import AdaptiveK, FixedK, MeasuredCosts, SpeculationPolicy
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams

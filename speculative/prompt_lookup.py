@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from model_runtime.fingerprint import ANY_VOCABULARY
 from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.errors import InvalidArgument
-from speculative.fingerprint import ANY_VOCABULARY
 from speculative.limits import MAX_SPECULATIVE_TOKENS
 from speculative.types import NGRAM, SamplingParams
 

@@ -4,7 +4,7 @@
 generator calls directly. Target-only decoding is the same call with no draft tokens.
 
 Each call that needs the model comes in two forms: `verify(...)` runs its pass alone;
-`verify_steps(...)` is the same work as ForwardSteps (speculative.model_session), so
+`verify_steps(...)` is the same work as ForwardSteps (model_runtime.model_session), so
 that the target worker's step scheduler runs its pass batched with other sessions'.
 The session's decision, sampling generator and rollback are the same either way.
 """
@@ -16,9 +16,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from model_runtime.loading import LoadedModel
+from model_runtime.model_session import ForwardSteps, ModelSession, run_alone
 from speculative.errors import InvalidArgument, StaleProposal
-from speculative.loading import LoadedModel
-from speculative.model_session import ForwardSteps, ModelSession, run_alone
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.rejection import check_draft_probs, check_draft_tokens, verify_greedy, verify_sampled
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import logging
 
-from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from speculative.errors import SpeculativeError
-from speculative.step_scheduler import StepScheduler
-from speculative.loading import LoadedModel, configure_threads, load_model
-from speculative import warmup
-from speculative.host_memory import fix_mmap_threshold
+from model_runtime import warmup
+from model_runtime.host_memory import fix_mmap_threshold
+from model_runtime.loading import LoadedModel, configure_threads, load_model
+from model_runtime.step_scheduler import StepScheduler
 from service_common import server as common_server
 from service_common import telemetry
 from service_common.config import parse
 from service_common.convert import model_info
 from service_common.logs import configure_logging
 from service_common.registry import create_worker_service
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from speculative.errors import SpeculativeError
 from target_service.admission import Admission
 from target_service.config import ENV_PREFIX, TargetConfig
 from target_service.servicer import TargetServicer
@@ -31,7 +31,7 @@ def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None)
     With config.redis_url the worker joins the target pool once it serves."""
     fix_mmap_threshold()  # steps of ever-changing sizes must not fragment the heap
     # The model is loaded, and every forward pass run, on one thread: the step
-    # scheduler, which batches the work of all sessions (speculative/step_scheduler.py).
+    # scheduler, which batches the work of all sessions (model_runtime/step_scheduler.py).
     admission = Admission(config.max_running, config.max_queued)
     compute = StepScheduler(max_batch_tokens=config.max_batch_tokens, name="target-compute",
                             expected_jobs=lambda: admission.load().running, prefill_share=config.prefill_share)

@@ -2,7 +2,7 @@
 
 The logic lives in `speculative.target.TargetSession` (verification, rollback),
 `target_service.sessions.SessionCache` (budget, eviction, locks), the step scheduler
-that batches every session's forward passes (speculative.step_scheduler) and
+that batches every session's forward passes (model_runtime.step_scheduler) and
 `target_service.admission.Admission` (how many calls run at once); every handler maps
 the core's errors to gRPC statuses through `rpc_errors`.
 
@@ -26,19 +26,24 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from speculative.prompt_lookup import LookupRounds, LookupStop
-from speculative.errors import InvalidArgument, StaleProposal
-from speculative.model_session import Emit, ForwardSteps
-from speculative.sampling import SamplingParams
-from speculative.step_scheduler import StepLoad
-from speculative.target import TargetSession, VerifyResult
-from service_common.convert import (NEXT_TOKEN_KIND_TO_PROTO, lookup_rounds_from_proto, lookup_stop_from_proto,
-                                    sampling_from_proto, sparse_from_proto)
+from model_runtime.loading import LoadedModel
+from model_runtime.model_session import Emit, ForwardSteps
+from model_runtime.step_scheduler import StepLoad
 from service_common import telemetry
+from service_common.convert import (
+    NEXT_TOKEN_KIND_TO_PROTO,
+    lookup_rounds_from_proto,
+    lookup_stop_from_proto,
+    sampling_from_proto,
+    sparse_from_proto,
+)
 from service_common.deadlines import time_remaining
 from service_common.status import FailedPrecondition, rpc_errors
-from speculative.loading import LoadedModel
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from speculative.errors import InvalidArgument, StaleProposal
+from speculative.prompt_lookup import LookupRounds, LookupStop
+from speculative.sampling import SamplingParams
+from speculative.target import TargetSession, VerifyResult
 from target_service.admission import Admission
 from target_service.sessions import SessionCache
 

@@ -14,7 +14,7 @@ Locks, always taken in this order, never the other way:
    never released under a forward pass. A caller waits for victims' locks while holding
    no session lock, except `open`, whose victims are all older than its new session:
    such waits cannot form a cycle.
-3. The model's `StepScheduler` (speculative/step_scheduler.py): every forward pass runs
+3. The model's `StepScheduler` (model_runtime/step_scheduler.py): every forward pass runs
    on its thread, the work of every session that has some batched into one pass per
    step. A caller holds its session's lock while its work waits for and runs in a
    step, so a session has at most one job in the scheduler.
@@ -27,18 +27,17 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from speculative.errors import InvalidArgument, NotFound, ResourceExhausted
-from speculative.loading import LoadedModel
-from speculative.sampling import SamplingParams
-from speculative.step_scheduler import StepLoad, StepScheduler
-from speculative.target import TargetSession, check_prompt
+from model_runtime.loading import LoadedModel
+from model_runtime.step_scheduler import StepLoad, StepScheduler
 from service_common.status import AlreadyExists
+from speculative.errors import InvalidArgument, NotFound, ResourceExhausted
+from speculative.sampling import SamplingParams
+from speculative.target import TargetSession, check_prompt
 
 log = logging.getLogger(__name__)
 

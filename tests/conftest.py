@@ -13,7 +13,7 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from speculative.loading import LoadedModel, load_tiny_model  # noqa: E402
+from model_runtime.loading import LoadedModel, load_tiny_model  # noqa: E402
 
 # Tiny models run ~3x faster on one thread: their matrices are too small to split, and
 # the tests' cost is per-call overhead.

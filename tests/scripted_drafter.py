@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from model_runtime.fingerprint import ANY_VOCABULARY
 from speculative.drafter_base import Drafter, DraftSession, Proposal
-from speculative.fingerprint import ANY_VOCABULARY
 from speculative.sampling import SamplingParams
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from model_runtime.fingerprint import tokenizer_fingerprint
+from model_runtime.loading import LoadedModel, load_model
 from speculative.drafters import ModelDrafter
 from speculative.errors import IncompatibleModels, InvalidArgument, NotFound
-from speculative.fingerprint import tokenizer_fingerprint
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import LoadedModel, load_model
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 

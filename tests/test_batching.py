@@ -13,11 +13,11 @@ import threading
 import pytest
 import torch
 
-from speculative.batched_forward import Segment, SequenceKV, forward_segments
+from model_runtime.batched_forward import Segment, SequenceKV, forward_segments
+from model_runtime.model_session import ModelSession
+from model_runtime.step_scheduler import StepScheduler, fit_step_cost
 from speculative.errors import StaleProposal
-from speculative.model_session import ModelSession
 from speculative.sampling import SamplingParams, SparseProbs
-from speculative.step_scheduler import StepScheduler, fit_step_cost
 from speculative.target import TargetSession
 
 GREEDY = SamplingParams(max_new_tokens=64)
@@ -60,7 +60,7 @@ def test_a_wide_step_runs_padded_and_each_row_stays_its_own(tiny_target):
     """A step wider than EXACT_ROWS runs at padded_rows' width (fewer widths for
     oneDNN to build kernels for): the padding rows touch no cache and give no logits,
     and every segment's logits and cache equal those of the step run unpadded."""
-    import speculative.batched_forward as batched_forward
+    import model_runtime.batched_forward as batched_forward
 
     model = tiny_target.model
     prompts = [[(7 * i + j) % 250 for i in range(n)] for j, n in enumerate((70, 3, 9))]  # 82 rows: 88 padded
@@ -282,7 +282,7 @@ def test_each_job_decides_on_its_own_rows_of_the_batched_logits(tiny_target, mon
     """Crafted logits: the batched pass is replaced by one whose logits name, for every
     position, a token derived from the session and the position. Each job's verdict must
     be verify_greedy on its own rows, whatever else ran in the step."""
-    import speculative.step_scheduler as step_scheduler
+    import model_runtime.step_scheduler as step_scheduler
     from speculative.rejection import verify_greedy
 
     vocab = tiny_target.vocab_size
@@ -323,7 +323,7 @@ def test_each_job_decides_on_its_own_rows_of_the_batched_logits(tiny_target, mon
 
 
 def test_a_step_waits_only_for_callers_expected_back_within_its_window():
-    from speculative.step_scheduler import _Turnarounds
+    from model_runtime.step_scheduler import _Turnarounds
 
     ms = 1_000_000
     turnarounds = _Turnarounds()
@@ -358,7 +358,7 @@ def test_the_step_cost_tells_tokens_with_logits_from_prefill_tokens():
 
 
 def _waiting_job(token_ids: list[int], num_logits: int, fill: bool = False):
-    from speculative.step_scheduler import _Job
+    from model_runtime.step_scheduler import _Job
 
     job = _Job(iter(()))
     job.segment = Segment(None, 0, token_ids, num_logits, fill)
@@ -369,7 +369,7 @@ def test_prefill_lengthens_a_step_with_decoding_sessions_by_at_most_its_share():
     """Stall-free batching: beside 8 decode steps (fitted at 30 + 5 each = 70 ms) a
     prompt's chunk may add a quarter of that (17.5 ms at 1 ms a prefill token); alone,
     or while the price of a prefill token is unknown, it takes the whole budget."""
-    from speculative.step_scheduler import StepCost
+    from model_runtime.step_scheduler import StepCost
 
     ms = 1_000_000
     scheduler = StepScheduler(None, max_batch_tokens=512, prefill_share=0.25)
@@ -400,7 +400,7 @@ def test_prefill_lengthens_a_step_with_decoding_sessions_by_at_most_its_share():
 
 def _decode_stream(target: TargetSession, num_tokens: int):
     """A streaming job: num_tokens tokens decoded alone, each emitted as it comes."""
-    from speculative.model_session import Emit
+    from model_runtime.model_session import Emit
 
     for _ in range(num_tokens):
         result = yield from target.verify_steps(target.length, [])
@@ -411,7 +411,7 @@ def test_a_streaming_job_is_in_every_step_until_it_ends(tiny_target, monkeypatch
     """Decode runs stay in the steps: from its first step to its last, a run is in every
     step, and a session doing rounds beside them (one job per round) changes none of
     their tokens."""
-    import speculative.step_scheduler as step_scheduler
+    import model_runtime.step_scheduler as step_scheduler
 
     steps = []  # per step, the caches its segments belong to
     real_forward = step_scheduler.forward_segments

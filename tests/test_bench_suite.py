@@ -9,7 +9,17 @@ from collections import Counter
 import pytest
 
 from benchmarks.bench_suite import (
-    HF_ASSISTED, Run, against_hindsight, against_reference, measure, paired_ratio, round_order, runs_as_json, service_delays, table)
+    HF_ASSISTED,
+    Run,
+    against_hindsight,
+    against_reference,
+    measure,
+    paired_ratio,
+    round_order,
+    runs_as_json,
+    service_delays,
+    table,
+)
 
 
 def test_repeats_are_interleaved_rotated_and_reversed():

@@ -1,11 +1,11 @@
-"""speculative.loading's chunked GGUF packages (the Qwen pair), on fake part packages:
+"""model_runtime.loading's chunked GGUF packages (the Qwen pair), on fake part packages:
 the parts concatenate in package order, once, and a missing part names the install."""
 
 from __future__ import annotations
 
 import pytest
 
-from speculative import loading
+from model_runtime import loading
 from speculative.errors import NotFound
 
 PARTS = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3]

@@ -184,8 +184,8 @@ runpy.run_module("orchestrator", run_name="__main__", alter_sys=True)
 def test_an_orchestrator_without_model_files_serves_a_generation(tmp_path):
     import os
 
+    from model_runtime.loading import load_model
     from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-    from speculative.loading import load_model
     from tests.tiny_gguf import write_tiny_gguf
 
     model = write_tiny_gguf(tmp_path / "model.gguf")
@@ -239,12 +239,12 @@ def test_an_orchestrator_without_model_files_serves_a_generation(tmp_path):
 
 def test_warm_up_is_kept_where_it_pays(tiny_target):
     """Measured: on a CPU the first pass of each width costs what later ones do, and
-    warming up took 5-31 s of a worker's start (speculative/warmup.py)."""
+    warming up took 5-31 s of a worker's start (model_runtime/warmup.py)."""
     from types import SimpleNamespace
 
     import torch
 
-    from speculative import warmup
+    from model_runtime import warmup
 
     assert not warmup.pays_off(tiny_target)
     assert warmup.pays_off(SimpleNamespace(device=torch.device("cuda", 0)))

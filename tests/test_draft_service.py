@@ -28,17 +28,11 @@ from draft_service.server import create_server as create_draft_server
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
 from launcher.delay_proxy import DelayProxy
+from model_runtime.fingerprint import ANY_VOCABULARY
 from orchestrator.generation import token_sources
-from specdec.v1 import (
-    common_pb2,
-    draft_pb2,
-    draft_pb2_grpc,
-    target_pb2,
-    target_pb2_grpc,
-)
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from speculative.drafters import ModelDrafter
 from speculative.errors import IncompatibleModels, NotFound
-from speculative.fingerprint import ANY_VOCABULARY
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import AdaptiveK, MeasuredCosts
 from speculative.prompt_lookup import LookupStop, LookupThenModelDrafter, NgramDrafter

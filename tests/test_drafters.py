@@ -9,11 +9,7 @@ import pytest
 
 from speculative.drafters import ModelDrafter
 from speculative.errors import InvalidArgument
-from speculative.prompt_lookup import (
-    LookupThenModelDrafter,
-    NgramDrafter,
-    lookup_continuation,
-)
+from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter, lookup_continuation
 from speculative.sampling import SamplingParams
 
 

@@ -30,12 +30,14 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from hypothesis import given, strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from google.protobuf import descriptor as pb_descriptor
 from google.protobuf import message_factory
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, target_pb2, target_pb2_grpc
+from model_runtime.step_scheduler import FORGET_AFTER_NS, _Turnarounds
+from model_runtime.tiny import TINY_VOCAB_SIZE
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Generation
 from orchestrator.store import InMemorySessionStore
@@ -43,9 +45,8 @@ from orchestrator.text import TextAssembler
 from orchestrator.workers import Worker
 from service_common.auth import ApiGate
 from service_common.limits import CallLimits
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import NotFound
-from speculative.step_scheduler import FORGET_AFTER_NS, _Turnarounds
-from speculative.tiny import TINY_VOCAB_SIZE
 from tests.fuzzing import DOCUMENTED, Code, Reference, Tally, fuzz_settings, methods_of, raw_method
 from tests.system import LocalSystem
 

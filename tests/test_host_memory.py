@@ -1,4 +1,4 @@
-"""glibc's fixed mmap threshold (speculative.host_memory): passes of ever-changing
+"""glibc's fixed mmap threshold (model_runtime.host_memory): passes of ever-changing
 widths must not grow a worker's resident memory."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 PASSES = """
 import sys
 import torch
-from speculative.host_memory import fix_mmap_threshold
+from model_runtime.host_memory import fix_mmap_threshold
 if sys.argv[1] == "fixed":
     assert fix_mmap_threshold()
 torch.set_num_threads(1)

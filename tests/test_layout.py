@@ -1,7 +1,7 @@
 """The layout's rules, checked on the source: who may import whom, and links that resolve.
 
-Import rules (docs/architecture.md): the core (`speculative/`) knows nothing of gRPC or
-the protocol; the workers share only the common and their own contracts, never the
+Import rules (docs/architecture.md): the core (`speculative/`, the algorithm, and
+`model_runtime/`, the models it runs on) knows nothing of gRPC or the protocol; the workers share only the common and their own contracts, never the
 orchestrator's; tests and benchmarks start systems through `launcher.cluster`, never
 through the command module `launcher.__main__`; the orchestrator and the draft worker
 without a model import neither torch nor transformers when they start.
@@ -45,6 +45,7 @@ def violations(folders: tuple[str, ...], forbidden: re.Pattern) -> list[str]:
 RULES = [
     (("target_service", "draft_service", "service_common"), r"specdec\.v1\.orchestrator_pb2(_grpc)?"),
     (("speculative",), r"(grpc|specdec|service_common|orchestrator|target_service|draft_service)(\..*)?"),
+    (("model_runtime",), r"(grpc|specdec|service_common|orchestrator|target_service|draft_service)(\..*)?"),
     (("tests", "benchmarks"), r"launcher\.__main__(\..*)?"),
 ]
 

@@ -1,4 +1,4 @@
-"""speculative.model_cache: a GGUF model converted once into the cache, mapped afterwards.
+"""model_runtime.model_cache: a GGUF model converted once into the cache, mapped afterwards.
 
 On a tiny Llama written as a GGUF file (tests/tiny_gguf.py), each test with a cache
 directory of its own: the converted weights, tokenizer and chat template equal what
@@ -23,9 +23,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from speculative import model_cache
-from speculative.fingerprint import tokenizer_fingerprint
-from speculative.loading import load_model, load_tokenizer, resolve_model_source
+from model_runtime import model_cache
+from model_runtime.fingerprint import tokenizer_fingerprint
+from model_runtime.loading import load_model, load_tokenizer, resolve_model_source
 from tests.conftest import PROMPTS
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -137,7 +137,7 @@ def test_the_content_hash_is_remembered_until_the_file_changes(cache, tiny_gguf,
 
 def test_two_first_loads_at_once_convert_once_and_both_load_it(cache, tiny_gguf):
     """Two worker processes on one host start with an empty cache."""
-    script = ("import logging, sys; from speculative.loading import load_model; logging.basicConfig(level='INFO'); "
+    script = ("import logging, sys; from model_runtime.loading import load_model; logging.basicConfig(level='INFO'); "
               "m = load_model(sys.argv[1], pack_cpu_linears=False); "
               "print(float(sum(p.double().sum() for p in m.model.parameters())))")
     env = {**os.environ, "SPECULATIVE_MODEL_CACHE": str(cache), "PYTHONPATH": str(REPO_ROOT)}

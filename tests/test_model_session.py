@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model_runtime.model_session import ModelSession
 from speculative.errors import InvalidArgument
-from speculative.model_session import ModelSession
 
 
 def _full_logits(loaded, token_ids) -> torch.Tensor:
@@ -86,7 +86,7 @@ def test_release_frees_the_cache_and_keeps_the_tokens(tiny_target, prompt_ids):
 
 
 def test_warm_up_runs_every_width_and_leaves_the_model_as_it_was(tiny_target):
-    from speculative.warmup import warm_up
+    from model_runtime.warmup import warm_up
 
     ids = [5, 6, 7, 8]
     session = ModelSession(tiny_target.model, tiny_target.context_length)

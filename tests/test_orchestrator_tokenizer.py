@@ -3,8 +3,8 @@ start-up froze out of the garbage collector's reach, where start-up froze it."""
 
 import gc
 
+from model_runtime.loading import TINY_PREFIX
 from orchestrator.tokenizer import TargetTokenizer
-from speculative.loading import TINY_PREFIX
 
 
 def _walked_by_a_full_collection(obj) -> bool:
@@ -41,12 +41,12 @@ import grpc  # noqa: E402
 import jinja2  # noqa: E402
 import pytest  # noqa: E402
 
+from model_runtime import tiny  # noqa: E402
+from model_runtime.fingerprint import tokenizer_fingerprint  # noqa: E402
+from model_runtime.loading import load_tokenizer  # noqa: E402
 from orchestrator.tokenizer import ServedTokenizer, load_tokenizer_override  # noqa: E402
 from service_common.status import FailedPrecondition, Unavailable  # noqa: E402
 from specdec.v1 import target_pb2, target_pb2_grpc  # noqa: E402
-from speculative import tiny  # noqa: E402
-from speculative.fingerprint import tokenizer_fingerprint  # noqa: E402
-from speculative.loading import load_tokenizer  # noqa: E402
 from target_service.servicer import served_tokenizer  # noqa: E402
 from tests.conftest import PROMPTS  # noqa: E402
 

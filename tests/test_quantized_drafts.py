@@ -1,4 +1,4 @@
-"""Quantized drafts (speculative/quantization.py): a draft's numerics change acceptance,
+"""Quantized drafts (model_runtime/quantization.py): a draft's numerics change acceptance,
 never the output. Greedy equality with target-only for every CPU scheme and k, the
 sampled chi-square test with a quantized draft, and clear refusals."""
 
@@ -8,19 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from speculative import quantization
+from model_runtime import quantization
+from model_runtime.loading import load_model
 from speculative.drafters import ModelDrafter
 from speculative.errors import InvalidArgument
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import load_model
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from tests.test_greedy_equivalence import GREEDY, _check_all
-from tests.test_sampled_generation import (
-    NUM_RUNS,
-    _chi_square_p_value,
-    _exact_target_distribution,
-    _sample_runs,
-)
+from tests.test_sampled_generation import NUM_RUNS, _chi_square_p_value, _exact_target_distribution, _sample_runs
 
 ALPHA = 1e-3
 CPU_SCHEMES = [name for name, scheme in quantization.SCHEMES.items() if scheme.cpu not in (None, "none")]

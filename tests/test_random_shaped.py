@@ -1,4 +1,4 @@
-"""Random models with a published model's shape (`random:SHAPE[:SEED]`, speculative/tiny.py)
+"""Random models with a published model's shape (`random:SHAPE[:SEED]`, model_runtime/tiny.py)
 and the GPU check that uses them (benchmarks/gpu_check.py), on the CPU: the real shapes
 on the meta device (no memory), seeded weights on the tiny shape, the byte tokenizer
 over a 151936-wide vocabulary, greedy exactness, and the check's --smoke run end to end."""
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
+from model_runtime import tiny
+from model_runtime.loading import load_model, load_tokenizer
+from model_runtime.model_session import ModelSession
 from orchestrator.tokenizer import ServedTokenizer
-from speculative import tiny
 from speculative.drafters import ModelDrafter
 from speculative.errors import InvalidArgument, NotFound
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import load_model, load_tokenizer
-from speculative.model_session import ModelSession
 from target_service.servicer import served_tokenizer
 from tests.test_greedy_equivalence import GREEDY
 

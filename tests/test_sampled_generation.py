@@ -12,19 +12,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from model_runtime.step_scheduler import StepScheduler
 from speculative import rejection
 from speculative.drafters import ModelDrafter
 from speculative.generator import LocalVerifier, SpeculativeGenerator
 from speculative.policy import FixedK
-from speculative.prompt_lookup import (
-    LookupRounds,
-    LookupStop,
-    LookupThenModelDrafter,
-    NgramDrafter,
-)
+from speculative.prompt_lookup import LookupRounds, LookupStop, LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams, logits_to_probs
 from speculative.speculation_loop import speculation_rounds
-from speculative.step_scheduler import StepScheduler
 from speculative.target import TargetSession
 from tests.scripted_drafter import counting_proposals
 

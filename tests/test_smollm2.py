@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model_runtime.loading import load_model
 from speculative.generator import SpeculativeGenerator
-from speculative.loading import load_model
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
+from model_runtime.batched_forward import forward_segments
+from model_runtime.model_session import ModelSession
+from model_runtime.step_scheduler import StepScheduler
 from service_common.server import read_ahead
-from speculative.batched_forward import forward_segments
-from speculative.model_session import ModelSession
 from speculative.sampling import SamplingParams
-from speculative.step_scheduler import StepScheduler
 from speculative.target import TargetSession
 from tests.polling import holds_for
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from speculative import tiny
+from model_runtime import tiny
 
 # Hugging Face parameter names -> GGUF tensor names (llama.cpp's convert script).
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}

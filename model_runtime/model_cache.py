@@ -16,7 +16,7 @@ a reader sees a whole entry or none, and of two processes loading the same model
 first time one converts while the other waits, then maps the result.
 
 The cache directory: SPECULATIVE_MODEL_CACHE, else $XDG_CACHE_HOME/speculative-serving,
-else ~/.cache/speculative-serving. `python -m speculative.model_cache MODEL` fills it
+else ~/.cache/speculative-serving. `python -m model_runtime.model_cache MODEL` fills it
 ahead of time (the container image does so at build time).
 """
 
@@ -179,11 +179,11 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from model_runtime.loading import DTYPES, resolve_model_source
     from speculative.errors import SpeculativeError
-    from speculative.loading import DTYPES, resolve_model_source
 
     parser = argparse.ArgumentParser(
-        prog="python -m speculative.model_cache",
+        prog="python -m model_runtime.model_cache",
         description="Convert GGUF models into the model cache ahead of their first load (e.g. while building an image).")
     parser.add_argument("models", nargs="+", help="packaged model names or .gguf paths")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the dtype the workers will serve")

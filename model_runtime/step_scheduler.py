@@ -1,10 +1,10 @@
 """The target worker's compute thread as a step scheduler: continuous batching.
 
 Every call that needs the model hands its work in as ForwardSteps
-(speculative.model_session): a generator that yields one Segment per forward pass and
+(model_runtime.model_session): a generator that yields one Segment per forward pass and
 decides on the logits it is sent. Each step, the scheduler gathers the next segment of
 every job that has one, up to `max_batch_tokens`, runs them in ONE forward pass
-(speculative.batched_forward), and resumes each job with its logits; a job that
+(model_runtime.batched_forward), and resumes each job with its logits; a job that
 yields again joins a later step. Steps follow one another with no waiting for a batch
 to fill: whatever arrived during a step joins the next.
 
@@ -57,9 +57,9 @@ from typing import NamedTuple, TypeVar
 
 from transformers import PreTrainedModel
 
-from speculative.batched_forward import Segment, forward_segments
+from model_runtime.batched_forward import Segment, forward_segments
+from model_runtime.model_session import Emit, ForwardSteps, run_alone
 from speculative.errors import InvalidArgument
-from speculative.model_session import Emit, ForwardSteps, run_alone
 from speculative.stats import StepLoad
 
 T = TypeVar("T")

