@@ -54,7 +54,7 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
     call = Call(base_len, params, context_length, policy)
     ahead = features.draft_ahead and verifier.overlaps
     proposer = (AheadProposer if ahead else Proposer)(verifier, draft, params)
-    stretches = Stretches(verifier, draft, policy, features.target_lookup) \
+    stretches = Stretches(verifier, proposer, policy, features.target_lookup) \
         if features.stretches and draft is not None else None
     while not call.finished:
         call.start_ns = time.perf_counter_ns()
@@ -62,7 +62,7 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
         if action.stretch and stretches is None:
             action = Action()  # stretches off: a plain target step instead
         if action.stretch and proposer.idle:
-            yield from stretches.run(call, proposer, min(action.stretch, call.room), None, action.lookup_k)
+            yield from stretches.run(call, min(action.stretch, call.room), None, action.lookup_k)
             continue
         # 1. Propose (a proposal sent ahead may already be on its way).
         if proposer.idle and proposer.read_prompt():  # the draft's prefill is no round's cost
@@ -74,7 +74,7 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
             if not sent.proposal.token_ids and stretches is not None:  # a round trip for one token?
                 stretch = stretches.after_empty_turn(call.room)
                 if stretch:  # a lookup drafter's stretch ends where it would propose again
-                    yield from stretches.run(call, proposer, stretch, draft.lookup_stop())
+                    yield from stretches.run(call, stretch, draft.lookup_stop())
                     continue
         # 2. Verify it in one target pass; 3. apply the verdict to the draft; 4. commit.
         proposer.send(sent, action, call.room)

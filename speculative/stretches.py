@@ -32,11 +32,12 @@ if TYPE_CHECKING:
 class Stretches:
     """The stretches of one call."""
 
-    def __init__(self, verifier: Verifier, draft: DraftSession, policy: SpeculationPolicy, target_lookup: bool):
-        self.verifier, self.draft, self.policy = verifier, draft, policy
-        self.free_draft = draft.peek(0) is not None
+    def __init__(self, verifier: Verifier, proposer: Proposer, policy: SpeculationPolicy, target_lookup: bool):
+        self.verifier, self.proposer, self.policy = verifier, proposer, policy
+        self.draft, self.free_draft = proposer.draft, proposer.free_draft
         # The target runs this drafter's rounds itself: a free drafter that looks up.
-        self.lookup_sizes = draft.lookup_stop() if target_lookup and self.free_draft and verifier.runs_lookup else None
+        free_lookup = target_lookup and self.free_draft and verifier.runs_lookup
+        self.lookup_sizes = self.draft.lookup_stop() if free_lookup else None
         if self.lookup_sizes is not None:
             policy.target_runs_lookup()
 
@@ -45,8 +46,7 @@ class Stretches:
         turn = Turn.NOTHING_UNTIL_MATCH if self.draft.lookup_stop() is not None else Turn.NOTHING_PROPOSED
         return min(self.policy.next_action(room, turn).stretch, room)
 
-    def run(self, call: Call, proposer: Proposer, num_tokens: int, until: LookupStop | None,
-            lookup_k: int = 0) -> Iterator:
+    def run(self, call: Call, num_tokens: int, until: LookupStop | None, lookup_k: int = 0) -> Iterator:
         """The target decodes up to num_tokens (ending where prompt lookup with `until`'s
         sizes finds text to copy; verifying up to lookup_k looked-up tokens a pass, where
         it runs lookup); each pass committed through `call`."""
@@ -58,14 +58,14 @@ class Stretches:
             if intervals and not stats.num_drafted:  # the first interval holds the stretch's start
                 solo.append(stats.verify_ns)
             intervals.append(stats.verify_ns)
-            yield from call.commit(result, dataclasses.replace(stats, index=proposer.next_index))
+            yield from call.commit(result, dataclasses.replace(stats, index=self.proposer.next_index))
             if call.finished:
                 if solo:  # what its tokens cost seeds the next call
                     self.policy.observe_solo_tokens(len(solo), sum(solo) // len(solo))
                 return
-        proposer.next_index += 1
+        self.proposer.next_index += 1
         if intervals:
-            proposer.after_stretch()
+            self.proposer.after_stretch()
             token_ns = sum(solo) // len(solo) if solo else intervals[0]
             passes_ns = token_ns + sum(intervals[1:])  # its passes, the first as long as a solo one
             self.policy.observe_stretch(len(solo) + 1, time.perf_counter_ns() - stretch_start, token_ns,
