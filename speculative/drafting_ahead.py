@@ -17,8 +17,7 @@ import time
 
 from speculative.drafter_base import Proposal
 from speculative.policy import Action
-from speculative.proposing import Proposer, Sent, apply_to_draft, round_stats
-from speculative.stats import RoundStats
+from speculative.proposing import Proposer, Sent
 from speculative.types import VerifyResult
 
 
@@ -43,19 +42,15 @@ class AheadProposer(Proposer):
         if action.ahead and not action.stretch:
             self._send_ahead(sent, action.k, room)
 
-    def settle(self, sent: Sent) -> tuple[VerifyResult, RoundStats]:
-        """Receives the verdict on `sent`; the proposal ahead survives when the verdict
-        committed the context it assumed, else it is abandoned and the draft rolls back."""
-        result = self.verifier.receive()
-        now = time.perf_counter_ns()
+    def _ahead_survives(self, sent: Sent, result: VerifyResult) -> bool:
+        """The proposal ahead survives when the verdict on `sent` committed the context it
+        assumed; else it is abandoned (the target discards it) and the draft rolls back."""
         survives = self.ahead is not None and result.committed_len == self.ahead.base_len \
             and result.token_ids[-1] == sent.guess and not result.stopped
         if self.ahead is not None and not survives:
             self.verifier.abandon_last()
             self.ahead = None
-        if not survives:  # else the draft already holds the verdict's tokens, and the proposal ahead
-            apply_to_draft(self.draft, sent.base_len, result)
-        return result, round_stats(sent, result, now)
+        return survives
 
     def _send_ahead(self, current: Sent, k: int, room: int) -> None:
         """Drafts the guess, then up to k tokens after it (not past the room or a stop

@@ -66,8 +66,13 @@ class Proposer:
         """Receives the verdict on `sent` and brings the draft to it."""
         result = self.verifier.receive()
         now = time.perf_counter_ns()
-        apply_to_draft(self.draft, sent.base_len, result)
+        if not self._ahead_survives(sent, result):  # else the draft already holds the verdict's tokens
+            apply_to_draft(self.draft, sent.base_len, result)
         return result, round_stats(sent, result, now)
+
+    def _ahead_survives(self, sent: Sent, result: VerifyResult) -> bool:
+        """Whether a proposal sent beyond `sent` stays valid after its verdict (none here)."""
+        return False
 
     def after_stretch(self) -> None:
         """The draft caught up on a stretch's tokens: its next token costs no pass."""
