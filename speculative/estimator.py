@@ -26,9 +26,9 @@ with the cost model the decision uses (Leviathan et al. 2023, with a per-round d
   until a stretch measured it); o: what starting a stretch costs past its tokens (the
   stretch's round trip, the draft catching up on it; prior 2 R).
 - load: the sessions B sharing the target's steps and the step cost base + per_token T
-  the target fits and reports, which cap k at `worker_k` (read with the measured
-  acceptance, not the hopeful one: on a loaded target a hopeful draft token costs
-  every session of the batch).
+  the target fits and reports, which cap k at `worker_k` (read with HOPE shared by
+  the B sessions: on a loaded target a hopeful draft token costs every session of
+  the batch).
 
 Acceptance is also measured during stretches where drafting is free (prompt lookup):
 what the drafter would have proposed at each point, against the tokens the target
@@ -249,13 +249,16 @@ class CostEstimator:
         """The k (0 = none) at which the target's B sessions, all drafting k, commit the
         most tokens a second: E[tokens](a, k) a round of base + per_token B (k + 1) plus
         R (the round's time away from the target: the session misses steps), against
-        one token a step of base + per_token B decoding alone. a as measured: hope is
-        for exploring, which a loaded worker pays for whole. max_k while the target
+        one token a step of base + per_token B decoding alone. a is read with HOPE / B:
+        hope is for exploring, and a draft token explored on hope costs all B sessions
+        (alone, the call weighs it as its own decision does). max_k while the target
         reports no cost."""
         if not self.step_base_ns and not self.step_token_ns:
             return self.max_k
-        sessions, acceptance = max(self.batch_sessions, 1.0), self.acceptance()
-        depths = self.depth_acceptance()
+        sessions = max(self.batch_sessions, 1.0)
+        hope = HOPE / sessions
+        acceptance = (self.accepted + hope) / (self.trials + hope)
+        depths = self.depth_acceptance(hope)
 
         def rate(k: int) -> float:
             step_ns = self.step_base_ns + self.step_token_ns * sessions * (k + 1)

@@ -98,13 +98,16 @@ def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) ->
     """The target runs a prompt-lookup drafter's rounds inside a stretch: the same
     proposals, without a round trip or drafting each. Its passes verify up to the k
     fastest at that price (R = d = 0), or none where even those rounds lose to decoding
-    alone; the stretch is the longest size (k is chosen again after it), or runs to
-    the end."""
+    alone. Stretches in a row double from `first` to `longest`, k chosen again after
+    each with what its passes and shadow rounds measured (a restart costs a few ms; a
+    call's first k rests on priors alone); a stretch runs to the end where too few
+    tokens would remain."""
     inside = dataclasses.replace(e, overhead_ns=0.0, draft_token_ns=0.0, overlaps=False)
     k = inside.best_k()
     if e.worker_k == 0 or (inside.measured and inside.tokens_per_ns(k) <= inside.tokens_per_ns(0)):
         k = 0
-    return dataclasses.replace(_stretch_unless_last(rules.longest, remaining, least=rules.first), lookup_k=k)
+    size = min(rules.first * 2 ** e.losing_stretches, rules.longest)
+    return dataclasses.replace(_stretch_unless_last(size, remaining, least=rules.first), lookup_k=k)
 
 
 def _round(e: Estimates, k: int) -> Action:
@@ -216,7 +219,8 @@ class AdaptiveK(SpeculationPolicy):
 
     @property
     def measured(self) -> bool:
-        return self.estimator.measured
+        """The call measured the target's passes (rounds, or a stretch's passes)."""
+        return self.estimates().measured
 
     def estimates(self) -> Estimates:
         return self.estimator.estimates()

@@ -25,10 +25,10 @@ def round_(num_drafted, num_accepted, compute_ms, overhead_ms=0.0, draft_ms=0.0,
     return stats, int((draft_ms + compute_ms + overhead_ms) * MS)
 
 
-def streamed(compute_ms, overhead_ms=0.0):
-    """One token of a stretch."""
+def streamed(compute_ms, overhead_ms=0.0, looked_up=0, accepted=0):
+    """One pass of a stretch: one token, or a looked-up proposal verified and accepted."""
     elapsed = int((compute_ms + overhead_ms) * MS)
-    stats = RoundStats(index=0, base_len=0, num_drafted=0, num_accepted=0, num_committed=1,
+    stats = RoundStats(index=0, base_len=0, num_drafted=looked_up, num_accepted=accepted, num_committed=accepted + 1,
                        next_token_kind=NextTokenKind.BONUS, draft_ns=0, verify_ns=elapsed,
                        target_compute_ns=int(compute_ms * MS), streamed=True)
     return stats, elapsed
@@ -197,6 +197,22 @@ def test_the_load_carries_to_the_next_call():
     seeded = CostEstimator(4, costs=earlier.costs())
     assert seeded.worker_k() == 0 and seeded.estimates().stretches_measure
     assert CostEstimator(4).worker_k() == 4  # nothing seen: no cap
+
+
+def test_alone_on_the_target_the_load_cap_hopes_as_the_call_does():
+    """One session (B = 1) pays for its own exploring: before any draft token is
+    measured, the cap reads a with the call's hope, and leaves the deep k the call's
+    own decision takes (steps of 58 ms + 2.4 ms a token: a copying drafter's k = 8
+    costs a third more than one token). At B = 16 the same hope is shared out."""
+    def capped(sessions):
+        stats, elapsed = streamed(60.0)
+        step = StepLoad(0, 60 * MS, sessions, sessions, sessions, 58.0 * MS, 2.4 * MS)
+        estimator = CostEstimator(8)
+        estimator.observe(dataclasses.replace(stats, step=step), elapsed)
+        return estimator
+    alone = capped(1)
+    assert alone.worker_k() >= dataclasses.replace(alone.estimates(), overhead_ns=0.0, worker_k=8).best_k() >= 4
+    assert capped(16).worker_k() < alone.worker_k()
 
 
 def test_a_rounds_time_away_from_the_target_counts_under_load():

@@ -135,6 +135,26 @@ def test_where_the_target_runs_lookup_higher_acceptance_never_lowers_its_k(e, re
         decide(dataclasses.replace(e, acceptance=higher), remaining).lookup_k
 
 
+def test_where_the_target_runs_lookup_stretches_double_and_k_follows_what_they_measured():
+    """A call's first k rests on priors alone, so its first stretch is short; each
+    stretch after it is twice as long, up to the longest, and k is chosen again with
+    what the stretch's passes and shadow rounds measured (a copy that goes on: more)."""
+    policy, rules = AdaptiveK(8), StretchRules()
+    policy.target_runs_lookup()
+    sizes, ks = [], []
+    for _ in range(6):
+        action = policy.next_action(remaining=None)
+        sizes.append(action.stretch)
+        ks.append(action.lookup_k)
+        for _ in range(action.stretch // 8):  # what the stretch measured: copies of 8 that go on
+            policy.observe(*streamed(60.0, looked_up=8, accepted=8))
+            policy.observe_shadow(8, 8)
+        policy.observe_stretch(action.stretch, action.stretch * 60 * MS, 60 * MS)
+    assert sizes == [rules.first * 2 ** i for i in range(4)] + [rules.longest] * 2
+    assert ks[0] < ks[1] <= ks[-1] == 8
+    assert policy.measured  # stretches' passes alone: the worker hands them to the next call
+
+
 @PROPERTY
 @given(estimates(), remaining_tokens)
 def test_rounds_are_chosen_only_where_they_beat_decoding_alone(e, remaining):
