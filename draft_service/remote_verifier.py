@@ -215,7 +215,9 @@ class RemoteVerifier:
     def send(self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
              expected_last_token_id: int | None = None) -> None:
         """Sends one proposal; its verdict comes with receive(), in order."""
-        proposal = self._proposal(base_len, draft_token_ids, draft_probs)
+        proposal = self._proposal(base_len)
+        proposal.draft.CopyFrom(target_pb2.Draft(
+            token_ids=list(draft_token_ids), distributions=[sparse_to_proto(probs) for probs in draft_probs or ()]))
         if expected_last_token_id is not None:
             proposal.expected_last_token_id = expected_last_token_id
         self._put(proposal)
@@ -227,14 +229,14 @@ class RemoteVerifier:
         proposal, _ = self._outstanding.popleft()
         verdict = self._next_verdict()
         self.verdict_bytes = verdict.ByteSize()
-        return self._result(proposal, verdict)
+        return self._result(proposal.round, proposal.base_len, proposal.draft.token_ids, verdict)
 
     def _skip_abandoned(self) -> None:
         """Reads the verdicts of the oldest proposals the loop abandoned: the target must
         have discarded them."""
         while self._outstanding and self._outstanding[0][1]:
             proposal, _ = self._outstanding.popleft()
-            if not self._next_verdict().discarded:
+            if self._next_verdict().WhichOneof("kind") != "discarded":
                 raise RuntimeError(
                     f"target worker at {self.address} applied a proposal at length {proposal.base_len} "
                     "whose context the draft knew to be wrong"
@@ -264,24 +266,22 @@ class RemoteVerifier:
         unread: the stream is then only good for close()."""
         self._skip_abandoned()
         assert not self._outstanding, "a stretch starts with nothing in flight"
-        stretch = target_pb2.Stretch(max_tokens=max_tokens,
-                                     until_lookup=lookup_stop_to_proto(until) if until else None,
-                                     lookup_rounds=lookup_rounds_to_proto(lookup) if lookup else None)
-        proposal = self._proposal(base_len, [], None)
-        proposal.stretch.CopyFrom(stretch)
+        proposal = self._proposal(base_len)
+        proposal.stretch.CopyFrom(target_pb2.Stretch(
+            max_tokens=max_tokens, until_lookup=lookup_stop_to_proto(until) if until else None,
+            lookup_rounds=lookup_rounds_to_proto(lookup) if lookup else None))
         self._put(proposal)
-        while True:
+        while self._outstanding:
             verdict = self._next_verdict()
             self.verdict_bytes = verdict.ByteSize()
-            if verdict.stretch_ended or verdict.discarded:
+            if verdict.WhichOneof("kind") != "stretch_pass" or verdict.stretch_pass.ended:
                 self._outstanding.popleft()
-            # Each pass's verdict is checked as a round from the length before it, of the
-            # looked-up tokens it accepted.
-            result = self._result(target_pb2.Proposal(round=proposal.round, base_len=base_len,
-                                                      draft_token_ids=verdict.accepted_token_ids), verdict)
+            # Each pass is checked as a round from the length before it, of the looked-up
+            # tokens it accepted.
+            stretch_pass = verdict.stretch_pass
+            result = self._result(proposal.round, base_len, stretch_pass.accepted_token_ids, verdict,
+                                  num_drafted=stretch_pass.num_looked_up)
             yield result
-            if not self._outstanding:
-                return
             base_len = result.committed_len
 
     def _open(self) -> None:
@@ -292,12 +292,8 @@ class RemoteVerifier:
         threading.Thread(target=_read_verdicts, args=(self._responses, self._verdicts, self._closed, self.address),
                          name="verify-read", daemon=True).start()
 
-    def _proposal(self, base_len, draft_token_ids, draft_probs) -> target_pb2.Proposal:
-        proposal = target_pb2.Proposal(
-            session_id=self.session_id, round=self.round, base_len=base_len,
-            draft_token_ids=list(draft_token_ids),
-            draft_distributions=[sparse_to_proto(probs) for probs in draft_probs or ()],
-        )
+    def _proposal(self, base_len: int) -> target_pb2.Proposal:
+        proposal = target_pb2.Proposal(session_id=self.session_id, round=self.round, base_len=base_len)
         if self._sampling is not None:
             proposal.sampling.CopyFrom(self._sampling)
             self._sampling = None
@@ -319,42 +315,50 @@ class RemoteVerifier:
         self._received_ns, verdict = item
         return verdict
 
-    def _result(self, proposal: target_pb2.Proposal, verdict: target_pb2.Verdict) -> VerifyResult:
-        """Verdict -> VerifyResult, as speculative.target.TargetSession.verify returns it."""
-        base_len, draft_token_ids = proposal.base_len, list(proposal.draft_token_ids)
-        if verdict.round != proposal.round or verdict.base_len != base_len:
+    def _result(self, round_index: int, base_len: int, proposed: Sequence[int], verdict: target_pb2.Verdict,
+                num_drafted: int | None = None) -> VerifyResult:
+        """Verdict -> VerifyResult, as speculative.target.TargetSession.verify returns it:
+        the decision on `proposed` (a draft, or the looked-up tokens a stretch's pass
+        accepted, of num_drafted it verified) at base_len."""
+        if verdict.round != round_index or verdict.base_len != base_len:
             raise RuntimeError(
                 f"target worker at {self.address} answered round {verdict.round} at length "
-                f"{verdict.base_len} to round {proposal.round} at length {base_len}"
+                f"{verdict.base_len} to round {round_index} at length {base_len}"
             )
-        if verdict.discarded:
+        kind = verdict.WhichOneof("kind")
+        if kind == "discarded":
             raise StaleProposal(
                 f"target worker at {self.address} discarded the proposal at length {base_len}: "
-                f"its session {self.session_id!r} holds {verdict.committed_len} committed tokens; "
+                f"its session {self.session_id!r} holds {verdict.discarded.committed_len} committed tokens; "
                 "truncate both sessions to the committed length and retry"
             )
-        num_committed = verdict.committed_len - base_len
-        if not (0 <= verdict.num_accepted <= len(draft_token_ids)
-                and 1 <= num_committed <= verdict.num_accepted + 1
-                and verdict.next_token_kind in NEXT_TOKEN_KIND_FROM_PROTO):
-            raise RuntimeError(
-                f"target worker at {self.address} sent an inconsistent verdict: "
-                f"{verdict.num_accepted} of {len(draft_token_ids)} accepted, committed length "
-                f"{verdict.committed_len} after {base_len}, next token kind {verdict.next_token_kind}"
-            )
-        decision = Verdict(
-            verdict.num_accepted, verdict.next_token_id, NEXT_TOKEN_KIND_FROM_PROTO[verdict.next_token_kind]
+        decision = verdict.stretch_pass.decision if kind == "stretch_pass" else verdict.decision
+        self._check(decision, base_len, len(proposed), kind)
+        decided = Verdict(
+            decision.num_accepted, decision.next_token_id, NEXT_TOKEN_KIND_FROM_PROTO[decision.next_token_kind]
         )
         return VerifyResult(
-            verdict=decision,
-            token_ids=decision.committed_tokens(draft_token_ids)[:num_committed],
-            committed_len=verdict.committed_len,
-            stopped=verdict.finished and verdict.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN,
-            target_compute_ns=verdict.target_compute_ns,
-            step=step_load_from_proto(verdict.step),
+            verdict=decided,
+            token_ids=decided.committed_tokens(list(proposed))[: decision.committed_len - base_len],
+            committed_len=decision.committed_len,
+            stopped=decision.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN,
+            target_compute_ns=decision.target_compute_ns,
+            step=step_load_from_proto(decision.step),
             received_ns=self._received_ns,
-            num_drafted=max(len(draft_token_ids), verdict.num_drafted),  # a stretch's: its looked-up tokens
+            num_drafted=len(proposed) if num_drafted is None else num_drafted,
         )
+
+    def _check(self, decision: target_pb2.Decision, base_len: int, num_proposed: int, kind: str | None) -> None:
+        num_committed = decision.committed_len - base_len
+        if not (kind in ("decision", "stretch_pass")
+                and 0 <= decision.num_accepted <= num_proposed
+                and 1 <= num_committed <= decision.num_accepted + 1
+                and decision.next_token_kind in NEXT_TOKEN_KIND_FROM_PROTO):
+            raise RuntimeError(
+                f"target worker at {self.address} sent an inconsistent verdict ({kind or 'empty'}): "
+                f"{decision.num_accepted} of {num_proposed} accepted, committed length "
+                f"{decision.committed_len} after {base_len}, next token kind {decision.next_token_kind}"
+            )
 
     def close(self) -> None:
         """Ends the stream: half-closes it (the reader thread waits for the target's

@@ -20,7 +20,7 @@ batched pass; `logits` and `prefill` run the session's own segment alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -165,6 +165,23 @@ class ModelSession:
         logits = forward_segments(self._model, [segment])[0]
         self.segment_done(segment)
         return logits
+
+
+def stream_alone(model: PreTrainedModel, steps: ForwardSteps[None]) -> Iterator:
+    """Drives a streaming job (one that yields Emit between its segments) one unbatched
+    forward pass at a time; yields what it emits."""
+    item = next(steps, None)
+    while item is not None:
+        if isinstance(item, Emit):
+            yield item.value
+            item = next(steps, None)
+            continue
+        start = time.perf_counter_ns()
+        logits = forward_segments(model, [item])[0]
+        try:
+            item = steps.send((logits, time.perf_counter_ns() - start))
+        except StopIteration:
+            return
 
 
 def run_alone(model: PreTrainedModel, steps: ForwardSteps[T]) -> T:

@@ -11,13 +11,15 @@ The session's decision, sampling generator and rollback are the same either way.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from model_runtime.loading import LoadedModel
-from model_runtime.model_session import ForwardSteps, ModelSession, run_alone
+from model_runtime.model_session import Emit, ForwardSteps, ModelSession, run_alone, stream_alone
 from speculative.errors import InvalidArgument, StaleProposal
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.rejection import check_draft_probs, check_draft_tokens, verify_greedy, verify_sampled
@@ -45,6 +47,16 @@ def check_vocabulary(token_ids: Sequence[int], vocab_size: int) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidArgument(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class DecodedPass:
+    """One pass of target-only decoding."""
+
+    result: VerifyResult
+    accepted: list[int]  # the looked-up tokens it accepted (a stretch verifying prompt lookup)
+    ends: bool  # decoding ends after it (a stop token, a full context, text to copy)
+    emitted_ns: int  # when it was decided (wall clock)
 
 
 class TargetSession:
@@ -124,17 +136,28 @@ class TargetSession:
 
     def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
                lookup: LookupRounds | None = None) -> Iterator[VerifyResult]:
-        """Target-only decoding: up to max_tokens tokens from base_len, a pass each, or,
-        with `lookup`, passes that also verify the tokens prompt lookup finds to copy
-        (a prompt-lookup drafter's rounds, run by the target). Stops after a stop
-        token, or after the first token at which prompt lookup with `until`'s sizes
-        finds text to copy (the n-gram drafter would propose again)."""
-        while max_tokens > 0:
-            result = self.verify(base_len, self.lookup_proposal(max_tokens, lookup))
-            yield result
-            if self.decoding_ends(result, until):
+        """`decode_steps` run alone: each pass's result."""
+        for decoded in stream_alone(self.model, self.decode_steps(base_len, max_tokens, until, lookup)):
+            yield decoded.result
+
+    def decode_steps(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
+                     lookup: LookupRounds | None = None, stop: threading.Event | None = None) -> ForwardSteps[None]:
+        """Target-only decoding as a streaming job: up to max_tokens tokens from
+        base_len, a pass each, or, with `lookup`, passes that also verify the tokens
+        prompt lookup finds to copy (a prompt-lookup drafter's rounds, run by the
+        target); each pass emitted as a DecodedPass once decided. Ends after a stop
+        token, a full context, the first token at which prompt lookup with `until`'s
+        sizes finds text to copy (the n-gram drafter would propose again), or once
+        `stop` is set."""
+        length, left = base_len, max_tokens
+        while left > 0 and length < self.context_length and not (stop is not None and stop.is_set()):
+            proposal = self.lookup_proposal(left, lookup)
+            result = yield from self.verify_steps(length, proposal)
+            ends = self.decoding_ends(result, until)
+            yield Emit(DecodedPass(result, proposal[: result.verdict.num_accepted], ends, time.time_ns()))
+            if ends:
                 return
-            base_len, max_tokens = result.committed_len, max_tokens - len(result.token_ids)
+            length, left = result.committed_len, left - len(result.token_ids)
 
     def lookup_proposal(self, max_tokens: int, lookup: LookupRounds | None) -> list[int]:
         """What the next pass of a stretch that may still decode max_tokens tokens

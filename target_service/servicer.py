@@ -1,33 +1,24 @@
-"""`specdec.v1.TargetService`: protos in, core calls, protos out.
+"""`specdec.v1.TargetService`: protos in, engine calls, protos out.
 
-The logic lives in `speculative.target.TargetSession` (verification, rollback),
-`target_service.sessions.SessionCache` (budget, eviction, locks), the step scheduler
-that batches every session's forward passes (model_runtime.step_scheduler) and
-`target_service.admission.Admission` (how many calls run at once); every handler maps
-the core's errors to gRPC statuses through `rpc_errors`.
-
-Spans (service_common.telemetry; no-ops when telemetry is off): `specdec.prefill` in
-OpenSession and Extend, `specdec.verify` per proposal (a child of the Verify server
-span), `specdec.decode` per token the target decodes alone (a Decode stream, or a
-stretch on a Verify stream).
+The work lives in `target_service.engine.TargetEngine` (verification, decode runs, the
+checks that a request matches its session), on the sessions of
+`target_service.sessions.SessionCache` (budget, eviction, locks) and the step scheduler
+that batches every session's forward passes (model_runtime.step_scheduler);
+`target_service.admission.Admission` decides how many calls run at once. Every handler
+maps the core's errors to gRPC statuses through `rpc_errors`; a proposal that does not
+match its session is answered in-band (Verdict.discarded). Spans: `target_service.spans`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import gzip
 import logging
-import threading
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from model_runtime.loading import LoadedModel
-from model_runtime.model_session import Emit, ForwardSteps
 from model_runtime.step_scheduler import StepLoad
 from service_common import telemetry
 from service_common.convert import (
@@ -38,22 +29,19 @@ from service_common.convert import (
     sparse_from_proto,
 )
 from service_common.deadlines import time_remaining
-from service_common.status import FailedPrecondition, rpc_errors
+from service_common.status import rpc_errors
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from speculative.errors import InvalidArgument, StaleProposal
-from speculative.prompt_lookup import LookupRounds, LookupStop
+from speculative.errors import InvalidArgument
 from speculative.sampling import SamplingParams
-from speculative.target import TargetSession, VerifyResult
+from speculative.target import VerifyResult
+from target_service import spans
 from target_service.admission import Admission
+from target_service.engine import At, Discarded, Pass, TargetEngine
+from target_service.served_tokenizer import served_tokenizer
 from target_service.sessions import SessionCache
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
-
-# Tokens a Decode stream or a stretch decodes per run. A run stays in the target's
-# steps (a token every step, never waited for) and reserves its growth up front: the
-# KV budget sees at most this many tokens ahead; between runs the session is let go.
-DECODE_RUN_TOKENS = 64
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -67,6 +55,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         admission: Admission | None = None,
     ):
         self.sessions = sessions
+        self.engine = TargetEngine(sessions)
         self.admission = admission or Admission(max_running=sessions.max_sessions, max_queued=0)
         self.worker_id = worker_id
         self.worker_address = worker_address
@@ -80,7 +69,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         session_id = request.session_id or uuid.uuid4().hex
         prompt_token_ids = list(request.prompt_token_ids)
         with (self._admitted(context) as waited_ns,
-              _prefill_span(session_id, 0, len(prompt_token_ids)) as span):
+              spans.prefill(session_id, 0, len(prompt_token_ids)) as span):
             prefill_ns, _ = self.sessions.open(session_id, prompt_token_ids, params)
             span.set_attributes({"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns})
         log.debug("opened session", extra={"fields": {"session_id": session_id, "prompt_len": len(prompt_token_ids)}})
@@ -93,15 +82,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @rpc_errors
     def Extend(self, request, context):
         with (self._admitted(context) as waited_ns,
-              self.sessions.use(request.session_id, growth=len(request.token_ids)) as target,
-              _prefill_span(request.session_id, request.base_len, len(request.token_ids)) as span):
-            if not request.token_ids:  # as on the draft worker: nothing to extend is a mistake
-                raise InvalidArgument("no token ids given: send at least one")
-            start = time.perf_counter_ns()
-            self.sessions.compute.submit(target.extend_steps(request.base_len, list(request.token_ids)))
-            prefill_ns = time.perf_counter_ns() - start
+              spans.prefill(request.session_id, request.base_len, len(request.token_ids)) as span):
+            committed_len, prefill_ns = self.engine.extend(At(request.session_id, request.base_len),
+                                                           list(request.token_ids))
             span.set_attributes({"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns})
-            return common_pb2.ExtendResponse(committed_len=target.length, prefill_ns=prefill_ns)
+            return common_pb2.ExtendResponse(committed_len=committed_len, prefill_ns=prefill_ns)
 
     @rpc_errors
     def Verify(self, request_iterator, context):
@@ -109,40 +94,26 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             for index, proposal in enumerate(request_iterator):
                 # The stream takes its running slot with its first proposal.
                 waited_ns = admitted.enter_context(self._admitted(context)) if index == 0 else 0
-                if proposal.HasField("stretch"):
+                if proposal.WhichOneof("kind") == "stretch":
                     yield from self._stretch(proposal, waited_ns, context)
-                    continue
-                with tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
-                    verdict = self._verify(proposal, waited_ns)
-                    if span.is_recording():
-                        span.set_attributes(_verify_attributes(proposal, verdict))
-                yield verdict
+                else:
+                    yield self._verify(proposal, waited_ns)
 
     @rpc_errors
     def Decode(self, request, context):
-        length, max_new_tokens = self._start_decode(request)
-        timing = _DecodeTiming()
+        sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
+        at = At(request.session_id, request.base_len)
+        max_tokens = self.engine.start_decode(at, request.max_tokens, sampling)
         with self._admitted(context) as waited_ns:
-            try:
-                for result, _, _, step in self._decode_tokens(request.session_id, length, max_new_tokens, None,
-                                                              None, waited_ns, timing, context):
-                    yield target_pb2.DecodeToken(
-                        token_id=result.token_ids[0], committed_len=result.committed_len,
-                        compute_ns=result.target_compute_ns, step=step,
-                    )
-            finally:
-                timing.record()
+            passes = self.engine.decode(request.session_id, request.base_len, max_tokens, active=context.is_active)
+            for one, step in _observed(passes, request.session_id, waited_ns):
+                result = one.decoded.result
+                yield target_pb2.DecodeToken(token_id=result.token_ids[0], committed_len=result.committed_len,
+                                             compute_ns=result.target_compute_ns, step=step)
 
     @rpc_errors
     def Truncate(self, request, context):
-        with self.sessions.use(request.session_id) as target:
-            if not 1 <= request.length <= target.length:
-                raise InvalidArgument(
-                    f"truncate length must be in [1, {target.length}] (the session's committed "
-                    f"length), got {request.length}"
-                )
-            target.truncate_to(request.length)
-            return common_pb2.TruncateResponse(committed_len=target.length)
+        return common_pb2.TruncateResponse(committed_len=self.engine.truncate(request.session_id, request.length))
 
     @rpc_errors
     def CloseSession(self, request, context):
@@ -195,156 +166,41 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         finally:
             self.admission.release()
 
-    # Verify: one proposal -> one verdict.
+    # Verify: one proposal -> one verdict, or a verdict per pass of a stretch.
 
-    def _verify(self, proposal: target_pb2.Proposal, waited_ns: int = 0) -> target_pb2.Verdict:
-        # 1. Parse and validate what needs no session.
+    def _verify(self, proposal: target_pb2.Proposal, waited_ns: int) -> target_pb2.Verdict:
+        draft = proposal.draft
         sampling = self._sampling(proposal.sampling) if proposal.HasField("sampling") else None
-        draft_probs = [sparse_from_proto(d) for d in proposal.draft_distributions] or None
-        draft_token_ids = list(proposal.draft_token_ids)
-        with self.sessions.use(proposal.session_id, growth=len(draft_token_ids) + 1) as target:
-            # 2. A stale or duplicated proposal is answered in-band, nothing applied.
-            if _is_stale(target, proposal):
-                log.debug("discarded proposal", extra={"fields": {
-                    "session_id": proposal.session_id, "round": proposal.round,
-                    "base_len": proposal.base_len, "committed_len": target.length,
-                }})
-                return _echo(proposal, discarded=True, committed_len=target.length)
-            # 3. One forward pass (batched with other sessions'), the acceptance rule and
-            #    the rollback, in the core.
-            with _sampling_applied(target, sampling):
-                result, load = self.sessions.compute.submit(
-                    target.verify_steps(proposal.base_len, draft_token_ids, draft_probs), key=proposal.session_id)
-            verdict = _verdict(proposal, result, target.context_length)
-            verdict.step.CopyFrom(_step_proto(load, waited_ns))
-            return verdict
-
-    # A stretch: the target decodes on the Verify stream, one verdict per pass.
+        draft_probs = [sparse_from_proto(d) for d in draft.distributions] or None
+        with tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
+            try:
+                verified = self.engine.verify(_at(proposal), list(draft.token_ids), draft_probs, sampling)
+                decision = _decision(verified.result, verified.context_length, _step_proto(verified.load, waited_ns))
+                verdict = _echo(proposal, decision=decision)
+            except Discarded as stale:
+                verdict = _echo(proposal, discarded=target_pb2.Discarded(committed_len=stale.committed_len))
+            spans.verified(span, proposal, verdict)
+        return verdict
 
     def _stretch(self, proposal: target_pb2.Proposal, waited_ns: int, context) -> Iterator[target_pb2.Verdict]:
-        start = self._start_stretch(proposal)
-        if start.stale_at is not None:
-            yield _echo(proposal, discarded=True, committed_len=start.stale_at, stretch_ended=True)
-            return
-        length, timing = proposal.base_len, _DecodeTiming()
-        try:
-            tokens = self._decode_tokens(proposal.session_id, length, proposal.stretch.max_tokens, start.until,
-                                         start.lookup, waited_ns, timing, context, proposal.round)
-            for result, accepted, ends, step in tokens:
-                verdict = _verdict(proposal, result, start.context_length, base_len=length)
-                verdict.step.CopyFrom(step)
-                verdict.stretch_ended = ends or result.committed_len - proposal.base_len >= proposal.stretch.max_tokens
-                verdict.num_drafted = result.num_drafted
-                verdict.accepted_token_ids.extend(accepted)
-                length = result.committed_len
-                yield verdict
-        finally:
-            timing.record()
-
-    def _start_stretch(self, proposal: target_pb2.Proposal) -> _StretchStart:
-        """Checks the stretch and applies the proposal's sampling, unless the proposal
-        does not match the session."""
         stretch = proposal.stretch
-        if proposal.draft_token_ids or proposal.draft_distributions:
-            raise InvalidArgument("a stretch proposal has no draft tokens: send them in a proposal without stretch")
         if stretch.max_tokens < 1:
             raise InvalidArgument(f"stretch.max_tokens must be >= 1, got {stretch.max_tokens}")
-        if stretch.HasField("until_lookup") and stretch.HasField("lookup_rounds"):
-            raise InvalidArgument("a stretch either ends at text to copy (until_lookup) or verifies it "
-                                  "(lookup_rounds), not both")
         until = lookup_stop_from_proto(stretch.until_lookup) if stretch.HasField("until_lookup") else None
         lookup = lookup_rounds_from_proto(stretch.lookup_rounds) if stretch.HasField("lookup_rounds") else None
         sampling = self._sampling(proposal.sampling) if proposal.HasField("sampling") else None
-        with self.sessions.use(proposal.session_id) as target:
-            if _is_stale(target, proposal):
-                return _StretchStart(None, None, target.context_length, stale_at=target.length)
-            if sampling is not None:
-                target.set_sampling(sampling)
-            return _StretchStart(until, lookup, target.context_length)
-
-    def _decode_tokens(self, session_id: str, length: int, max_tokens: int, until: LookupStop | None,
-                       lookup: LookupRounds | None, waited_ns: int, timing: _DecodeTiming, context,
-                       round_index: int | None = None,
-                       ) -> Iterator[tuple[VerifyResult, list[int], bool, common_pb2.StepLoad]]:
-        """Up to max_tokens tokens the target decodes from `length` (alone, or verifying
-        prompt lookup with `lookup`), batched with other sessions' work: a pass at a
-        time, with the looked-up tokens it accepted, whether decoding ends after it and
-        its step, in a specdec.decode span each. Ends early where decoding ends (a stop
-        token, a full context, text to copy with `until`) or the caller went away. Runs of DECODE_RUN_TOKENS: a run holds
-        the session, which closing or evicting it stops within a step (the next run
-        then finds it gone: NOT_FOUND)."""
-        decoded, last_ns = 0, time.time_ns()
-        extra = lookup.max_draft_tokens if lookup is not None else 0  # a pass's rejected tokens, cached until cut
-        while decoded < max_tokens:
-            size, stop, progressed = min(DECODE_RUN_TOKENS, max_tokens - decoded), threading.Event(), False
-            with self.sessions.use(session_id, growth=size + extra, stop=stop) as target:
-                run = _decode_run(target, length, size, until, lookup, stop)
-                with contextlib.closing(self.sessions.compute.stream(run, key=session_id)) as tokens:
-                    for (result, accepted, ends, emitted_ns), load in tokens:
-                        step = _step_proto(load, waited_ns)
-                        timing.add(emitted_ns - last_ns)
-                        _decode_span(session_id, length, result, step, last_ns, emitted_ns, round_index)
-                        yield result, accepted, ends, step
-                        decoded, length, last_ns, waited_ns, progressed = \
-                            decoded + len(result.token_ids), result.committed_len, emitted_ns, 0, True
-                        if ends or not context.is_active():  # done, or the caller went away
-                            return
-            if not progressed and not stop.is_set():  # the context is full: nothing to decode
-                return
-
-    def _start_decode(self, request: target_pb2.DecodeRequest) -> tuple[int, int]:
-        """Checks base_len, applies the call's sampling; returns (base_len, tokens to decode)."""
-        sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
-        if request.max_tokens < 0:  # checked before the session is touched
-            raise InvalidArgument(f"max_tokens must be >= 0 (0 = up to max_new_tokens), got {request.max_tokens}")
-        with self.sessions.use(request.session_id) as target:
-            if request.base_len != target.length:
-                raise StaleProposal(
-                    f"decode from length {request.base_len} but the session has {target.length} committed tokens"
-                )
-            if sampling is not None:
-                target.set_sampling(sampling)
-            max_new_tokens = target.params.max_new_tokens
-            return target.length, min(max_new_tokens, request.max_tokens or max_new_tokens)
+        try:
+            context_length = self.engine.start_stretch(_at(proposal), until, lookup, sampling)
+        except Discarded as stale:
+            yield _echo(proposal, discarded=target_pb2.Discarded(committed_len=stale.committed_len))
+            return
+        passes = self.engine.decode(proposal.session_id, proposal.base_len, stretch.max_tokens, until, lookup,
+                                    active=context.is_active)
+        for one, step in _observed(passes, proposal.session_id, waited_ns, proposal.round):
+            yield _stretch_pass(proposal, one, context_length, step)
 
     def _sampling(self, message: common_pb2.SamplingParams) -> SamplingParams:
         return sampling_from_proto(message, self.default_max_new_tokens)
-
-
-def _decode_run(target: TargetSession, base_len: int, max_tokens: int, until: LookupStop | None,
-                lookup: LookupRounds | None, stop: threading.Event) -> ForwardSteps[None]:
-    """Up to max_tokens tokens decoded by the target (alone, or verifying prompt lookup
-    with `lookup`), each pass's result emitted as it is decided with the looked-up
-    tokens it accepted, whether decoding ends after it and when (wall clock, ns); on
-    the compute thread, as lookup scans the sequence. Ends early once `stop` is set."""
-    length, left = base_len, max_tokens
-    while left > 0:
-        if stop.is_set() or length >= target.context_length:
-            return
-        proposal = target.lookup_proposal(left, lookup)
-        result = yield from target.verify_steps(length, proposal)
-        ends = target.decoding_ends(result, until)
-        yield Emit((result, proposal[: result.verdict.num_accepted], ends, time.time_ns()))
-        if ends:
-            return
-        length, left = result.committed_len, left - len(result.token_ids)
-
-
-def _decode_span(session_id: str, base_len: int, result: VerifyResult, step: common_pb2.StepLoad,
-                 start_ns: int, end_ns: int, round_index: int | None) -> None:
-    """A specdec.decode span for one pass of decoding (a token alone, or verifying prompt
-    lookup's tokens too), from the previous pass's time (the run's start for the
-    first) to its own."""
-    span = tracer.start_span(telemetry.DECODE_SPAN, start_time=start_ns)
-    if span.is_recording():
-        attributes = {"specdec.session_id": session_id, "specdec.base_len": base_len,
-                      "specdec.target_compute_ns": result.target_compute_ns, **_step_attributes(step)}
-        if result.num_drafted:  # a pass that verified prompt lookup's tokens (Stretch.lookup_rounds)
-            attributes.update({"specdec.k": result.num_drafted, "specdec.accepted": result.verdict.num_accepted})
-        if round_index is not None:
-            attributes["specdec.round"] = round_index
-        span.set_attributes(attributes)
-    span.end(end_time=end_ns)
 
 
 def _step_proto(load: StepLoad | None, admission_wait_ns: int = 0) -> common_pb2.StepLoad:
@@ -358,44 +214,20 @@ def _step_proto(load: StepLoad | None, admission_wait_ns: int = 0) -> common_pb2
     )
 
 
-def _step_attributes(step: common_pb2.StepLoad) -> dict:
-    """Span attributes of the step that ran a call's work."""
-    return {
-        "specdec.queue_ns": step.queue_ns, "specdec.step_ns": step.step_ns,
-        "specdec.batch_tokens": step.batch_tokens, "specdec.batch_sessions": step.batch_sessions,
-    }
-
-
-def _prefill_span(session_id: str, base_len: int, num_tokens: int):
-    """A specdec.prefill span around new input entering a target session."""
-    return tracer.start_as_current_span(telemetry.PREFILL_SPAN, attributes={
-        "specdec.session_id": session_id, "specdec.base_len": base_len, "specdec.tokens": num_tokens,
-    })
-
-
-def _verify_attributes(proposal: target_pb2.Proposal, verdict: target_pb2.Verdict) -> dict:
-    """Attributes of a specdec.verify span: the proposal and what the target decided."""
-    return {
-        "specdec.session_id": proposal.session_id,
-        "specdec.round": proposal.round,
-        "specdec.base_len": proposal.base_len,
-        "specdec.k": len(proposal.draft_token_ids),
-        "specdec.discarded": verdict.discarded,
-        "specdec.accepted": verdict.num_accepted,
-        "specdec.committed": max(0, verdict.committed_len - proposal.base_len) if not verdict.discarded else 0,
-        "specdec.target_compute_ns": verdict.target_compute_ns,
-        **_step_attributes(verdict.step),
-    }
-
-
-@dataclass(frozen=True)
-class _StretchStart:
-    """A stretch checked against its session."""
-
-    until: LookupStop | None  # where text to copy ends it (None: nowhere)
-    lookup: LookupRounds | None  # the lookup its passes verify (None: none)
-    context_length: int
-    stale_at: int | None = None  # the session's committed length, where the proposal does not match it
+def _observed(passes: Iterator[Pass], session_id: str, waited_ns: int,
+              round_index: int | None = None) -> Iterator[tuple[Pass, common_pb2.StepLoad]]:
+    """Each pass of decoding with its step, in a span each and in the time per output
+    token; the call's wait for admission counts in its first step."""
+    timing = _DecodeTiming()
+    try:
+        for one in passes:
+            step = _step_proto(one.load, waited_ns)
+            waited_ns = 0
+            timing.add(one.decoded.emitted_ns - one.start_ns)
+            spans.decode(session_id, one, step, round_index)
+            yield one, step
+    finally:
+        timing.record()
 
 
 class _DecodeTiming:
@@ -414,30 +246,6 @@ class _DecodeTiming:
             telemetry.instruments().time_per_output_token.record(self.total_ns * 1e-9 / self.num_tokens)
 
 
-def _is_stale(target: TargetSession, proposal: target_pb2.Proposal) -> bool:
-    if proposal.base_len != target.length:
-        return True
-    if not proposal.HasField("expected_last_token_id"):
-        return False
-    return target.last_token_id != proposal.expected_last_token_id
-
-
-@contextlib.contextmanager
-def _sampling_applied(target: TargetSession, sampling: SamplingParams | None) -> Iterator[None]:
-    """Sets the proposal's sampling; restores the previous params if the proposal fails,
-    so a refused proposal changes nothing."""
-    if sampling is None:
-        yield
-        return
-    previous = (target.params, target.generator)
-    target.set_sampling(sampling)
-    try:
-        yield
-    except BaseException:
-        target.params, target.generator = previous
-        raise
-
-
 def _echo(proposal: target_pb2.Proposal, **fields) -> target_pb2.Verdict:
     """A verdict echoing the proposal's identity."""
     return target_pb2.Verdict(
@@ -445,56 +253,35 @@ def _echo(proposal: target_pb2.Proposal, **fields) -> target_pb2.Verdict:
     )
 
 
-def _verdict(proposal: target_pb2.Proposal, result: VerifyResult, context_length: int,
-             base_len: int | None = None) -> target_pb2.Verdict:
-    """The verdict on a proposal; base_len: the length before a stretch's token."""
+def _at(proposal: target_pb2.Proposal) -> At:
+    expected = proposal.expected_last_token_id if proposal.HasField("expected_last_token_id") else None
+    return At(proposal.session_id, proposal.base_len, expected)
+
+
+def _decision(result: VerifyResult, context_length: int, step: common_pb2.StepLoad) -> target_pb2.Decision:
     if result.stopped:
         finish_reason = common_pb2.FINISH_REASON_STOP_TOKEN
     elif result.committed_len >= context_length:  # not even a k = 0 proposal fits
         finish_reason = common_pb2.FINISH_REASON_LENGTH
     else:
         finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
-    verdict = _echo(
-        proposal,
-        num_accepted=result.verdict.num_accepted,
-        next_token_id=result.verdict.next_token_id,
+    return target_pb2.Decision(
+        num_accepted=result.verdict.num_accepted, next_token_id=result.verdict.next_token_id,
         next_token_kind=NEXT_TOKEN_KIND_TO_PROTO[result.verdict.next_token_kind],
-        committed_len=result.committed_len,
-        target_compute_ns=result.target_compute_ns,
-        finished=finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED,
-        finish_reason=finish_reason,
+        committed_len=result.committed_len, target_compute_ns=result.target_compute_ns,
+        finish_reason=finish_reason, step=step,
     )
-    if base_len is not None:
-        verdict.base_len = base_len
+
+
+def _stretch_pass(proposal: target_pb2.Proposal, one: Pass, context_length: int,
+                  step: common_pb2.StepLoad) -> target_pb2.Verdict:
+    """A verdict on one pass of a stretch, from the length before it."""
+    result = one.decoded.result
+    ended = one.decoded.ends or result.committed_len - proposal.base_len >= proposal.stretch.max_tokens
+    stretch_pass = target_pb2.StretchPass(
+        decision=_decision(result, context_length, step), num_looked_up=result.num_drafted,
+        accepted_token_ids=one.decoded.accepted, ended=ended,
+    )
+    verdict = _echo(proposal, stretch_pass=stretch_pass)
+    verdict.base_len = result.committed_len - len(result.token_ids)
     return verdict
-
-
-def served_tokenizer(loaded: LoadedModel) -> target_pb2.GetTokenizerResponse:
-    """The model's tokenizer as GetTokenizer serves it (orchestrator/tokenizer.py rebuilds it)."""
-    tokenizer = loaded.tokenizer
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise FailedPrecondition(
-            f"model {loaded.name!r} has no tokenizer of the tokenizers library to serve: "
-            "start the orchestrator with --tokenizer")
-    template = tokenizer.chat_template
-    if isinstance(template, dict):  # named templates: the one transformers uses by default
-        template = template.get("default")
-    return target_pb2.GetTokenizerResponse(
-        # mtime=0: the same tokenizer gives the same bytes on every worker.
-        tokenizer_json_gzip=gzip.compress(backend.to_str().encode(), compresslevel=6, mtime=0),
-        chat_template=template or "",
-        special_tokens={name: str(token) for name, token in tokenizer.special_tokens_map.items()},
-        clean_up_tokenization_spaces=_cleans_up_spaces(tokenizer, backend),
-        fingerprint=loaded.fingerprint,
-        model_id=loaded.name,
-    )
-
-
-def _cleans_up_spaces(tokenizer, backend) -> bool:
-    """Whether transformers' decode removes spaces before punctuation for this tokenizer:
-    its setting, which transformers ignores for BPE models unless told it really means it."""
-    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return False
-    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
-    return type(backend.model).__name__ != "BPE" or bool(forced)

@@ -74,9 +74,10 @@ class ScriptedTarget(BookkeepingTarget):
             self.answered += 1
             yield target_pb2.Verdict(
                 session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len,
-                num_accepted=0, next_token_id=(list(proposal.draft_token_ids) or [5])[0],
-                next_token_kind=common_pb2.NEXT_TOKEN_KIND_RECOVERED,
-                committed_len=proposal.base_len + 1, target_compute_ns=1000,
+                decision=target_pb2.Decision(
+                    num_accepted=0, next_token_id=(list(proposal.draft.token_ids) or [5])[0],
+                    next_token_kind=common_pb2.NEXT_TOKEN_KIND_RECOVERED,
+                    committed_len=proposal.base_len + 1, target_compute_ns=1000),
             )
 
     def _stall(self, context) -> None:

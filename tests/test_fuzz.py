@@ -342,8 +342,9 @@ def _valid_requests():
     return [
         prompt.SerializeToString(),
         target_pb2.OpenSessionRequest(prompt_token_ids=[5, 17, 99]).SerializeToString(),
-        target_pb2.Proposal(session_id="s", base_len=3, draft_token_ids=[1, 2],
-                            draft_distributions=[common_pb2.SparseDistribution(token_ids=[1], probs=[1.0])]).SerializeToString(),
+        target_pb2.Proposal(session_id="s", base_len=3, draft=target_pb2.Draft(token_ids=[1, 2], distributions=[
+            common_pb2.SparseDistribution(token_ids=[1], probs=[1.0])])).SerializeToString(),
+        target_pb2.Proposal(session_id="s", base_len=3, stretch=target_pb2.Stretch(max_tokens=2)).SerializeToString(),
         draft_pb2.SpeculateRequest(session_id="s", base_len=3, target=common_pb2.KvHandle(
             worker_address="127.0.0.1:1", session_id="t", committed_len=3)).SerializeToString(),
         common_pb2.ExtendRequest(session_id="s", base_len=3, token_ids=[4, 5]).SerializeToString(),
@@ -770,7 +771,8 @@ class WorkerSessions(RuleBasedStateMachine):
         stale ones (a wrong base_len or last token: discarded in-band), stretches."""
         held = self._settle(pair, "target")
         if held is None:
-            proposals = iter([target_pb2.Proposal(session_id=pair.target_id, base_len=1, draft_token_ids=[1])])
+            proposals = iter([target_pb2.Proposal(session_id=pair.target_id, base_len=1,
+                                                  draft=target_pb2.Draft(token_ids=[1]))])
             self._call("target Verify", self.target.Verify, proposals, {Code.NOT_FOUND})
             return
         stream = Lockstep(self.target)
@@ -788,24 +790,26 @@ class WorkerSessions(RuleBasedStateMachine):
                     draft = self.reference(held, k)
                     if right < k:
                         draft[right] = (draft[right] + 1) % (TINY_VOCAB_SIZE - 1)
-                    proposal.draft_token_ids.extend(draft)
+                    proposal.draft.token_ids.extend(draft)
                     accepted = min(right, k)
                     expected_tokens = draft[:accepted] + self.reference(held + draft[:accepted], 1)
                 stream.send(proposal)
                 stale = off != 0 or (wrong_last and held)
                 verdicts = [stream.receive()]
-                while stretch and not stale and not verdicts[-1].stretch_ended:
+                while stretch and not stale and not verdicts[-1].stretch_pass.ended:
                     verdicts.append(stream.receive())
                 if stale:
-                    assert verdicts[0].discarded and verdicts[0].committed_len == len(held)
+                    assert verdicts[0].discarded.committed_len == len(held)
+                    assert verdicts[0].WhichOneof("kind") == "discarded"
                     continue
+                decisions = [v.stretch_pass.decision if stretch else v.decision for v in verdicts]
                 if stretch:
-                    tokens = [v.next_token_id for v in verdicts]
+                    tokens = [d.next_token_id for d in decisions]
                 else:
-                    tokens = list(proposal.draft_token_ids[: verdicts[0].num_accepted]) + [verdicts[0].next_token_id]
+                    tokens = list(proposal.draft.token_ids[: decisions[0].num_accepted]) + [decisions[0].next_token_id]
                 assert tokens == expected_tokens, (k, right, stretch)
                 held += tokens
-                assert verdicts[-1].committed_len == len(held)
+                assert decisions[-1].committed_len == len(held)
             stream.close()
             self.tally.record("workers target Verify", Code.OK)
         except grpc.RpcError as error:
@@ -858,8 +862,8 @@ class WorkerSessions(RuleBasedStateMachine):
         held = self._settle(pair, "target")
         if held is None:
             return
-        proposal = target_pb2.Proposal(session_id=pair.target_id, base_len=len(held), draft_token_ids=draft,
-                                       draft_distributions=distributions)
+        proposal = target_pb2.Proposal(session_id=pair.target_id, base_len=len(held),
+                                       draft=target_pb2.Draft(token_ids=draft, distributions=distributions))
         if sampling is not None:
             proposal.sampling.CopyFrom(sampling)
         if stretch is not None:
@@ -868,10 +872,11 @@ class WorkerSessions(RuleBasedStateMachine):
         status, verdicts = self._call("target Verify (random fields)", self.target.Verify, iter([proposal]),
                                       {Code.OK, Code.INVALID_ARGUMENT})
         for verdict in verdicts or []:
-            assert not verdict.discarded
-            accepted = list(draft[: verdict.num_accepted]) if stretch is None else []
-            held += accepted + [verdict.next_token_id]
-            assert verdict.committed_len == len(held)
+            assert verdict.WhichOneof("kind") == ("decision" if stretch is None else "stretch_pass")
+            decision = verdict.decision if stretch is None else verdict.stretch_pass.decision
+            accepted = draft[: decision.num_accepted] if stretch is None else verdict.stretch_pass.accepted_token_ids
+            held += list(accepted) + [decision.next_token_id]
+            assert decision.committed_len == len(held)
 
     @rule(pair=pairs, sampling=messages(common_pb2.SamplingParams.DESCRIPTOR, "draft"),
           speculation=messages(common_pb2.SpeculationParams.DESCRIPTOR, "draft"))

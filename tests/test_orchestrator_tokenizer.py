@@ -46,8 +46,8 @@ from model_runtime.fingerprint import tokenizer_fingerprint  # noqa: E402
 from model_runtime.loading import load_tokenizer  # noqa: E402
 from orchestrator.tokenizer import ServedTokenizer, load_tokenizer_override  # noqa: E402
 from service_common.status import FailedPrecondition, Unavailable  # noqa: E402
-from specdec.v1 import target_pb2, target_pb2_grpc  # noqa: E402
-from target_service.servicer import served_tokenizer  # noqa: E402
+from specdec.v1 import target_pb2_grpc  # noqa: E402
+from target_service.served_tokenizer import served_tokenizer  # noqa: E402
 from tests.conftest import PROMPTS  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -235,8 +235,8 @@ def test_a_rejection_with_a_proposal_in_flight_is_discarded_by_the_target(target
     finally:
         verifier.close()
     assert tokens == references[1]
-    discarded = [v for v in verifier.verdicts if v.discarded]
-    assert discarded and all(v.committed_len < v.base_len or v.base_len == v.committed_len for v in discarded)
+    discarded = [v for v in verifier.verdicts if v.WhichOneof("kind") == "discarded"]
+    assert discarded and all(v.discarded.committed_len <= v.base_len for v in discarded)
     length = stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=len(ids) + len(tokens)),
                            timeout=30).committed_len
     assert length == draft.length == len(ids) + len(tokens)

@@ -16,7 +16,7 @@ from orchestrator.tokenizer import ServedTokenizer
 from speculative.drafters import ModelDrafter
 from speculative.errors import InvalidArgument, NotFound
 from speculative.generator import SpeculativeGenerator
-from target_service.servicer import served_tokenizer
+from target_service.served_tokenizer import served_tokenizer
 from tests.test_greedy_equivalence import GREEDY
 
 TINY = "random:qwen2-tiny"

@@ -41,8 +41,9 @@ class ScriptedTarget(target_pb2_grpc.TargetServiceServicer):
                 continue
             yield target_pb2.Verdict(
                 session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len,
-                num_accepted=0, next_token_id=7, next_token_kind=common_pb2.NEXT_TOKEN_KIND_RECOVERED,
-                committed_len=proposal.base_len + 1, target_compute_ns=1000,
+                decision=target_pb2.Decision(num_accepted=0, next_token_id=7,
+                                             next_token_kind=common_pb2.NEXT_TOKEN_KIND_RECOVERED,
+                                             committed_len=proposal.base_len + 1, target_compute_ns=1000),
             )
         self.half_closed.set()
         self.release.wait(WAIT_S)
@@ -51,11 +52,12 @@ class ScriptedTarget(target_pb2_grpc.TargetServiceServicer):
     def _stretch(self, proposal):
         for offset in range(proposal.stretch.max_tokens):
             base_len = proposal.base_len + offset
+            decision = target_pb2.Decision(next_token_id=7 + offset, next_token_kind=common_pb2.NEXT_TOKEN_KIND_BONUS,
+                                           committed_len=base_len + 1, target_compute_ns=1000)
             yield target_pb2.Verdict(
                 session_id=proposal.session_id, round=proposal.round, base_len=base_len,
-                next_token_id=7 + offset, next_token_kind=common_pb2.NEXT_TOKEN_KIND_BONUS,
-                committed_len=base_len + 1, target_compute_ns=1000,
-                stretch_ended=offset == proposal.stretch.max_tokens - 1,
+                stretch_pass=target_pb2.StretchPass(decision=decision,
+                                                    ended=offset == proposal.stretch.max_tokens - 1),
             )
 
 

@@ -55,18 +55,19 @@ def _generate_by_verify(stub, ids: list[int], drafts: list[int]) -> list[int]:
         base_len = len(ids)
         while len(output) < NUM_TOKENS:
             yield target_pb2.Proposal(session_id=handle.session_id, round=len(requests), base_len=base_len,
-                                      draft_token_ids=drafts)
+                                      draft=target_pb2.Draft(token_ids=drafts))
             requests.append(base_len)
             with ready:
                 ready.wait_for(lambda: len(requests) == len(verdicts))
-            base_len = verdicts[-1].committed_len
+            base_len = verdicts[-1].decision.committed_len
 
     verdicts: list = []
     try:
         for verdict in stub.Verify(proposals(), timeout=DEADLINE_S):
-            assert not verdict.discarded
-            assert verdict.step.batch_sessions >= 1 and verdict.step.batch_tokens >= len(drafts) + 1
-            output.extend([*drafts[: verdict.num_accepted], verdict.next_token_id])
+            decision = verdict.decision
+            assert verdict.WhichOneof("kind") == "decision"
+            assert decision.step.batch_sessions >= 1 and decision.step.batch_tokens >= len(drafts) + 1
+            output.extend([*drafts[: decision.num_accepted], decision.next_token_id])
             with ready:
                 verdicts.append(verdict)
                 ready.notify_all()

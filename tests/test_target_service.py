@@ -70,8 +70,15 @@ def _open(stub, ids, session_id="", **sampling) -> common_pb2.KvHandle:
     return stub.OpenSession(request, timeout=DEADLINE_S).handle
 
 
-def _proposal(session_id, base_len, draft_token_ids=(), **fields) -> target_pb2.Proposal:
-    return target_pb2.Proposal(session_id=session_id, base_len=base_len, draft_token_ids=draft_token_ids, **fields)
+def _proposal(session_id, base_len, draft_token_ids=(), distributions=(), **fields) -> target_pb2.Proposal:
+    if "stretch" not in fields:
+        fields["draft"] = target_pb2.Draft(token_ids=draft_token_ids, distributions=distributions)
+    return target_pb2.Proposal(session_id=session_id, base_len=base_len, **fields)
+
+
+def _decided(verdict: target_pb2.Verdict) -> target_pb2.Decision:
+    """The decision of a verdict on a draft or on a stretch's pass."""
+    return verdict.stretch_pass.decision if verdict.WhichOneof("kind") == "stretch_pass" else verdict.decision
 
 
 def _verify(stub, *proposals: target_pb2.Proposal) -> list[target_pb2.Verdict]:
@@ -115,9 +122,10 @@ def test_open_returns_handle_and_verify_accepts_the_targets_own_tokens(stub, gre
     assert response.prefill_ns > 0
     [verdict] = _verify(stub, _proposal(handle.session_id, len(ids), reference[:4], round=7))
     assert (verdict.session_id, verdict.round, verdict.base_len) == (handle.session_id, 7, len(ids))
-    assert (verdict.num_accepted, verdict.next_token_id, verdict.next_token_kind) == (4, reference[4], BONUS)
-    assert verdict.committed_len == len(ids) + 5 and not verdict.discarded and not verdict.finished
-    assert verdict.target_compute_ns > 0
+    decision = verdict.decision
+    assert (decision.num_accepted, decision.next_token_id, decision.next_token_kind) == (4, reference[4], BONUS)
+    assert decision.committed_len == len(ids) + 5 and verdict.WhichOneof("kind") == "decision"
+    assert decision.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED and decision.target_compute_ns > 0
 
 
 def test_wrong_token_is_recovered_and_stale_proposals_are_discarded_in_band(stub, greedy, tiny_target, prompt_ids):
@@ -131,12 +139,13 @@ def test_wrong_token_is_recovered_and_stale_proposals_are_discarded_in_band(stub
     guessed_wrong = _proposal(session_id, n + 3, reference[3:5], round=1, expected_last_token_id=wrong)
     second = _proposal(session_id, n + 3, reference[3:5], round=1, expected_last_token_id=reference[2])
     verdicts = _verify(stub, first, first, guessed_wrong, second)
-    recovered = verdicts[0]
+    recovered = verdicts[0].decision
     assert (recovered.num_accepted, recovered.next_token_id, recovered.next_token_kind) == (2, reference[2], RECOVERED)
     assert recovered.committed_len == n + 3
     for discarded in verdicts[1:3]:  # the duplicate, the wrong guess: nothing applied
-        assert discarded.discarded and discarded.committed_len == n + 3 and discarded.num_accepted == 0
-    assert (verdicts[3].num_accepted, verdicts[3].next_token_id, verdicts[3].committed_len) == (2, reference[5], n + 6)
+        assert discarded.WhichOneof("kind") == "discarded" and discarded.discarded.committed_len == n + 3
+    last = verdicts[3].decision
+    assert (last.num_accepted, last.next_token_id, last.committed_len) == (2, reference[5], n + 6)
     assert [v.round for v in verdicts] == [0, 0, 1, 1]
 
 
@@ -146,8 +155,8 @@ def test_stop_token_cuts_the_round_and_finishes(stub, greedy, prompt_ids):
     stop = next(i for i in range(1, 8) if reference[i] not in reference[:i])
     session_id = _open(stub, ids, stop_token_ids=[reference[stop]]).session_id
     [verdict] = _verify(stub, _proposal(session_id, len(ids), reference[:7]))
-    assert verdict.finished and verdict.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN
-    assert verdict.committed_len == len(ids) + stop + 1
+    assert verdict.decision.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN
+    assert verdict.decision.committed_len == len(ids) + stop + 1
     session_id = _open(stub, ids).session_id
     tokens = _decode(stub, session_id, len(ids), stop_token_ids=[reference[stop]], max_new_tokens=20)
     assert [t.token_id for t in tokens] == reference[: stop + 1]
@@ -162,11 +171,12 @@ def test_sampled_verdict_equals_the_core_with_the_same_seed(stub, tiny_target, p
     session_id = _open(stub, ids).session_id  # greedy until the proposal sets sampling
     proposal = _proposal(
         session_id, len(ids), draft_token_ids,
-        draft_distributions=[common_pb2.SparseDistribution(token_ids=[5, 6, 7], probs=[0.5, 0.3, 0.2])] * 3,
+        distributions=[common_pb2.SparseDistribution(token_ids=[5, 6, 7], probs=[0.5, 0.3, 0.2])] * 3,
         sampling=common_pb2.SamplingParams(temperature=0.8, top_k=50, seed=123),
     )
     [verdict] = _verify(stub, proposal)
-    assert (verdict.num_accepted, verdict.next_token_id, verdict.committed_len) == (
+    decision = verdict.decision
+    assert (decision.num_accepted, decision.next_token_id, decision.committed_len) == (
         expected.verdict.num_accepted, expected.verdict.next_token_id, expected.committed_len
     )
 
@@ -205,16 +215,17 @@ def test_a_stretch_on_the_verify_stream_ends_where_the_core_does(stub, greedy, t
                        _stretch(session_id, after, 3, round=1),
                        _proposal(session_id, after + 3, reference[len(expected) + 3:len(expected) + 5], round=2))
     stretch, plain, verified = verdicts[:len(expected)], verdicts[len(expected):-1], verdicts[-1]
-    assert [v.next_token_id for v in stretch] == expected
+    passes = [_decided(v) for v in stretch]
+    assert [p.next_token_id for p in passes] == expected
     assert [v.base_len for v in stretch] == list(range(len(ids), after))
-    assert [v.committed_len for v in stretch] == list(range(len(ids) + 1, after + 1))
-    assert [v.stretch_ended for v in stretch] == [False] * (len(expected) - 1) + [True]
-    assert all(v.round == 0 and v.num_accepted == 0 and v.step.batch_sessions for v in stretch)
+    assert [p.committed_len for p in passes] == list(range(len(ids) + 1, after + 1))
+    assert [v.stretch_pass.ended for v in stretch] == [False] * (len(expected) - 1) + [True]
+    assert all(v.round == 0 and _decided(v).num_accepted == 0 and _decided(v).step.batch_sessions for v in stretch)
     # The first token's logits were kept from the prompt's prefill: no pass ran for it.
-    assert stretch[0].target_compute_ns == 0 and all(v.target_compute_ns > 0 for v in stretch[1:])
-    assert [(v.next_token_id, v.round, v.stretch_ended) for v in plain] == [
+    assert passes[0].target_compute_ns == 0 and all(p.target_compute_ns > 0 for p in passes[1:])
+    assert [(_decided(v).next_token_id, v.round, v.stretch_pass.ended) for v in plain] == [
         (t, 1, i == 2) for i, t in enumerate(reference[len(expected):len(expected) + 3])]
-    assert (verified.num_accepted, verified.committed_len) == (2, after + 6)
+    assert (verified.decision.num_accepted, verified.decision.committed_len) == (2, after + 6)
 
 
 def test_a_stretch_that_verifies_prompt_lookup_sends_the_tokens_it_accepted(tiny_bigram, prompt_ids):
@@ -232,11 +243,13 @@ def test_a_stretch_that_verifies_prompt_lookup_sends_the_tokens_it_accepted(tiny
             session_id = _open(stub, ids, max_new_tokens=30).session_id
             stretch = target_pb2.Stretch(max_tokens=30, lookup_rounds=lookup_rounds_to_proto(lookup))
             verdicts = _verify(stub, _proposal(session_id, len(ids), stretch=stretch))
-            assert [(list(v.accepted_token_ids) + [v.next_token_id], v.num_drafted) for v in verdicts] == [
+            passes = [v.stretch_pass for v in verdicts]
+            assert [(list(p.accepted_token_ids) + [p.decision.next_token_id], p.num_looked_up) for p in passes] == [
                 (r.token_ids, r.num_drafted) for r in expected]
-            assert [v.num_accepted for v in verdicts] == [len(v.accepted_token_ids) for v in verdicts]
-            assert [v.stretch_ended for v in verdicts] == [False] * (len(verdicts) - 1) + [True]
-            assert verdicts[-1].committed_len == len(ids) + 30 and sum(v.num_accepted for v in verdicts) > 0
+            assert [p.decision.num_accepted for p in passes] == [len(p.accepted_token_ids) for p in passes]
+            assert [p.ended for p in passes] == [False] * (len(passes) - 1) + [True]
+            assert passes[-1].decision.committed_len == len(ids) + 30
+            assert sum(p.decision.num_accepted for p in passes) > 0
     finally:
         channel.close()
         server.stop(None)
@@ -246,16 +259,12 @@ def test_a_stale_stretch_is_discarded_and_a_bad_one_refused(stub, prompt_ids):
     ids = prompt_ids[0]
     session_id = _open(stub, ids).session_id
     [stale] = _verify(stub, _stretch(session_id, len(ids) + 1, 4))
-    assert (stale.discarded, stale.stretch_ended, stale.committed_len) == (True, True, len(ids))
+    assert (stale.WhichOneof("kind"), stale.discarded.committed_len) == ("discarded", len(ids))
     [wrong_last] = _verify(stub, _stretch(session_id, len(ids), 4, expected_last_token_id=(ids[-1] + 1) % 64))
-    assert wrong_last.discarded
+    assert wrong_last.WhichOneof("kind") == "discarded"
     code = grpc.StatusCode.INVALID_ARGUMENT
     sizes = common_pb2.LookupStop(min_ngram=1, max_ngram=2)
-    both = target_pb2.Stretch(max_tokens=2, until_lookup=sizes,
-                              lookup_rounds=target_pb2.LookupRounds(sizes=sizes, max_draft_tokens=2))
     for proposal, message in ((_stretch(session_id, len(ids), 0), "stretch.max_tokens must be >= 1"),
-                              (_stretch(session_id, len(ids), 2, draft_token_ids=[1]), "has no draft tokens"),
-                              (_proposal(session_id, len(ids), stretch=both), "not both"),
                               (_proposal(session_id, len(ids), stretch=target_pb2.Stretch(
                                   max_tokens=2, lookup_rounds=target_pb2.LookupRounds(sizes=sizes))),
                                "max_draft_tokens must be in [1, 16]"),
@@ -325,7 +334,7 @@ def test_bad_requests_get_precise_statuses_and_the_server_keeps_serving(stub, ti
         (lambda: _open(stub, [1] * tiny_target.context_length), code.INVALID_ARGUMENT, "context length"),
         (lambda: _verify(stub, _proposal(session_id, n, [3, 10**6])), code.INVALID_ARGUMENT, "outside the target"),
         (lambda: _verify(stub, _proposal(
-            session_id, n, [3], draft_distributions=[one_hot_4], sampling=common_pb2.SamplingParams(temperature=1.0),
+            session_id, n, [3], distributions=[one_hot_4], sampling=common_pb2.SamplingParams(temperature=1.0),
         )), code.INVALID_ARGUMENT, "probability 0"),
         (lambda: _verify(stub, _proposal(session_id, n, sampling=common_pb2.SamplingParams(top_k=-1))),
          code.INVALID_ARGUMENT, "top_k"),
@@ -344,7 +353,7 @@ def test_bad_requests_get_precise_statuses_and_the_server_keeps_serving(stub, ti
         assert "Traceback" not in error.details()
         # A valid request right after succeeds, greedy: the refused one changed nothing.
         [verdict] = _verify(stub, _proposal(session_id, n))
-        assert (verdict.committed_len, verdict.next_token_id) == (n + 1, reference[0])
+        assert (verdict.decision.committed_len, verdict.decision.next_token_id) == (n + 1, reference[0])
         _truncate(stub, session_id, n)
     # Closing is idempotent (common.proto): an unknown or already closed id is not an error.
     for _ in range(2):
@@ -412,8 +421,8 @@ def test_a_full_context_finishes_with_length(stub, tiny_target):
     assert [t.committed_len for t in tokens] == [len(ids) + 1, len(ids) + 2, len(ids) + 3]
     verified = _open(stub, ids).session_id
     [verdict] = _verify(stub, _proposal(verified, len(ids), [t.token_id for t in tokens[:2]]))
-    assert (verdict.num_accepted, verdict.committed_len) == (2, tiny_target.context_length)
-    assert verdict.finished and verdict.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (verdict.decision.num_accepted, verdict.decision.committed_len) == (2, tiny_target.context_length)
+    assert verdict.decision.finish_reason == common_pb2.FINISH_REASON_LENGTH
     for session_id in (decoded, verified):
         _close(stub, session_id)
 
@@ -424,7 +433,7 @@ def test_least_recently_used_session_is_evicted(tiny_target, prompt_ids):
     try:
         ids = (prompt_ids[15] * 2)[:20]
         a, b = _open(stub, ids).session_id, _open(stub, ids).session_id
-        _verify(stub, target_pb2.Proposal(session_id=a, base_len=20))  # a is now used after b
+        _verify(stub, _proposal(a, 20))  # a is now used after b
         c = _open(stub, ids).session_id  # a third session: b, least recently used, goes
         error = _status(lambda: _decode(stub, b, 20))
         assert error.code() == grpc.StatusCode.NOT_FOUND and "evicted" in error.details()

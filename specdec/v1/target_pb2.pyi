@@ -26,24 +26,30 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., prefill_ns: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("session_id", "round", "base_len", "expected_last_token_id", "draft_token_ids", "draft_distributions", "sampling", "stretch")
+    __slots__ = ("session_id", "round", "base_len", "expected_last_token_id", "sampling", "draft", "stretch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     STRETCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     base_len: int
     expected_last_token_id: int
-    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     sampling: _common_pb2.SamplingParams
+    draft: Draft
     stretch: Stretch
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., expected_last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stretch: _Optional[_Union[Stretch, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., expected_last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ..., stretch: _Optional[_Union[Stretch, _Mapping]] = ...) -> None: ...
+
+class Draft(_message.Message):
+    __slots__ = ("token_ids", "distributions")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class Stretch(_message.Message):
     __slots__ = ("max_tokens", "until_lookup", "lookup_rounds")
@@ -64,38 +70,56 @@ class LookupRounds(_message.Message):
     def __init__(self, sizes: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("session_id", "round", "base_len", "discarded", "num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finished", "finish_reason", "step", "stretch_ended", "accepted_token_ids", "num_drafted")
+    __slots__ = ("session_id", "round", "base_len", "decision", "stretch_pass", "discarded")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    STRETCH_PASS_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round: int
+    base_len: int
+    decision: Decision
+    stretch_pass: StretchPass
+    discarded: Discarded
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., stretch_pass: _Optional[_Union[StretchPass, _Mapping]] = ..., discarded: _Optional[_Union[Discarded, _Mapping]] = ...) -> None: ...
+
+class Decision(_message.Message):
+    __slots__ = ("num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finish_reason", "step")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_KIND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     TARGET_COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    STRETCH_ENDED_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    round: int
-    base_len: int
-    discarded: bool
     num_accepted: int
     next_token_id: int
     next_token_kind: _common_pb2.NextTokenKind
     committed_len: int
     target_compute_ns: int
-    finished: bool
     finish_reason: _common_pb2.FinishReason
     step: _common_pb2.StepLoad
-    stretch_ended: bool
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ...) -> None: ...
+
+class StretchPass(_message.Message):
+    __slots__ = ("decision", "num_looked_up", "accepted_token_ids", "ended")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKED_UP_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    decision: Decision
+    num_looked_up: int
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_drafted: int
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., discarded: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ..., stretch_ended: _Optional[bool] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ...) -> None: ...
+    ended: bool
+    def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., num_looked_up: _Optional[int] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., ended: _Optional[bool] = ...) -> None: ...
+
+class Discarded(_message.Message):
+    __slots__ = ("committed_len",)
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    committed_len: int
+    def __init__(self, committed_len: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "base_len", "sampling", "max_tokens")

@@ -1,0 +1,176 @@
+"""The target worker's engine: its sessions' work on the shared forward steps, in core
+types (no protos; `target_service.servicer` converts).
+
+- `verify`: a proposal checked against its session (a stale or duplicated one is
+  `Discarded`, nothing applied), verified in one batched pass, the verdict applied.
+- `decode`: target-only decoding (a Decode stream, or a stretch on a Verify stream,
+  which may also verify prompt lookup's tokens), a pass at a time, in runs of
+  DECODE_RUN_TOKENS: a run stays in the steps (a token every step, never waited for)
+  and reserves its KV growth up front; between runs the session is let go, so closing
+  or evicting it stops the run within a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from model_runtime.step_scheduler import StepLoad
+from speculative.errors import InvalidArgument, StaleProposal
+from speculative.prompt_lookup import LookupRounds, LookupStop
+from speculative.sampling import SamplingParams, SparseProbs
+from speculative.target import DecodedPass, TargetSession, VerifyResult
+from target_service.sessions import SessionCache
+
+log = logging.getLogger(__name__)
+
+# Tokens a decode run reserves and decodes while holding its session: the KV budget
+# sees at most this many tokens ahead; a close or eviction waits at most one step.
+DECODE_RUN_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class At:
+    """Where a request applies: a session at a committed length, optionally with the
+    token it assumes last (a proposal drafted before the previous verdict came)."""
+
+    session_id: str
+    base_len: int
+    expected_last_token_id: int | None = None
+
+
+class Discarded(Exception):
+    """The request does not match its session (stale or duplicated): nothing applied.
+    Answered in-band on a Verify stream."""
+
+    def __init__(self, committed_len: int):
+        super().__init__(f"discarded: the session holds {committed_len} committed tokens")
+        self.committed_len = committed_len
+
+
+@dataclass(frozen=True)
+class Verified:
+    result: VerifyResult
+    load: StepLoad | None  # the step that ran its pass
+    context_length: int
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pass of decoding, as the engine ran it."""
+
+    decoded: DecodedPass
+    load: StepLoad | None
+    start_ns: int  # when the pass before it was decided (the run's start for the first)
+
+
+class TargetEngine:
+    def __init__(self, sessions: SessionCache):
+        self.sessions = sessions
+
+    def verify(self, at: At, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
+               sampling: SamplingParams | None) -> Verified:
+        """One round: the proposal's pass batched with other sessions', its verdict
+        applied (and `sampling` from now on). Discarded where it does not match."""
+        with self.sessions.use(at.session_id, growth=len(draft_token_ids) + 1) as target:
+            _check_matches(target, at)
+            with _sampling_applied(target, sampling):
+                steps = target.verify_steps(at.base_len, draft_token_ids, draft_probs)
+                result, load = self.sessions.compute.submit(steps, key=at.session_id)
+            return Verified(result, load, target.context_length)
+
+    def extend(self, at: At, token_ids: list[int]) -> tuple[int, int]:
+        """New input (the next turn) prefilled into the session, batched; returns the
+        committed length and the prefill's time (ns)."""
+        if not token_ids:  # as on the draft worker: nothing to extend is a mistake
+            raise InvalidArgument("no token ids given: send at least one")
+        with self.sessions.use(at.session_id, growth=len(token_ids)) as target:
+            start = time.perf_counter_ns()
+            self.sessions.compute.submit(target.extend_steps(at.base_len, token_ids))
+            return target.length, time.perf_counter_ns() - start
+
+    def truncate(self, session_id: str, length: int) -> int:
+        """Rolls the session back to an absolute committed length; returns it."""
+        with self.sessions.use(session_id) as target:
+            if not 1 <= length <= target.length:
+                raise InvalidArgument(f"truncate length must be in [1, {target.length}] (the session's committed "
+                                      f"length), got {length}")
+            target.truncate_to(length)
+            return target.length
+
+    def start_stretch(self, at: At, until: LookupStop | None, lookup: LookupRounds | None,
+                      sampling: SamplingParams | None) -> int:
+        """Checks a stretch and applies its sampling; returns the context length.
+        Discarded where it does not match."""
+        with self.sessions.use(at.session_id) as target:
+            _check_matches(target, at)
+            if sampling is not None:
+                target.set_sampling(sampling)
+            return target.context_length
+
+    def start_decode(self, at: At, max_tokens: int, sampling: SamplingParams | None) -> int:
+        """Checks a Decode stream's start and applies its sampling; returns how many
+        tokens it decodes (max_tokens, 0 = the session's max_new_tokens)."""
+        if max_tokens < 0:  # checked before the session is touched
+            raise InvalidArgument(f"max_tokens must be >= 0 (0 = up to max_new_tokens), got {max_tokens}")
+        with self.sessions.use(at.session_id) as target:
+            if at.base_len != target.length:
+                raise StaleProposal(
+                    f"decode from length {at.base_len} but the session has {target.length} committed tokens")
+            if sampling is not None:
+                target.set_sampling(sampling)
+            max_new_tokens = target.params.max_new_tokens
+            return min(max_new_tokens, max_tokens or max_new_tokens)
+
+    def decode(self, session_id: str, base_len: int, max_tokens: int, until: LookupStop | None = None,
+               lookup: LookupRounds | None = None, active: Callable[[], bool] = lambda: True) -> Iterator[Pass]:
+        """Up to max_tokens tokens the target decodes from base_len (alone, or verifying
+        prompt lookup with `lookup`), batched with other sessions' work, a pass at a
+        time. Ends where decoding ends, or once `active()` is false (the caller went
+        away). A run whose session was closed or evicted ends it; the next run then
+        finds it gone (NOT_FOUND)."""
+        decoded, length, last_ns = 0, base_len, time.time_ns()
+        extra = lookup.max_draft_tokens if lookup is not None else 0  # a pass's rejected tokens, cached until cut
+        while decoded < max_tokens:
+            size, stop, progressed = min(DECODE_RUN_TOKENS, max_tokens - decoded), threading.Event(), False
+            with self.sessions.use(session_id, growth=size + extra, stop=stop) as target:
+                run = target.decode_steps(length, size, until, lookup, stop)
+                with contextlib.closing(self.sessions.compute.stream(run, key=session_id)) as passes:
+                    for one, load in passes:
+                        yield Pass(one, load, last_ns)
+                        decoded, length, last_ns, progressed = \
+                            decoded + len(one.result.token_ids), one.result.committed_len, one.emitted_ns, True
+                        if one.ends or not active():
+                            return
+            if not progressed and not stop.is_set():  # the context is full: nothing to decode
+                return
+
+
+def _check_matches(target: TargetSession, at: At) -> None:
+    stale = at.base_len != target.length or (
+        at.expected_last_token_id is not None and target.last_token_id != at.expected_last_token_id)
+    if stale:
+        log.debug("discarded proposal", extra={"fields": {
+            "session_id": at.session_id, "base_len": at.base_len, "committed_len": target.length}})
+        raise Discarded(target.length)
+
+
+@contextlib.contextmanager
+def _sampling_applied(target: TargetSession, sampling: SamplingParams | None) -> Iterator[None]:
+    """Sets the proposal's sampling; restores the previous params if the proposal fails,
+    so a refused proposal changes nothing."""
+    if sampling is None:
+        yield
+        return
+    previous = (target.params, target.generator)
+    target.set_sampling(sampling)
+    try:
+        yield
+    except BaseException:
+        target.params, target.generator = previous
+        raise
+
