@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from model_runtime.batched_forward import Segment, SequenceKV, forward_segments
 from speculative.errors import InvalidArgument
+from speculative.sequence import TokenSequence
 
 T = TypeVar("T")
 
@@ -55,7 +56,7 @@ class ModelSession:
         self._model = model
         self._context_length = context_length  # tokens; the model's positional limit
         self._kv = SequenceKV()
-        self._token_ids: list[int] = []
+        self._tokens = TokenSequence()
         self._cached_len = 0  # tokens whose keys and values are in the cache
         self._ready: torch.Tensor | None = None  # [1, vocab] logits of the pending last token, from its prefill
         self.num_forward_passes = 0
@@ -68,7 +69,7 @@ class ModelSession:
     @property
     def length(self) -> int:
         """Committed plus pending tokens: the length the next proposal extends."""
-        return len(self._token_ids)
+        return len(self._tokens)
 
     @property
     def cached_length(self) -> int:
@@ -76,11 +77,11 @@ class ModelSession:
 
     @property
     def last_token_id(self) -> int:
-        return self._token_ids[-1]
+        return self._tokens.last_token_id
 
     @property
     def token_ids(self) -> list[int]:
-        return list(self._token_ids)
+        return list(self._tokens.ids)
 
     def append(self, token_ids: Sequence[int]) -> None:
         """Adds tokens without running the model (they become pending)."""
@@ -89,7 +90,7 @@ class ModelSession:
                 f"sequence of {self.length + len(token_ids)} tokens exceeds the model's "
                 f"context length of {self._context_length} tokens"
             )
-        self._token_ids.extend(int(t) for t in token_ids)
+        self._tokens.append(token_ids)
 
     def prefill(self) -> None:
         """Caches all tokens but the last, which stays pending; the same pass gives its
@@ -119,7 +120,7 @@ class ModelSession:
         ready = self._ready if num_positions == 1 and self._cached_len == self.length - 1 else None
         self._ready = None  # kept for the next pass only: any other rewrites its token's keys and values
         self._crop_cache(min(self._cached_len, self.length - num_positions))
-        return Segment(self._kv, self._cached_len, self._token_ids[self._cached_len :], num_positions,
+        return Segment(self._kv, self._cached_len, self._tokens.ids[self._cached_len :], num_positions,
                        ready_logits=ready)
 
     def prefill_segment(self) -> Segment | None:
@@ -130,7 +131,7 @@ class ModelSession:
         if self.length - 1 <= self._cached_len:
             return None
         self._ready = None
-        return Segment(self._kv, self._cached_len, self._token_ids[self._cached_len :], 1, fill=True)
+        return Segment(self._kv, self._cached_len, self._tokens.ids[self._cached_len :], 1, fill=True)
 
     def segment_done(self, segment: Segment) -> None:
         """Records that `segment` (from this session, as last handed out) ran. The last
@@ -144,9 +145,7 @@ class ModelSession:
 
     def truncate_to(self, length: int) -> None:
         """Rolls back to the first `length` tokens (absolute, so a repeat is harmless)."""
-        if not 0 <= length <= self.length:
-            raise InvalidArgument(f"cannot truncate a {self.length}-token session to {length}")
-        del self._token_ids[length:]
+        self._tokens.truncate_to(length)
         if length <= self._cached_len:  # the pending token whose logits are kept is gone
             self._ready = None
         self._crop_cache(min(self._cached_len, length))

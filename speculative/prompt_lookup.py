@@ -15,6 +15,7 @@ from model_runtime.fingerprint import ANY_VOCABULARY
 from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.errors import InvalidArgument
 from speculative.limits import MAX_SPECULATIVE_TOKENS
+from speculative.sequence import TokenSequence
 from speculative.types import NGRAM, SamplingParams
 
 # Longest suffix prompt lookup will search for, in tokens: each size is one scan of the
@@ -89,27 +90,27 @@ class NgramDrafter(Drafter):
 
 class NgramDraftSession(DraftSession):
     def __init__(self, token_ids: list[int], min_ngram: int, max_ngram: int):
-        self.token_ids = token_ids
+        self.tokens = TokenSequence(token_ids)
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
 
     @property
     def length(self) -> int:
-        return len(self.token_ids)
+        return len(self.tokens)
 
     def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
-        proposal = lookup_continuation(self.token_ids, k, self.min_ngram, self.max_ngram)
-        self.token_ids.extend(proposal)
+        proposal = self.peek(k)
+        self.tokens.append(proposal)
         return Proposal(proposal)
 
     def peek(self, k: int) -> list[int]:
-        return lookup_continuation(self.token_ids, k, self.min_ngram, self.max_ngram)
+        return lookup_continuation(self.tokens.ids, k, self.min_ngram, self.max_ngram)
 
     def append(self, token_ids: Sequence[int]) -> None:
-        self.token_ids.extend(token_ids)
+        self.tokens.append(token_ids)
 
     def truncate_to(self, length: int) -> None:
-        del self.token_ids[length:]
+        self.tokens.truncate_to(length)
 
     def lookup_stop(self) -> LookupStop:
         return LookupStop(self.min_ngram, self.max_ngram)

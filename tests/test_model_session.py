@@ -63,7 +63,7 @@ def test_truncate_is_absolute_and_repeatable(tiny_target):
     session.truncate_to(3)
     session.truncate_to(3)  # a duplicated rollback is harmless
     assert session.token_ids == [1, 2, 3]
-    with pytest.raises(InvalidArgument, match="cannot truncate a 3-token session to 4"):
+    with pytest.raises(InvalidArgument, match="cannot truncate a 3-token sequence to 4"):
         session.truncate_to(4)
 
 

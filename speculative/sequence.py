@@ -1,0 +1,41 @@
+"""One sequence's token ids and their rules: appended to, or rolled back to an absolute
+length. Every holder of committed tokens (the target's and the draft's sessions, the
+orchestrator's session record) keeps them in a `TokenSequence`, so a rollback means the
+same everywhere: a repeated one is harmless, and none goes below what must stay."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from speculative.errors import InvalidArgument
+
+
+class TokenSequence:
+    def __init__(self, token_ids: Sequence[int] = (), floor: int = 0):
+        """floor: tokens a rollback must keep (a session keeps at least its first)."""
+        self._ids = [int(t) for t in token_ids]
+        self.floor = floor
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def ids(self) -> list[int]:
+        """The token ids themselves, not a copy: read them, change them only through
+        append and truncate_to."""
+        return self._ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self._ids[-1]
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        self._ids.extend(int(t) for t in token_ids)
+
+    def truncate_to(self, length: int) -> None:
+        """Keeps the first `length` tokens: an absolute length, so a rollback repeated
+        (a retried call, a verdict applied twice) changes nothing more."""
+        if not self.floor <= length <= len(self._ids):
+            raise InvalidArgument(f"cannot truncate a {len(self._ids)}-token sequence to {length} "
+                                  f"(keep {self.floor} to {len(self._ids)})")
+        del self._ids[length:]
