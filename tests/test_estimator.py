@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.estimator import CostEstimator, expected_tokens
+from speculative.estimator import HOPE, PRIOR_TRIALS, SLOW_PASS_CLIP, SOLO_TOKEN_WEIGHT, CostEstimator, expected_tokens
 from speculative.rejection import NextTokenKind
 from speculative.stats import RoundStats, StepLoad
 
@@ -45,9 +45,12 @@ def settled(estimator, rounds, times=100):
 def test_acceptance_counts_accepted_tokens_and_the_first_rejection():
     """2 of 4 accepted each round: 2 accepted and 1 rejected trial, settling at 2/3; the
     decision reads it with one more accepted (HOPE)."""
-    estimator = settled(CostEstimator(4), [round_(4, 2, 14.0)])
+    fresh = CostEstimator(4)
+    assert (fresh.acceptance(), fresh.trials) == (0.5, PRIOR_TRIALS)  # a prior as light as two draft tokens
+    estimator = settled(fresh, [round_(4, 2, 14.0)])
     assert estimator.acceptance() == pytest.approx(2 / 3, abs=1e-4)
-    assert estimator.estimates().acceptance == pytest.approx(21 / 31, abs=1e-4)
+    hopeful = (estimator.accepted + HOPE) / (estimator.trials + HOPE)
+    assert estimator.estimates().acceptance == pytest.approx(hopeful) == pytest.approx(21 / 31, abs=1e-4)
 
 
 def test_the_target_line_and_the_round_trip_are_fitted_from_rounds():
@@ -63,7 +66,7 @@ def test_one_slow_pass_does_not_rule_anything_out():
     choice look too costly to ever be tried (and re-measured) again."""
     estimator = settled(CostEstimator(8), [round_(1, 1, 11.0, overhead_ms=2.0), streamed(10.0)], times=30)
     estimator.observe(*round_(4, 4, 300.0, overhead_ms=2.0))  # 30x a one-token pass
-    assert estimator.estimates().compute_ns(5) < 1.25 * 14.0 * MS  # clipped to 1.25 times the line
+    assert estimator.estimates().compute_ns(5) < SLOW_PASS_CLIP * 14.0 * MS  # clipped to the line times the clip
     for _ in range(10):
         estimator.observe(*round_(8, 8, 18.0, overhead_ms=2.0))
     assert estimator.estimates().compute_ns(9) == pytest.approx(18.0 * MS, rel=0.1)
@@ -78,6 +81,9 @@ def test_a_cold_first_pass_is_forgotten_even_at_one_width():
 
 
 def test_a_long_stretch_refines_c1_without_erasing_the_slope():
+    """64 tokens decoded alone weigh SOLO_TOKEN_WEIGHT of a pass each and do not age the
+    wider passes: c(1) follows them, the slope stays what the passes measured."""
+    assert SOLO_TOKEN_WEIGHT < 1.0
     passes = [round_(w - 1, w - 1, 213.0 + 130.0 * (w - 1), draft_ms=100.0 * (w - 1)) for w in (2, 3, 4, 5)]
     estimator = settled(CostEstimator(8), passes, times=5)
     for _ in range(64):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from speculative.drafter_base import DraftSession
 from speculative.drafters import ModelDrafter
-from speculative.estimator import Estimates, MeasuredCosts
+from speculative.estimator import SLOPE_PRIOR, Estimates, MeasuredCosts
 from speculative.generator import LocalVerifier, SpeculativeGenerator
 from speculative.policy import (
     TAKE_ROUND,
@@ -283,7 +283,8 @@ def test_an_earlier_calls_acceptance_carries_a_first_rejection():
 
 
 def test_before_any_measurement_it_drafts_what_the_priors_favour():
-    # Prior acceptance 0.5, each draft token +10% verification, no delay: k = 2.
+    # Prior acceptance 0.5, each draft token +SLOPE_PRIOR (10%) verification, no delay: k = 2.
+    assert SLOPE_PRIOR == 0.1
     assert _k(AdaptiveK(6).next_action()) == 2 and _k(AdaptiveK(1).next_action()) == 1
     assert _k(AdaptiveK(8).next_action(remaining=5)) == 2
 
