@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 from draft_service.config import ENV_PREFIX, DraftConfig
 from draft_service.drafting import Drafters
-from draft_service.remote_verifier import TargetConnections
 from draft_service.servicer import DraftServicer
 from draft_service.sessions import SessionCache
+from draft_service.target_connections import TargetConnections
 from service_common import config as config_flags
 from service_common import server as common_server
 from service_common import telemetry

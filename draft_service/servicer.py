@@ -14,9 +14,10 @@ from opentelemetry import trace
 
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters, apply_settings, prefill
-from draft_service.remote_verifier import RemoteVerifier, TargetConnections
+from draft_service.remote_verifier import RemoteVerifier
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
+from draft_service.target_connections import TargetConnections
 from model_runtime.fingerprint import ANY_VOCABULARY
 from service_common import telemetry
 from service_common.convert import model_info

@@ -24,8 +24,9 @@ from opentelemetry import trace
 
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters, DraftSettings
-from draft_service.remote_verifier import RemoteVerifier, TargetInfo
+from draft_service.remote_verifier import RemoteVerifier
 from draft_service.sessions import SessionEntry
+from draft_service.target_connections import TargetInfo
 from model_runtime.fingerprint import check_compatible
 from service_common import telemetry
 from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto

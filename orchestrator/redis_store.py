@@ -18,9 +18,9 @@ import threading
 
 import redis
 
+from orchestrator.store import Lease, SessionRecord, SessionStore, busy, not_found
 from service_common.redis_client import connect, unavailable_on_error
 from service_common.security import Tls
-from orchestrator.store import Lease, SessionRecord, SessionStore, busy, not_found
 
 log = logging.getLogger(__name__)
 

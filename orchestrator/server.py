@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import logging
 
+from orchestrator.config import OrchestratorConfig
+from orchestrator.redis_store import RedisSessionStore
+from orchestrator.servicer import OrchestratorServicer
+from orchestrator.store import InMemorySessionStore, SessionStore
+from orchestrator.tokenizer import TargetTokenizer
+from orchestrator.workers import WorkerPool, registry_discovery, static_discovery
 from service_common import config as config_flags
 from service_common import telemetry
 from service_common.auth import ApiGate, ApiKeys
@@ -17,12 +23,6 @@ from service_common.server import Service, add_health_port
 from service_common.server import create_server as create_grpc_server
 from specdec.v1 import orchestrator_pb2_grpc
 from speculative.errors import InvalidArgument
-from orchestrator.config import OrchestratorConfig
-from orchestrator.redis_store import RedisSessionStore
-from orchestrator.servicer import OrchestratorServicer
-from orchestrator.store import InMemorySessionStore, SessionStore
-from orchestrator.tokenizer import TargetTokenizer
-from orchestrator.workers import WorkerPool, registry_discovery, static_discovery
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specdec.v1.Orchestrator"

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import uuid
 
-from service_common.auth import current_caller
-from service_common.status import Unavailable, rpc_errors
-from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Generation
 from orchestrator.limits import check_max_new_tokens, check_prompt_tokens, check_session_quota
@@ -14,6 +11,9 @@ from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import render_chat
 from orchestrator.tokenizer import TargetTokenizer
 from orchestrator.workers import DRAFT, TARGET, WorkerPool, close_worker_sessions
+from service_common.auth import current_caller
+from service_common.status import Unavailable, rpc_errors
+from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):

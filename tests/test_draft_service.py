@@ -23,13 +23,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from draft_service.config import DraftConfig
 from draft_service.draft_model import DraftModel
 from draft_service.drafting import Drafters, DraftSettings
-from draft_service.remote_verifier import TargetInfo
 from draft_service.server import create_server as create_draft_server
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
+from draft_service.target_connections import TargetInfo
 from launcher.delay_proxy import DelayProxy
 from model_runtime.fingerprint import ANY_VOCABULARY
-from orchestrator.generation import token_sources
+from orchestrator.rounds import token_sources
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from speculative.drafters import ModelDrafter
 from speculative.errors import IncompatibleModels, NotFound

@@ -6,7 +6,8 @@ from __future__ import annotations
 import grpc
 
 from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import Generation, Plan
+from orchestrator.generation import Generation
+from orchestrator.planning import Plan
 from orchestrator.store import SessionRecord, WorkerHandle
 from orchestrator.workers import DRAFT, TARGET, Worker, WorkerPool
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
@@ -72,7 +73,8 @@ def _plan(record: SessionRecord, tokens: list[int], keep: int) -> Plan:
 def test_a_session_sharing_no_token_is_reopened_not_truncated_to_zero():
     generation, target = _generation(), FakeWorker(TARGET)
     handle = WorkerHandle(TARGET, "target:1", "old", committed_len=3)
-    new = generation._sync(_worker(TARGET, target), handle, [7, 8, 9, 10], 0, _plan(SessionRecord("s", []), [7, 8, 9, 10], 0))
+    plan = _plan(SessionRecord("s", []), [7, 8, 9, 10], 0)
+    new = generation.placer.sync_worker(_worker(TARGET, target), handle, [7, 8, 9, 10], 0, plan)
     assert target.calls == [("OpenSession", 4)]
     assert (new.session_id, new.committed_len) == ("new", 4)
 
@@ -82,11 +84,11 @@ def test_a_retry_after_a_failed_sync_does_not_redo_the_synced_worker():
     the retry syncs the draft only, from the same shared prefix."""
     generation = _generation()
     target, draft = FakeWorker(TARGET), FakeWorker(DRAFT, fail_extend=1)
-    generation.target, generation.draft = _worker(TARGET, target), _worker(DRAFT, draft)
+    generation.placement.target, generation.placement.draft = _worker(TARGET, target), _worker(DRAFT, draft)
     record = SessionRecord("s", [1, 2, 3], target=WorkerHandle(TARGET, "target:1", "t", 3),
                            draft=WorkerHandle(DRAFT, "draft:1", "d", 3))
-    generation._sync_all(_plan(record, [1, 2, 3, 4, 5], 3), 3)
+    generation.failover.sync(_plan(record, [1, 2, 3, 4, 5], 3), 3)
     assert target.calls == [("Truncate", 3), ("Extend", 3, 2)]
     assert draft.calls == [("Truncate", 3), ("Extend", 3, 2), ("Truncate", 3), ("Extend", 3, 2)]
-    assert generation.num_failovers == 1 and generation.synced_len == 5
+    assert generation.stats.num_failovers == 1 and generation.placement.synced_len == 5
     assert record.target.committed_len == record.draft.committed_len == 5

@@ -27,9 +27,9 @@ from draft_service import servicer as draft_servicer_module
 from draft_service import speculation
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters
-from draft_service.remote_verifier import TargetConnections
 from draft_service.servicer import DraftServicer
 from draft_service.sessions import SessionCache as DraftSessions
+from draft_service.target_connections import TargetConnections
 from service_common import server as common_server
 from service_common import telemetry
 from service_common.convert import model_info
