@@ -99,14 +99,18 @@ def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) ->
     proposals, without a round trip or drafting each. Its passes verify up to the k
     fastest at that price (R = d = 0), or none where even those rounds lose to decoding
     alone. Stretches in a row double from `first` to `longest`, k chosen again after
-    each with what its passes and shadow rounds measured (a restart costs a few ms; a
-    call's first k rests on priors alone); a stretch runs to the end where too few
-    tokens would remain."""
+    each with what its passes and shadow rounds measured (a call's first k rests on
+    priors alone), each long enough that its start is at most start_share of its time
+    (on a loaded target a restart misses a step). Where the loaded target leaves no
+    room for drafts (worker_k 0) there is no k to learn: the longest. A stretch runs
+    to the end where too few tokens would remain."""
     inside = dataclasses.replace(e, overhead_ns=0.0, draft_token_ns=0.0, overlaps=False)
     k = inside.best_k()
     if e.worker_k == 0 or (inside.measured and inside.tokens_per_ns(k) <= inside.tokens_per_ns(0)):
         k = 0
-    size = min(rules.first * 2 ** e.losing_stretches, rules.longest)
+    size = rules.longest if e.worker_k == 0 else min(rules.first * 2 ** e.losing_stretches, rules.longest)
+    if e.measured:
+        size = rules.sized(e, size)
     return dataclasses.replace(_stretch_unless_last(size, remaining, least=rules.first), lookup_k=k)
 
 

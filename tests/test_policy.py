@@ -5,6 +5,7 @@ depends on their choices)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import assume, given, settings
@@ -153,6 +154,30 @@ def test_where_the_target_runs_lookup_stretches_double_and_k_follows_what_they_m
     assert sizes == [rules.first * 2 ** i for i in range(4)] + [rules.longest] * 2
     assert ks[0] < ks[1] <= ks[-1] == 8
     assert policy.measured  # stretches' passes alone: the worker hands them to the next call
+
+
+@PROPERTY
+@given(estimates(target_runs_lookup=True, worker_k=0), remaining_tokens)
+def test_where_the_target_runs_lookup_and_has_no_room_for_drafts_one_stretch_runs_the_longest(e, remaining):
+    """No k to learn: every restart would only cost the session a step it misses."""
+    rules = StretchRules()
+    action = decide(e, remaining)
+    longest = rules.longest if remaining is None or remaining - rules.longest >= rules.first else remaining
+    assert (action.lookup_k, action.stretch) == (0, longest)
+
+
+def test_where_the_target_runs_lookup_a_costly_restart_makes_the_next_stretch_long():
+    """On a loaded target a restart misses a step: with a start measured at 300 ms
+    against 60 ms tokens, the next stretch is long enough that its start is at most
+    start_share of its time, not merely twice the first."""
+    policy, rules = AdaptiveK(8), StretchRules()
+    policy.target_runs_lookup()
+    first = policy.next_action(remaining=None).stretch
+    for _ in range(first):
+        policy.observe(*streamed(60.0))
+    policy.observe_stretch(first, (first * 60 + 300) * MS, 60 * MS)
+    assert first == rules.first
+    assert policy.next_action(remaining=None).stretch == math.ceil(300 / (rules.start_share * 60)) > 2 * first
 
 
 @PROPERTY
