@@ -230,7 +230,7 @@ def test_a_stretch_on_the_verify_stream_ends_where_the_core_does(stub, greedy, t
 
 def test_a_stretch_that_verifies_prompt_lookup_sends_the_tokens_it_accepted(tiny_bigram, prompt_ids):
     """Stretch.lookup_rounds over a real socket: one verdict per pass, each carrying the
-    looked-up tokens it accepted before its own token, ending with stretch_ended once
+    looked-up tokens it accepted before its own token, ending with StretchPass.ended once
     max_tokens tokens came; the tokens are the target's greedy ones, as in the core
     (a target whose text repeats, so lookup is right often)."""
     server, channel = _start(tiny_bigram)
