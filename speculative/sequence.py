@@ -1,7 +1,8 @@
 """One sequence's token ids and their rules: appended to, or rolled back to an absolute
 length. Every holder of committed tokens (the target's and the draft's sessions, the
 orchestrator's session record) keeps them in a `TokenSequence`, so a rollback means the
-same everywhere: a repeated one is harmless, and none goes below what must stay."""
+same everywhere: a repeated one is harmless. (What a holder must keep, such as a target
+session's first token, is that holder's own check.)"""
 
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ from speculative.errors import InvalidArgument
 
 
 class TokenSequence:
-    def __init__(self, token_ids: Sequence[int] = (), floor: int = 0):
-        """floor: tokens a rollback must keep (a session keeps at least its first)."""
+    def __init__(self, token_ids: Sequence[int] = ()):
         self._ids = [int(t) for t in token_ids]
-        self.floor = floor
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -35,7 +34,6 @@ class TokenSequence:
     def truncate_to(self, length: int) -> None:
         """Keeps the first `length` tokens: an absolute length, so a rollback repeated
         (a retried call, a verdict applied twice) changes nothing more."""
-        if not self.floor <= length <= len(self._ids):
-            raise InvalidArgument(f"cannot truncate a {len(self._ids)}-token sequence to {length} "
-                                  f"(keep {self.floor} to {len(self._ids)})")
+        if not 0 <= length <= len(self._ids):
+            raise InvalidArgument(f"cannot truncate a {len(self._ids)}-token sequence to {length}")
         del self._ids[length:]
