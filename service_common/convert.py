@@ -7,15 +7,17 @@ which only the workers with a model call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from specdec.v1 import common_pb2, target_pb2
 from speculative.errors import InvalidArgument
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.stats import GenerationStats, RoundStats, StepLoad
-from speculative.types import FinishReason, NextTokenKind, SamplingParams
+from speculative.types import FinishReason, NextTokenKind, SamplingParams, Verdict, VerifyResult
 
 if TYPE_CHECKING:
+    from service_common.telemetry import WorkerLoad
     from speculative.sampling import SparseProbs
 
 NEXT_TOKEN_KIND_TO_PROTO = {
@@ -120,6 +122,55 @@ def step_load_from_proto(message: common_pb2.StepLoad) -> StepLoad | None:
         return None
     return StepLoad(message.queue_ns, message.step_ns, message.batch_tokens, message.batch_sessions,
                     message.waiting_sessions, message.cost_base_ns, message.cost_per_token_ns)
+
+
+def step_load_to_proto(load: StepLoad | None, admission_wait_ns: int = 0) -> common_pb2.StepLoad:
+    """The step a call's work ran in; the call's wait for admission counts as queueing."""
+    if load is None:
+        return common_pb2.StepLoad(queue_ns=admission_wait_ns)
+    return common_pb2.StepLoad(
+        queue_ns=load.queue_ns + admission_wait_ns, step_ns=load.step_ns, batch_tokens=load.batch_tokens,
+        batch_sessions=load.batch_sessions, waiting_sessions=load.waiting_sessions,
+        cost_base_ns=load.cost_base_ns, cost_per_token_ns=load.cost_per_token_ns,
+    )
+
+
+def decision_to_proto(result: VerifyResult, context_length: int, step: common_pb2.StepLoad) -> target_pb2.Decision:
+    if result.stopped:
+        finish_reason = common_pb2.FINISH_REASON_STOP_TOKEN
+    elif result.committed_len >= context_length:  # not even a k = 0 proposal fits
+        finish_reason = common_pb2.FINISH_REASON_LENGTH
+    else:
+        finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+    return target_pb2.Decision(
+        num_accepted=result.verdict.num_accepted, next_token_id=result.verdict.next_token_id,
+        next_token_kind=NEXT_TOKEN_KIND_TO_PROTO[result.verdict.next_token_kind],
+        committed_len=result.committed_len, target_compute_ns=result.target_compute_ns,
+        finish_reason=finish_reason, step=step,
+    )
+
+
+def decision_from_proto(decision: target_pb2.Decision, base_len: int, proposed: Sequence[int], received_ns: int,
+                        num_drafted: int | None = None) -> VerifyResult:
+    """The decision on `proposed` at base_len (a draft, or the looked-up tokens a stretch's
+    pass accepted, of num_drafted it verified), already checked to be consistent."""
+    kind = NEXT_TOKEN_KIND_FROM_PROTO[decision.next_token_kind]
+    verdict = Verdict(decision.num_accepted, decision.next_token_id, kind)
+    return VerifyResult(
+        verdict=verdict, token_ids=verdict.committed_tokens(list(proposed))[: decision.committed_len - base_len],
+        committed_len=decision.committed_len, stopped=decision.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN,
+        target_compute_ns=decision.target_compute_ns, step=step_load_from_proto(decision.step),
+        received_ns=received_ns, num_drafted=len(proposed) if num_drafted is None else num_drafted,
+    )
+
+
+def worker_load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(
+        active_sessions=load.active_sessions, max_sessions=load.max_sessions,
+        cached_tokens=load.cached_tokens, max_cached_tokens=load.max_cached_tokens,
+        queued_calls=load.queued_calls, running_calls=load.running_calls, max_running=load.max_running,
+        mean_batch_tokens=load.mean_batch_tokens, max_batch_tokens=load.max_batch_tokens,
+    )
 
 
 def generation_stats_to_proto(stats: GenerationStats, orchestrator_ns: int = 0, num_prefill_tokens: int = 0) -> common_pb2.GenerationStats:

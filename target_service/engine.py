@@ -1,14 +1,5 @@
-"""The target worker's engine: its sessions' work on the shared forward steps, in core
-types (no protos; `target_service.servicer` converts).
-
-- `verify`: a proposal checked against its session (a stale or duplicated one is
-  `Discarded`, nothing applied), verified in one batched pass, the verdict applied.
-- `decode`: target-only decoding (a Decode stream, or a stretch on a Verify stream,
-  which may also verify prompt lookup's tokens), a pass at a time, in runs of
-  DECODE_RUN_TOKENS: a run stays in the steps (a token every step, never waited for)
-  and reserves its KV growth up front; between runs the session is let go, so closing
-  or evicting it stops the run within a step.
-"""
+"""The target worker's engine: its sessions' work on the shared forward steps, in core types (no protos;
+`target_service.servicer` converts)."""
 
 from __future__ import annotations
 
@@ -35,17 +26,15 @@ DECODE_RUN_TOKENS = 64
 
 @dataclass(frozen=True)
 class At:
-    """Where a request applies: a session at a committed length, optionally with the
-    token it assumes last (a proposal drafted before the previous verdict came)."""
+    """Where a request applies: a session at a committed length."""
 
     session_id: str
     base_len: int
-    expected_last_token_id: int | None = None
+    expected_last_token_id: int | None = None  # the last token it assumes (drafted before the last verdict came)
 
 
 class Discarded(Exception):
-    """The request does not match its session (stale or duplicated): nothing applied.
-    Answered in-band on a Verify stream."""
+    """The request does not match its session (stale or duplicated): nothing applied. Answered in-band."""
 
     def __init__(self, committed_len: int):
         super().__init__(f"discarded: the session holds {committed_len} committed tokens")
@@ -60,9 +49,7 @@ class Verified:
 
 
 @dataclass(frozen=True)
-class Pass:
-    """One pass of decoding, as the engine ran it."""
-
+class Pass:  # one pass of decoding, as the engine ran it
     decoded: DecodedPass
     load: StepLoad | None
     start_ns: int  # when the pass before it was decided (the run's start for the first)
@@ -74,8 +61,7 @@ class TargetEngine:
 
     def verify(self, at: At, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
                sampling: SamplingParams | None) -> Verified:
-        """One round: the proposal's pass batched with other sessions', its verdict
-        applied (and `sampling` from now on). Discarded where it does not match."""
+        """One round in one batched pass, its verdict applied (and `sampling` from now on)."""
         with self.sessions.use(at.session_id, growth=len(draft_token_ids) + 1) as target:
             _check_matches(target, at)
             with _sampling_applied(target, sampling):
@@ -84,8 +70,7 @@ class TargetEngine:
             return Verified(result, load, target.context_length)
 
     def extend(self, at: At, token_ids: list[int]) -> tuple[int, int]:
-        """New input (the next turn) prefilled into the session, batched; returns the
-        committed length and the prefill's time (ns)."""
+        """The next turn's input prefilled, batched; returns the committed length and the prefill's time (ns)."""
         if not token_ids:  # as on the draft worker: nothing to extend is a mistake
             raise InvalidArgument("no token ids given: send at least one")
         with self.sessions.use(at.session_id, growth=len(token_ids)) as target:
@@ -102,10 +87,8 @@ class TargetEngine:
             target.truncate_to(length)
             return target.length
 
-    def start_stretch(self, at: At, until: LookupStop | None, lookup: LookupRounds | None,
-                      sampling: SamplingParams | None) -> int:
-        """Checks a stretch and applies its sampling; returns the context length.
-        Discarded where it does not match."""
+    def start_stretch(self, at: At, sampling: SamplingParams | None) -> int:
+        """Checks a stretch and applies its sampling; returns the context length."""
         with self.sessions.use(at.session_id) as target:
             _check_matches(target, at)
             if sampling is not None:
@@ -113,8 +96,7 @@ class TargetEngine:
             return target.context_length
 
     def start_decode(self, at: At, max_tokens: int, sampling: SamplingParams | None) -> int:
-        """Checks a Decode stream's start and applies its sampling; returns how many
-        tokens it decodes (max_tokens, 0 = the session's max_new_tokens)."""
+        """Checks a Decode stream's start and applies its sampling; returns how many tokens it decodes."""
         if max_tokens < 0:  # checked before the session is touched
             raise InvalidArgument(f"max_tokens must be >= 0 (0 = up to max_new_tokens), got {max_tokens}")
         with self.sessions.use(at.session_id) as target:
@@ -123,16 +105,13 @@ class TargetEngine:
                     f"decode from length {at.base_len} but the session has {target.length} committed tokens")
             if sampling is not None:
                 target.set_sampling(sampling)
-            max_new_tokens = target.params.max_new_tokens
-            return min(max_new_tokens, max_tokens or max_new_tokens)
+            return min(target.params.max_new_tokens, max_tokens or target.params.max_new_tokens)
 
     def decode(self, session_id: str, base_len: int, max_tokens: int, until: LookupStop | None = None,
                lookup: LookupRounds | None = None, active: Callable[[], bool] = lambda: True) -> Iterator[Pass]:
-        """Up to max_tokens tokens the target decodes from base_len (alone, or verifying
-        prompt lookup with `lookup`), batched with other sessions' work, a pass at a
-        time. Ends where decoding ends, or once `active()` is false (the caller went
-        away). A run whose session was closed or evicted ends it; the next run then
-        finds it gone (NOT_FOUND)."""
+        """Up to max_tokens tokens decoded from base_len (with `lookup`, verifying prompt lookup's too), a pass at
+        a time, in runs of DECODE_RUN_TOKENS (a token every step, never waited for). Ends where decoding ends, or
+        once `active()` is false (the caller went away); a closed or evicted session ends it (NOT_FOUND)."""
         decoded, length, last_ns = 0, base_len, time.time_ns()
         extra = lookup.max_draft_tokens if lookup is not None else 0  # a pass's rejected tokens, cached until cut
         while decoded < max_tokens:
@@ -151,9 +130,8 @@ class TargetEngine:
 
 
 def _check_matches(target: TargetSession, at: At) -> None:
-    stale = at.base_len != target.length or (
-        at.expected_last_token_id is not None and target.last_token_id != at.expected_last_token_id)
-    if stale:
+    if at.base_len != target.length or (
+            at.expected_last_token_id is not None and target.last_token_id != at.expected_last_token_id):
         log.debug("discarded proposal", extra={"fields": {
             "session_id": at.session_id, "base_len": at.base_len, "committed_len": target.length}})
         raise Discarded(target.length)
@@ -161,13 +139,10 @@ def _check_matches(target: TargetSession, at: At) -> None:
 
 @contextlib.contextmanager
 def _sampling_applied(target: TargetSession, sampling: SamplingParams | None) -> Iterator[None]:
-    """Sets the proposal's sampling; restores the previous params if the proposal fails,
-    so a refused proposal changes nothing."""
-    if sampling is None:
-        yield
-        return
+    """Sets the proposal's sampling; a refused proposal restores the previous params, changing nothing."""
     previous = (target.params, target.generator)
-    target.set_sampling(sampling)
+    if sampling is not None:
+        target.set_sampling(sampling)
     try:
         yield
     except BaseException:

@@ -1,13 +1,6 @@
-"""`specdec.v1.TargetService`: protos in, engine calls, protos out.
-
-The work lives in `target_service.engine.TargetEngine` (verification, decode runs, the
-checks that a request matches its session), on the sessions of
-`target_service.sessions.SessionCache` (budget, eviction, locks) and the step scheduler
-that batches every session's forward passes (model_runtime.step_scheduler);
-`target_service.admission.Admission` decides how many calls run at once. Every handler
-maps the core's errors to gRPC statuses through `rpc_errors`; a proposal that does not
-match its session is answered in-band (Verdict.discarded). Spans: `target_service.spans`.
-"""
+"""`specdec.v1.TargetService`: protos in, `TargetEngine` calls (target_service.engine), protos out; `Admission`
+decides how many calls run at once. Handlers map the core's errors to gRPC statuses (`rpc_errors`); a proposal
+that does not match its session is answered in-band (Verdict.discarded). Spans: `target_service.spans`."""
 
 from __future__ import annotations
 
@@ -19,21 +12,21 @@ from collections.abc import Iterator
 
 from opentelemetry import trace
 
-from model_runtime.step_scheduler import StepLoad
 from service_common import telemetry
 from service_common.convert import (
-    NEXT_TOKEN_KIND_TO_PROTO,
+    decision_to_proto,
     lookup_rounds_from_proto,
     lookup_stop_from_proto,
     sampling_from_proto,
     sparse_from_proto,
+    step_load_to_proto,
+    worker_load_to_proto,
 )
 from service_common.deadlines import time_remaining
 from service_common.status import rpc_errors
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from speculative.errors import InvalidArgument
 from speculative.sampling import SamplingParams
-from speculative.target import VerifyResult
 from target_service import spans
 from target_service.admission import Admission
 from target_service.engine import At, Discarded, Pass, TargetEngine
@@ -45,27 +38,20 @@ tracer = trace.get_tracer(__name__)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(
-        self,
-        sessions: SessionCache,
-        worker_id: str,
-        model_info: common_pb2.ModelInfo,
-        default_max_new_tokens: int,
-        worker_address: str = "",  # set once the server has bound its port
-        admission: Admission | None = None,
-    ):
+    def __init__(self, sessions: SessionCache, worker_id: str, model_info: common_pb2.ModelInfo,
+                 default_max_new_tokens: int, worker_address: str = "", admission: Admission | None = None):
         self.sessions = sessions
         self.engine = TargetEngine(sessions)
         self.admission = admission or Admission(max_running=sessions.max_sessions, max_queued=0)
         self.worker_id = worker_id
-        self.worker_address = worker_address
+        self.worker_address = worker_address  # set once the server has bound its port
         self.model_info = model_info
         self.default_max_new_tokens = default_max_new_tokens
         telemetry.current().register_load_gauges(self._load, {"specdec.worker.id": worker_id})
 
     @rpc_errors
     def OpenSession(self, request, context):
-        params = self._sampling(request.sampling)
+        params = sampling_from_proto(request.sampling, self.default_max_new_tokens)
         session_id = request.session_id or uuid.uuid4().hex
         prompt_token_ids = list(request.prompt_token_ids)
         with (self._admitted(context) as waited_ns,
@@ -73,10 +59,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             prefill_ns, _ = self.sessions.open(session_id, prompt_token_ids, params)
             span.set_attributes({"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns})
         log.debug("opened session", extra={"fields": {"session_id": session_id, "prompt_len": len(prompt_token_ids)}})
-        handle = common_pb2.KvHandle(
-            worker_id=self.worker_id, worker_address=self.worker_address,
-            session_id=session_id, committed_len=len(prompt_token_ids),
-        )
+        handle = common_pb2.KvHandle(worker_id=self.worker_id, worker_address=self.worker_address,
+                                     session_id=session_id, committed_len=len(prompt_token_ids))
         return target_pb2.OpenSessionResponse(handle=handle, prefill_ns=prefill_ns)
 
     @rpc_errors
@@ -101,9 +85,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Decode(self, request, context):
-        sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
-        at = At(request.session_id, request.base_len)
-        max_tokens = self.engine.start_decode(at, request.max_tokens, sampling)
+        max_tokens = self.engine.start_decode(At(request.session_id, request.base_len), request.max_tokens,
+                                              self._sampling(request))
         with self._admitted(context) as waited_ns:
             passes = self.engine.decode(request.session_id, request.base_len, max_tokens, active=context.is_active)
             for one, step in _observed(passes, request.session_id, waited_ns):
@@ -124,17 +107,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Info(self, request, context):
-        load = self._load()
-        return common_pb2.InfoResponse(
-            worker_id=self.worker_id,
-            model=self.model_info,
-            load=common_pb2.WorkerLoad(
-                active_sessions=load.active_sessions, max_sessions=load.max_sessions,
-                cached_tokens=load.cached_tokens, max_cached_tokens=load.max_cached_tokens,
-                queued_calls=load.queued_calls, running_calls=load.running_calls, max_running=load.max_running,
-                mean_batch_tokens=load.mean_batch_tokens, max_batch_tokens=load.max_batch_tokens,
-            ),
-        )
+        return common_pb2.InfoResponse(worker_id=self.worker_id, model=self.model_info,
+                                       load=worker_load_to_proto(self._load()))
 
     @rpc_errors
     def GetTokenizer(self, request, context):
@@ -145,21 +119,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return served_tokenizer(self.sessions.loaded)
 
     def _load(self) -> telemetry.WorkerLoad:
-        load = self.sessions.load()
-        admission = self.admission.load()
+        load, admission = self.sessions.load(), self.admission.load()
         return telemetry.WorkerLoad(
             active_sessions=load.active_sessions, max_sessions=self.sessions.max_sessions,
             cached_tokens=load.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
-            running_calls=admission.running, queued_calls=admission.queued,
-            max_running=self.admission.max_running,
+            running_calls=admission.running, queued_calls=admission.queued, max_running=self.admission.max_running,
             mean_batch_tokens=self.sessions.compute.occupancy(),
             max_batch_tokens=self.sessions.compute.max_batch_tokens,
         )
 
     @contextlib.contextmanager
     def _admitted(self, context) -> Iterator[int]:
-        """A running slot for the call (see Admission); yields how long it waited for
-        it, in nanoseconds."""
+        """A running slot for the call (see Admission); yields how long it waited for it (ns)."""
         waited_ns = self.admission.acquire(time_remaining(context))
         try:
             yield waited_ns
@@ -170,15 +141,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _verify(self, proposal: target_pb2.Proposal, waited_ns: int) -> target_pb2.Verdict:
         draft = proposal.draft
-        sampling = self._sampling(proposal.sampling) if proposal.HasField("sampling") else None
+        sampling = self._sampling(proposal)
         draft_probs = [sparse_from_proto(d) for d in draft.distributions] or None
         with tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
             try:
                 verified = self.engine.verify(_at(proposal), list(draft.token_ids), draft_probs, sampling)
-                decision = _decision(verified.result, verified.context_length, _step_proto(verified.load, waited_ns))
-                verdict = _echo(proposal, decision=decision)
+                step = step_load_to_proto(verified.load, waited_ns)
+                verdict = _echo(proposal, decision=decision_to_proto(verified.result, verified.context_length, step))
             except Discarded as stale:
-                verdict = _echo(proposal, discarded=target_pb2.Discarded(committed_len=stale.committed_len))
+                verdict = _echo(proposal, discarded=stale)
             spans.verified(span, proposal, verdict)
         return verdict
 
@@ -188,69 +159,44 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise InvalidArgument(f"stretch.max_tokens must be >= 1, got {stretch.max_tokens}")
         until = lookup_stop_from_proto(stretch.until_lookup) if stretch.HasField("until_lookup") else None
         lookup = lookup_rounds_from_proto(stretch.lookup_rounds) if stretch.HasField("lookup_rounds") else None
-        sampling = self._sampling(proposal.sampling) if proposal.HasField("sampling") else None
         try:
-            context_length = self.engine.start_stretch(_at(proposal), until, lookup, sampling)
+            context_length = self.engine.start_stretch(_at(proposal), self._sampling(proposal))
         except Discarded as stale:
-            yield _echo(proposal, discarded=target_pb2.Discarded(committed_len=stale.committed_len))
+            yield _echo(proposal, discarded=stale)
             return
         passes = self.engine.decode(proposal.session_id, proposal.base_len, stretch.max_tokens, until, lookup,
                                     active=context.is_active)
         for one, step in _observed(passes, proposal.session_id, waited_ns, proposal.round):
             yield _stretch_pass(proposal, one, context_length, step)
 
-    def _sampling(self, message: common_pb2.SamplingParams) -> SamplingParams:
-        return sampling_from_proto(message, self.default_max_new_tokens)
-
-
-def _step_proto(load: StepLoad | None, admission_wait_ns: int = 0) -> common_pb2.StepLoad:
-    """The step a call's work ran in; the call's wait for admission counts as queueing."""
-    if load is None:
-        return common_pb2.StepLoad(queue_ns=admission_wait_ns)
-    return common_pb2.StepLoad(
-        queue_ns=load.queue_ns + admission_wait_ns, step_ns=load.step_ns, batch_tokens=load.batch_tokens,
-        batch_sessions=load.batch_sessions, waiting_sessions=load.waiting_sessions,
-        cost_base_ns=load.cost_base_ns, cost_per_token_ns=load.cost_per_token_ns,
-    )
+    def _sampling(self, request) -> SamplingParams | None:
+        if not request.HasField("sampling"):
+            return None  # the session's params stay
+        return sampling_from_proto(request.sampling, self.default_max_new_tokens)
 
 
 def _observed(passes: Iterator[Pass], session_id: str, waited_ns: int,
               round_index: int | None = None) -> Iterator[tuple[Pass, common_pb2.StepLoad]]:
-    """Each pass of decoding with its step, in a span each and in the time per output
-    token; the call's wait for admission counts in its first step."""
-    timing = _DecodeTiming()
+    """Each pass with its step, in a span and in the time per output token; admission's wait counts in the first."""
+    total_ns = num_tokens = 0  # session lock and forward passes, in nanoseconds; a pass may commit several tokens
     try:
         for one in passes:
-            step = _step_proto(one.load, waited_ns)
-            waited_ns = 0
-            timing.add(one.decoded.emitted_ns - one.start_ns)
+            step = step_load_to_proto(one.load, 0 if num_tokens else waited_ns)
+            total_ns += one.decoded.emitted_ns - one.start_ns
+            num_tokens += len(one.decoded.result.token_ids)
             spans.decode(session_id, one, step, round_index)
             yield one, step
     finally:
-        timing.record()
+        if num_tokens:
+            telemetry.instruments().time_per_output_token.record(total_ns * 1e-9 / num_tokens)
 
 
-class _DecodeTiming:
-    """Time per output token of one Decode stream (target-only decoding)."""
-
-    def __init__(self):
-        self.total_ns = 0  # session lock and forward passes, in nanoseconds
-        self.num_tokens = 0
-
-    def add(self, elapsed_ns: int) -> None:
-        self.total_ns += elapsed_ns
-        self.num_tokens += 1
-
-    def record(self) -> None:
-        if self.num_tokens:
-            telemetry.instruments().time_per_output_token.record(self.total_ns * 1e-9 / self.num_tokens)
-
-
-def _echo(proposal: target_pb2.Proposal, **fields) -> target_pb2.Verdict:
-    """A verdict echoing the proposal's identity."""
-    return target_pb2.Verdict(
-        session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len, **fields
-    )
+def _echo(proposal: target_pb2.Proposal, discarded: Discarded | None = None, **fields) -> target_pb2.Verdict:
+    """A verdict echoing the proposal's identity; `discarded`: the in-band answer to a stale one."""
+    if discarded is not None:
+        fields["discarded"] = target_pb2.Discarded(committed_len=discarded.committed_len)
+    return target_pb2.Verdict(session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len,
+                              **fields)
 
 
 def _at(proposal: target_pb2.Proposal) -> At:
@@ -258,30 +204,13 @@ def _at(proposal: target_pb2.Proposal) -> At:
     return At(proposal.session_id, proposal.base_len, expected)
 
 
-def _decision(result: VerifyResult, context_length: int, step: common_pb2.StepLoad) -> target_pb2.Decision:
-    if result.stopped:
-        finish_reason = common_pb2.FINISH_REASON_STOP_TOKEN
-    elif result.committed_len >= context_length:  # not even a k = 0 proposal fits
-        finish_reason = common_pb2.FINISH_REASON_LENGTH
-    else:
-        finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
-    return target_pb2.Decision(
-        num_accepted=result.verdict.num_accepted, next_token_id=result.verdict.next_token_id,
-        next_token_kind=NEXT_TOKEN_KIND_TO_PROTO[result.verdict.next_token_kind],
-        committed_len=result.committed_len, target_compute_ns=result.target_compute_ns,
-        finish_reason=finish_reason, step=step,
-    )
-
-
 def _stretch_pass(proposal: target_pb2.Proposal, one: Pass, context_length: int,
                   step: common_pb2.StepLoad) -> target_pb2.Verdict:
     """A verdict on one pass of a stretch, from the length before it."""
     result = one.decoded.result
     ended = one.decoded.ends or result.committed_len - proposal.base_len >= proposal.stretch.max_tokens
-    stretch_pass = target_pb2.StretchPass(
-        decision=_decision(result, context_length, step), num_looked_up=result.num_drafted,
-        accepted_token_ids=one.decoded.accepted, ended=ended,
-    )
+    stretch_pass = target_pb2.StretchPass(decision=decision_to_proto(result, context_length, step), ended=ended,
+                                          num_looked_up=result.num_drafted, accepted_token_ids=one.decoded.accepted)
     verdict = _echo(proposal, stretch_pass=stretch_pass)
     verdict.base_len = result.committed_len - len(result.token_ids)
     return verdict
