@@ -461,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-process-only", action="store_true", help="no services phases (and no trace report)")
     parser.add_argument("--no-loopback", action="store_true",
                         help="services at the added delays only (loopback measured in an earlier run)")
+    parser.add_argument("--prompts", default="", help="comma-separated prompt kinds (default: every kind)")
     parser.add_argument("--out", default=None, help="directory for results and plots (default: benchmarks/; "
                                                    "a temporary directory with --quick)")
     args = parser.parse_args(argv)
@@ -472,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         pair = dataclasses.replace(pair, quantization=args.draft_quantization)
     if args.quick:  # two prompts with text to copy: the drafts get accepted
         pair = dataclasses.replace(pair, prompts=("code_edit", "summary"))
+    if args.prompts:
+        pair = dataclasses.replace(pair, prompts=tuple(args.prompts.split(",")))
     out = Path(args.out or (tempfile.mkdtemp(prefix="bench-suite-") if args.quick else REPO / "benchmarks"))
     plots = out / "plots" / args.pair
     plots.mkdir(parents=True, exist_ok=True)
