@@ -146,8 +146,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 }})
                 entry.next_round = verifier.round
                 verifier.close()
-                if adaptive is not None and adaptive.measured:
-                    self.targets.remember_costs(plan.target_address, entry.drafter, adaptive.costs())
+                if adaptive is not None and adaptive.estimator.measured:
+                    self.targets.remember_costs(plan.target_address, entry.drafter, adaptive.estimator.costs())
 
     # --- helpers ----------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if entry.policy is not None and entry.policy.max_k == plan.policy.max_k:
             plan.policy = entry.policy
         elif costs := self.targets.costs(plan.target_address, entry.drafter):
-            plan.policy.seed(costs)
+            plan.policy.estimator.seed(costs)
         entry.policy = plan.policy
         return plan.policy
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from speculative.estimator import expected_tokens  # the same formula the adaptive policy uses
 from speculative.limits import MAX_SPECULATIVE_TOKENS
-from speculative.policy import expected_tokens  # the same formula the adaptive policy uses
 
 K_MAX = MAX_SPECULATIVE_TOKENS  # the model considers every k the protocol allows
 

@@ -1,16 +1,10 @@
-"""Drafting ahead (pipelining, depth 1): while proposal n is verified, proposal n + 1 is
-drafted from the optimistic context (all of n accepted, and the target's own next token
-equal to the draft's guess, drafted first) and sent with that guess as
-expected_last_token_id. It survives when n's verdict commits exactly that context;
-otherwise the target discards it (it checks base_len and the last token), and the draft
-rolls back to the verdict. Every proposal the target applies was judged on its actual
-context: exactness holds.
-
-Pays only where the target verifies while the draft drafts (`Verifier.overlaps`: across
-the network, on separate hardware); the round loop uses the plain `Proposer` otherwise,
-or when the setting is off (the draft worker's `pipeline`).
+"""Drafting ahead (pipelining, depth 1): while proposal n is verified, proposal n + 1 is drafted from the
+optimistic context (all of n accepted, and the target's own next token equal to the draft's guess, drafted
+first) and sent with that guess as expected_last_token_id. It survives when n's verdict commits exactly that
+context; otherwise the target discards it (it checks base_len and the last token), and the draft rolls back
+to the verdict. Every proposal the target applies was judged on its actual context: exactness holds.
+Pays only where the target verifies while the draft drafts (`Verifier.overlaps`: across the network).
 """
-
 from __future__ import annotations
 
 import time
@@ -29,8 +23,7 @@ class AheadProposer(Proposer):
         return self.ahead is None
 
     def propose(self, base_len: int, k: int, min_reach: float = 0.0) -> Sent:
-        """The proposal sent ahead if one survived, else a new one."""
-        return self.ahead or super().propose(base_len, k, min_reach)
+        return self.ahead or super().propose(base_len, k, min_reach)  # the proposal sent ahead, if it survived
 
     def send(self, sent: Sent, action: Action, room: int) -> None:
         """Sends `sent` (unless it went ahead), then, where the policy says so, drafts
@@ -38,51 +31,46 @@ class AheadProposer(Proposer):
         if sent is self.ahead:
             self.ahead = None
         else:
-            self._send(sent, None)
+            self._send(sent)
         if action.ahead and not action.stretch:
             self._send_ahead(sent, action.k, room)
 
-    def _ahead_survives(self, sent: Sent, result: VerifyResult) -> bool:
+    def apply_to_draft(self, sent: Sent, result: VerifyResult) -> None:
         """The proposal ahead survives when the verdict on `sent` committed the context it
-        assumed; else it is abandoned (the target discards it) and the draft rolls back."""
-        survives = self.ahead is not None and result.committed_len == self.ahead.base_len \
-            and result.token_ids[-1] == sent.guess and not result.stopped
-        if self.ahead is not None and not survives:
-            self.verifier.abandon_last()
+        assumed (the draft holds it already); else it is abandoned and the draft rolls back."""
+        if self.ahead is not None and result.committed_len == self.ahead.base_len \
+                and result.token_ids[-1] == sent.guess and not result.stopped:
+            return
+        if self.ahead is not None:
+            self.verifier.abandon_last()  # the target discards it
             self.ahead = None
-        return survives
+        super().apply_to_draft(sent, result)
 
     def _send_ahead(self, current: Sent, k: int, room: int) -> None:
-        """Drafts the guess, then up to k tokens after it (not past the room or a stop
-        token). A costly drafter stops once `current`'s verdict has come (drafting on
-        would only keep it waiting), unless the call is seeded sampling: its draws
-        depend on where its tokens split into rounds, which must not depend on timing."""
-        if not current.open_ended:
-            return
-        base_len = current.base_len + len(current.proposal) + 1
-        k = min(k, room - (base_len - current.base_len) - 1)
-        if k < 1:
+        """Drafts the guess, then up to k tokens after it (not past the room or a stop token). A costly
+        drafter stops once `current`'s verdict has come (drafting on would only keep it waiting), unless the
+        call is seeded sampling: its draws depend on where its tokens split into rounds, not on timing."""
+        k = min(k, room - len(current.proposal) - 2)  # room - 1 after current's round (the guess its last)
+        if not current.open_ended or k < 1:
             return
         guess = self.draft.propose(1)
         if not guess.token_ids or guess.token_ids[0] in self.params.stop_token_ids:
             return  # the draft keeps the guess, truncated with the verdict
         current.guess = guess.token_ids[0]
-        reproducible = not self.params.greedy and self.params.seed is not None
         start = time.perf_counter_ns()
-        if reproducible or self.free_draft:
+        if self.free_draft or (not self.params.greedy and self.params.seed is not None):  # free, or seeded
             proposal = self.draft.propose(k)
             open_ended = len(proposal) == k
         else:
             proposal, open_ended = self._propose_until_verdict(k)
-        if not proposal.token_ids:  # nothing to send
-            return
-        self.ahead = Sent(base_len, proposal, time.perf_counter_ns() - start, open_ended=open_ended, ahead=True)
-        self._send(self.ahead, current.guess)
+        if proposal.token_ids:
+            self.ahead = Sent(current.base_len + len(current.proposal) + 1, proposal, time.perf_counter_ns() - start,
+                              open_ended=open_ended, ahead=True)
+            self._send(self.ahead, current.guess)
 
     def _propose_until_verdict(self, k: int) -> tuple[Proposal, bool]:
-        """Up to k tokens, one at a time, until the verdict on the proposal before comes;
-        and whether the drafter could go on. A proposal keeps one kind of q (a lookup
-        token's is implied)."""
+        """Up to k tokens, one at a time, until the verdict on the proposal before comes, and
+        whether the drafter could go on. One kind of q per proposal (a lookup token's is implied)."""
         token_ids: list[int] = []
         probs: list | None = None
         while len(token_ids) < k and not self.verifier.verdict_came():

@@ -1,48 +1,30 @@
-"""What a speculating call has measured of its costs, as estimates a decision can read.
+"""What a speculating call has measured, as estimates a decision reads.
 
-`CostEstimator` keeps one estimator per quantity, each a decayed running average of what
-the call saw (weight `decay` on the past), and `Estimates` is a frozen snapshot of them
-with the cost model the decision uses (Leviathan et al. 2023, with a per-round delay):
+`CostEstimator` keeps decayed running averages (weight `decay` on the past) of what the
+call saw; `Estimates` is a frozen snapshot of them with the cost model of Leviathan et
+al. 2023 plus a per-round delay. In nanoseconds where a time:
 
-- a, acceptance: per-draft-token acceptance, from the rounds that drafted (prior 0.5
-  over PRIOR_TRIALS tokens); decisions read it with HOPE more accepted token
-  (`hopeful acceptance`), so one rejected first round does not stop speculation.
-- a_i, acceptance by depth: the chance that draft token i is accepted once tokens
-  1..i-1 were, from the rounds that reached i, with a's prior and HOPE (a is the same
-  count over every depth). A copied run of text either goes on or stops, so its deep
-  tokens are accepted more often than its first: one rate for every depth underrates
-  a long proposal. Depths no round has reached yet are read at the deepest one reached.
-- f, proposal rate: the share of the drafter's turns that proposed anything (a
-  prompt-lookup drafter proposes only where the context has text to copy).
-- d: drafting time per draft token (a pass of a model drafter; the first token after
-  the draft's prefill comes with it, and is not counted).
-- c(w) = c(1) + g (w - 1): the target's compute for a pass over w tokens, as the target
-  reports it, one line fitted to every pass by decayed least squares (slope prior: 10%
-  of c(1); 0 <= g <= c(1)); each sample clipped to SLOW_PASS_CLIP times the line, so one
-  slow pass cannot rule a width out.
-- R: the rest of a round (network, serialization, queueing, applying the verdict), not
-  counting time its verdict waited for the draft to finish drafting ahead.
-- s: time per token when the target decodes alone, between a stretch's tokens (c(1)
-  until a stretch measured it); o: what starting a stretch costs past its tokens (the
-  stretch's round trip, the draft catching up on it; prior 2 R).
-- load: the sessions B sharing the target's steps and the step cost base + per_token T
-  the target fits and reports, which cap k at `worker_k` (read with HOPE shared by
-  the B sessions: on a loaded target a hopeful draft token costs every session of
-  the batch).
+- a, acceptance per draft token (prior 0.5 over PRIOR_TRIALS tokens), and a_i, by depth:
+  a copied run of text goes on or stops, so its deep tokens are accepted more often than
+  its first. Decisions read both with HOPE more accepted token, so one rejected first
+  round does not stop speculation. Also measured during stretches where drafting is
+  free (`observe_shadow`: what prompt lookup would have proposed against the tokens the
+  target decoded; unbiased under sampling, a looked-up token being proposed with
+  certainty).
+- f, the share of the drafter's turns that proposed anything; d, drafting per token.
+- c(w) = c(1) + g (w - 1), the target's pass over w tokens, a line fitted to every pass
+  by decayed least squares; R, the rest of a round (network, queueing, the verdict).
+- s, a token decoded alone in a stretch (c(1) until one is measured); o, what starting
+  a stretch costs past its tokens (prior 2 R).
+- load: the B sessions sharing the target's steps and its step cost, which cap k
+  (`worker_k`); the recent actions (stretches in a row, empty turns), which size stretches.
 
-Acceptance is also measured during stretches where drafting is free (prompt lookup):
-what the drafter would have proposed at each point, against the tokens the target
-then decoded (`observe_shadow`; exact for greedy, and unbiased under sampling since a
-looked-up token is proposed with certainty: it is accepted with the target's
-probability of it, the chance that the target draws it).
-
-The estimator also counts what the last actions were (stretches in a row, empty turns
-in a row, rounds since the last stretch): the decision sizes stretches from them.
-This module is free of torch: `python -m report` reads `expected_tokens`.
+Free of torch: `python -m report` reads `expected_tokens`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,14 +36,12 @@ HOPE = 1.0  # accepted draft tokens added to the evidence when deciding
 # A token decoded alone weighs this much of a pass in the fit of c(w), and does not age
 # the passes: a long stretch refines c(1) without erasing what wider passes cost.
 SOLO_TOKEN_WEIGHT = 0.1
-# The slope g of c(w) before passes of two widths tell it, as a share of c(1): a pass
-# one token wider costs a tenth more (a memory-bound target, the common case).
+# g / c(1) before passes of two widths tell it: a memory-bound target, the common case.
 SLOPE_PRIOR = 0.1
-# A pass slower than this many times the line counts as this slow: a burst of load on a
-# shared machine must not be carried into later decisions; a lasting slowdown is still
-# learnt, by at most (SLOW_PASS_CLIP - 1) * (1 - decay) a pass.
-SLOW_PASS_CLIP = 1.25
 SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
+# A pass slower than this many times the line counts as this slow: a burst of load must
+# not rule a width out; a lasting slowdown is still learnt, a clipped step at a time.
+SLOW_PASS_CLIP = 1.25
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -129,7 +109,7 @@ class Estimates:
         return _reach(self.depth_acceptance, self.acceptance, depth)
 
     def expected_tokens(self, k: int) -> float:
-        """E[tokens] of a round of k draft tokens: the accepted ones and the target's own."""
+        """E[tokens] of a round of k draft tokens, the target's own included."""
         return _expected_tokens(self.depth_acceptance, self.acceptance, k)
 
     def compute_ns(self, width: int) -> float:
@@ -148,13 +128,10 @@ class Estimates:
         return k * self.draft_token_ns + self.compute_ns(k + 1) + self.overhead_ns
 
     def ahead_saving_ns(self, k: int) -> float:
-        """What drafting a round's successor while the round is verified (depth 1) saves
-        a round, on average. With p = a^(k + 1) (all k accepted, and the draft's guess of
-        the target's next token right) the successor is ready, and rounds follow at the
-        slower side's pace, max(c(k + 1), (k + 1) d), instead of a synchronous round's.
-        Otherwise it is drafted again after the verdict, once the draft has finished the
-        pass it was in (drafting ahead stops when the verdict comes): up to d later,
-        where drafting ahead (k + 1) d outlasts the verification, c(k + 1) + R."""
+        """What drafting a round's successor while it is verified saves a round, on
+        average: with p = reach(k + 1) (all accepted, the draft's guess of the target's
+        token right) rounds go at the slower side's pace, max(c(k + 1), (k + 1) d); else
+        the successor is drafted again, up to d late where drafting outlasts c(k + 1) + R."""
         survives = self.reach(k + 1)
         ahead_ns = (k + 1) * self.draft_token_ns
         saved = self.sync_round_ns(k) - max(self.compute_ns(k + 1), ahead_ns)
@@ -166,15 +143,10 @@ class Estimates:
         return self.expected_tokens(k) / self.round_ns(k)
 
     def mixed_tokens_per_ns(self, k: int) -> float:
-        """The same, when only a share f of the drafter's turns propose and the others
-        are one plain step that still pays R."""
+        """The same where only a share f of turns propose (the others: a plain step, R paid)."""
         f = self.proposal_rate
         tokens = f * self.expected_tokens(k) + (1.0 - f)
         return tokens / (f * self.round_ns(k) + (1.0 - f) * self.round_ns(0))
-
-    def stretch_ns(self, num_tokens: float) -> float:
-        """A stretch of num_tokens decoded alone, its start included."""
-        return self.stretch_start_ns + num_tokens * self.solo_token_ns
 
     def best_k(self) -> int:
         """The fastest k in 1..max_k, at most worker_k (when that is above 0); the
@@ -203,7 +175,7 @@ class CostEstimator:
         self.overhead_ns = 0.0
         self.solo_token_ns: float | None = None
         self.stream_start_ns: float | None = None
-        self.measured = False  # a round has been measured
+        self.overhead_measured = False  # R, by a round
         self.one_token_measured = False
         self.batch_sessions = 1.0  # B
         self.step_base_ns = self.step_token_ns = 0.0  # the target's step cost (0: not reported)
@@ -214,12 +186,16 @@ class CostEstimator:
         if costs is not None:
             self.seed(costs)
 
+    @property
+    def measured(self) -> bool:
+        """The target's passes were measured (rounds, a stretch's passes, or an earlier call)."""
+        return self.one_token_ns > 0
+
     def estimates(self) -> Estimates:
         per_token = self.per_token_ns if self.per_token_ns is not None else SLOPE_PRIOR * self.one_token_ns
         hope = HOPE if self.one_token_ns else 0.0
-        acceptance = (self.accepted + hope) / (self.trials + hope)
         return Estimates(
-            self.max_k, acceptance, self.proposals / self.turns, self.draft_token_ns,
+            self.max_k, self.acceptance(hope), self.proposals / self.turns, self.draft_token_ns,
             self.one_token_ns, per_token, self.overhead_ns,
             self.solo_token_ns if self.solo_token_ns is not None else self.one_token_ns,
             self.solo_token_ns is not None, self.one_token_measured,
@@ -233,7 +209,7 @@ class CostEstimator:
         """a_i for depths 1..max_k, read with `hope` more accepted tokens; a depth no
         round reached takes the deepest reached one's (a, before any)."""
         prior_accepted, prior_trials = self.prior_counts
-        last = (self.accepted + hope) / (self.trials + hope)
+        last = self.acceptance(hope)
         rates = []
         for accepted, reached in self.depth_counts:
             if reached > 0:
@@ -241,24 +217,19 @@ class CostEstimator:
             rates.append(last)
         return tuple(rates)
 
-    def acceptance(self) -> float:
-        """a as measured (decisions read the hopeful estimate)."""
-        return self.accepted / self.trials
+    def acceptance(self, hope: float = 0.0) -> float:
+        """a, read with `hope` more accepted tokens (decisions read it hopeful)."""
+        return (self.accepted + hope) / (self.trials + hope)
 
     def worker_k(self) -> int:
         """The k (0 = none) at which the target's B sessions, all drafting k, commit the
-        most tokens a second: E[tokens](a, k) a round of base + per_token B (k + 1) plus
-        R (the round's time away from the target: the session misses steps), against
-        one token a step of base + per_token B decoding alone. a is read with HOPE / B:
-        hope is for exploring, and a draft token explored on hope costs all B sessions
-        (alone, the call weighs it as its own decision does). max_k while the target
-        reports no cost."""
+        most tokens a second: E[tokens] a step of base + per_token B (k + 1), plus R for
+        the steps a round misses. a is read with HOPE / B: a token explored on hope costs
+        all B sessions. max_k while the target reports no cost."""
         if not self.step_base_ns and not self.step_token_ns:
             return self.max_k
         sessions = max(self.batch_sessions, 1.0)
-        hope = HOPE / sessions
-        acceptance = (self.accepted + hope) / (self.trials + hope)
-        depths = self.depth_acceptance(hope)
+        acceptance, depths = self.acceptance(HOPE / sessions), self.depth_acceptance(HOPE / sessions)
 
         def rate(k: int) -> float:
             step_ns = self.step_base_ns + self.step_token_ns * sessions * (k + 1)
@@ -275,7 +246,7 @@ class CostEstimator:
                 self._add_sample(x, self._line(x + 1), 1.0)
             self.overhead_ns, self.solo_token_ns = costs.overhead_ns, costs.solo_token_ns
             self.stream_start_ns, self.draft_token_ns = costs.stream_start_ns, costs.draft_token_ns
-            self.measured, self.one_token_measured = True, costs.one_token_measured
+            self.overhead_measured, self.one_token_measured = True, costs.one_token_measured
         if costs.acceptance is not None:
             self.accepted, self.trials = PRIOR_TRIALS * costs.acceptance, PRIOR_TRIALS
             self.prior_counts = [self.accepted, self.trials]
@@ -311,8 +282,8 @@ class CostEstimator:
         if not stats.drafted_ahead:  # else its drafting fell in the round before: R is not in elapsed_ns
             drafting_ns = stats.draft_ns if stats.num_drafted else 0  # a search that found nothing is overhead
             overhead = max(0, elapsed_ns - drafting_ns - stats.target_compute_ns - stats.late_ns)
-            self.overhead_ns = _blend(self.overhead_ns if self.measured else None, overhead, self.decay)
-        self.measured = True
+            self.overhead_ns = _blend(self.overhead_ns if self.overhead_measured else None, overhead, self.decay)
+        self.overhead_measured = True
         if stats.num_drafted:
             self._observe_acceptance(stats.num_drafted, stats.num_accepted)
             passes = stats.num_drafted - stats.draft_warm
@@ -346,11 +317,10 @@ class CostEstimator:
 
     def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0,
                         passes_ns: int | None = None) -> None:
-        """A whole stretch: elapsed_ns from deciding on it to being ready to draft again
-        after its num_tokens passes, which took passes_ns (default num_tokens token_ns),
-        those that decoded one token alone token_ns apart (s; also a bound on c(1));
-        the rest is o. In empty_turns of its tokens the drafter would have proposed
-        nothing (a stretch that ended where it would propose again)."""
+        """A whole stretch: elapsed_ns from deciding on it to being ready to draft again,
+        of which its passes took passes_ns (default num_tokens token_ns; the rest is o),
+        tokens decoded alone token_ns apart (s). The drafter would have proposed nothing
+        in empty_turns of them (a stretch that ended where it would propose again)."""
         for _ in range(empty_turns):
             self.observe_turn(proposed=False)
         self.observe_solo_tokens(num_tokens, token_ns)
@@ -361,9 +331,8 @@ class CostEstimator:
         self.rounds_since_stretch, self.rounds_since_stretch_ns = 0, 0.0
 
     def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
-        """num_tokens decoded alone, token_ns apart (s; also a bound on c(1)): a stretch,
-        or the one that ended the call (whose start and the draft's catch-up are not
-        measured; its s seeds the next call)."""
+        """num_tokens decoded alone, token_ns apart (s; also a bound on c(1)): a stretch's,
+        or the call's last stretch's (its start not measured; its s seeds the next call)."""
         if token_ns < self.one_token_ns:
             self._observe_compute(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
         self.one_token_measured = True
@@ -401,11 +370,8 @@ class CostEstimator:
 
 
 def _reach(depth_acceptance: tuple[float, ...], acceptance: float, depth: int) -> float:
-    """The product of a_1..a_depth (`acceptance` past the tuple's end)."""
-    product = 1.0
-    for i in range(depth):
-        product *= depth_acceptance[i] if i < len(depth_acceptance) else acceptance
-    return product
+    """a_1 ... a_depth (`acceptance` past the tuple's end)."""
+    return math.prod(depth_acceptance[i] if i < len(depth_acceptance) else acceptance for i in range(depth))
 
 
 def _expected_tokens(depth_acceptance: tuple[float, ...], acceptance: float, k: int) -> float:

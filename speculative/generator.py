@@ -14,8 +14,9 @@ from model_runtime.fingerprint import check_compatible
 from model_runtime.loading import LoadedModel
 from speculative.drafter_base import Drafter, DraftSession
 from speculative.errors import StaleProposal
+from speculative.estimator import MeasuredCosts
 from speculative.limits import validate_num_speculative_tokens
-from speculative.policy import AdaptiveK, FixedK, MeasuredCosts, SpeculationPolicy
+from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams
 from speculative.speculation_loop import Features, speculation_rounds
@@ -25,12 +26,9 @@ from speculative.types import FinishReason
 
 
 class LocalVerifier:
-    """A TargetSession as the loop's verifier in process. Each proposal is verified when
-    its verdict is received, with the target's own staleness rule (base_len, and the
-    last token a proposal sent ahead assumed). overlaps=False: nothing computes while
-    the loop drafts, so drafting ahead would only cost; tests turn it on to run the
-    pipelined protocol in process. runs_lookup=False: a prompt-lookup drafter's rounds
-    cost no round trip here, so the target need not run them; tests turn it on too."""
+    """A TargetSession as the loop's verifier in process: each proposal is verified when its verdict is received,
+    with the target's own staleness rule. overlaps and runs_lookup are off by default (nothing computes while the
+    loop drafts; lookup's rounds cost no round trip here); tests turn them on to run those protocols in process."""
 
     def __init__(self, target: TargetSession, overlaps: bool = False, runs_lookup: bool = False):
         self.target, self.overlaps, self.runs_lookup = target, overlaps, runs_lookup
@@ -106,8 +104,8 @@ class SpeculativeGenerator:
         params.validate()
         policy = k if isinstance(k, SpeculationPolicy) else FixedK(validate_num_speculative_tokens(k))
         adaptive = isinstance(policy, AdaptiveK)
-        if adaptive and not policy.measured and self.measured_costs is not None:
-            policy.seed(self.measured_costs)
+        if adaptive and not policy.estimator.measured and self.measured_costs is not None:
+            policy.estimator.seed(self.measured_costs)
         target = TargetSession(self.target, prompt_token_ids, params)
         draft = self._open_draft(prompt_token_ids, params, policy)
         stats = GenerationStats(prefill_ns=time.perf_counter_ns() - start)
@@ -124,8 +122,8 @@ class SpeculativeGenerator:
             target.release()
             if draft is not None:
                 draft.release()
-            if adaptive and policy.measured:
-                self.measured_costs = policy.costs()
+            if adaptive and policy.estimator.measured:
+                self.measured_costs = policy.estimator.costs()
         stats.total_ns = time.perf_counter_ns() - start
         return GenerationResult(token_ids, finish_reason, stats)
 

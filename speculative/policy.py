@@ -1,12 +1,11 @@
 """What a speculating call does next: a round drafting k tokens, or a stretch of tokens
 the target decodes alone.
 
-A fixed k is the textbook setting (`FixedK`). `AdaptiveK` is two pieces: a cost
-estimator (speculative.estimator: acceptance, draft cost, the target's cost against
-width, the round trip, what a stretch costs) and `decide`, a pure function of its
-estimates. Speculation pays while a round's expected tokens over its cost,
-E[tokens](a, k) / (k d + c(k + 1) + R), beat decoding alone, 1 / s; where the target
-verifies while the draft drafts, a round may cost less (its successor drafted ahead).
+A fixed k is the textbook setting (`FixedK`). `AdaptiveK` is `decide`, a pure function
+of the estimates its cost estimator keeps (speculative.estimator). Speculation pays
+while a round's expected tokens over its cost, E[tokens](a, k) / (k d + c(k + 1) + R),
+beat decoding alone, 1 / s; where the target verifies while the draft drafts, a round
+may cost less (its successor drafted ahead).
 """
 
 from __future__ import annotations
@@ -15,15 +14,8 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from speculative.estimator import CostEstimator, Estimates, MeasuredCosts, expected_tokens
-
-if TYPE_CHECKING:  # annotations only: this module stays free of torch
-    from speculative.stats import RoundStats
-
-__all__ = ["Action", "AdaptiveK", "FixedK", "MeasuredCosts", "SpeculationPolicy", "StretchRules", "Turn", "decide",
-           "draft_ahead", "expected_tokens"]
+from speculative.estimator import CostEstimator, Estimates, MeasuredCosts
 
 
 class Turn(enum.Enum):
@@ -63,47 +55,35 @@ class StretchRules:
 
 def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: StretchRules = StretchRules()) -> Action:
     """The next action of a call that may still generate `remaining` tokens (None: not
-    known). Rules:
-    - Where the target runs the drafter's rounds (prompt lookup): see `_lookup_stretch`.
-    - Nothing measured yet: a round of the k the priors favour.
-    - A loaded target whose worker_k is 0 decodes alone. Where stretches measure
-      acceptance (a free drafter), in stretches of the longest size: nothing needs a
-      probe, and each restart costs the session a step it misses.
-    - After a stretch, one round re-measures (a probe), unless the stretch measured.
-    - The fastest k while its rounds beat decoding alone; a lead read from an
-      extrapolated c(1) is checked by one stretch first. Else a stretch, twice the
-      last one's while probes (or measuring stretches) keep losing.
-    - The drafter proposed nothing: see `_after_empty_turn`.
-    - Whether a round's next proposal is drafted ahead: see `draft_ahead`.
-    - A stretch after which fewer tokens would remain than it has runs to the end."""
-    if e.target_runs_lookup:
+    known). A stretch too long for what remains runs to the end (`_stretch_unless_last`)."""
+    if e.target_runs_lookup:  # the target runs the drafter's rounds, inside stretches
         return _lookup_stretch(e, remaining, rules)
-    if not e.measured:
+    if not e.measured:  # a round of the k the priors favour
         return Action(k=e.best_k(), ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
-    if turn is not Turn.DRAFT:
+    if turn is not Turn.DRAFT:  # the drafter proposed nothing
         return _after_empty_turn(e, remaining, turn is Turn.NOTHING_UNTIL_MATCH, rules)
     if e.worker_k == 0 and e.stretches_measure:
+        # No room for drafts on the loaded target, and stretches measure acceptance: no
+        # probe is needed, and each restart costs a step the session misses.
         return _stretch_unless_last(rules.longest, remaining, least=rules.first)
     k = e.best_k()
     lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(k) * e.solo_token_ns  # speculation's speed over alone
+    # After a stretch one round re-measures (a probe), unless the stretch measured.
     if (e.after_stretch and not e.stretches_measure) or (lead >= 1.0 and e.one_token_measured):
         return _round(e, k)
-    if lead >= 1.0:
+    if lead >= 1.0:  # read from an extrapolated c(1): one stretch measures it first
         return _stretch_unless_last(rules.sized(e, rules.first), remaining, least=None, otherwise=_round(e, k))
+    # Speculation loses: a stretch, twice the last one's while probes keep losing.
     stretch = rules.sized(e, min(rules.first * 2 ** e.losing_stretches, rules.longest))
     return _stretch_unless_last(stretch, remaining, least=stretch)
 
 
 def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) -> Action:
-    """The target runs a prompt-lookup drafter's rounds inside a stretch: the same
-    proposals, without a round trip or drafting each. Its passes verify up to the k
-    fastest at that price (R = d = 0), or none where even those rounds lose to decoding
-    alone. Stretches in a row double from `first` to `longest`, k chosen again after
-    each with what its passes and shadow rounds measured (a call's first k rests on
-    priors alone), each long enough that its start is at most start_share of its time
-    (on a loaded target a restart misses a step). Where the loaded target leaves no
-    room for drafts (worker_k 0) there is no k to learn: the longest. A stretch runs
-    to the end where too few tokens would remain."""
+    """The target runs a prompt-lookup drafter's rounds inside a stretch (no round trip,
+    no drafting: R = d = 0), verifying the fastest k at that price a pass, or none where
+    even those rounds lose. Stretches in a row double from `first` (k re-chosen after
+    each from what it measured) to `longest`, at once where the loaded target leaves no
+    room for drafts; each sized so that its start is at most start_share of its time."""
     inside = dataclasses.replace(e, overhead_ns=0.0, draft_token_ns=0.0, overlaps=False)
     k = inside.best_k()
     if e.worker_k == 0 or (inside.measured and inside.tokens_per_ns(k) <= inside.tokens_per_ns(0)):
@@ -128,20 +108,17 @@ def stop_reach(e: Estimates, k: int) -> float:
 
 
 def draft_ahead(e: Estimates, k: int) -> bool:
-    """Whether to draft the next proposal while this one of k tokens is verified: where
-    that saves time on average (Estimates.ahead_saving_ns; a tie, as for a free
-    drafter, goes to drafting ahead)."""
+    """Whether drafting the next proposal while this one is verified saves time on average
+    (a tie, as for a free drafter, drafts ahead)."""
     return e.ahead_saving_ns(k) >= 0.0
 
 
 def _after_empty_turn(e: Estimates, remaining: int | None, ends_at_match: bool, rules: StretchRules) -> Action:
-    """The plain step is taken while rounds, empty ones included at the rate f they come,
-    beat decoding alone (text to copy may turn up next turn); else a stretch, longer
-    with each empty turn in a row. A stretch that ends where the drafter proposes again
-    is taken when its start, spread over the expected gap of 1 / f tokens, costs less
-    than an empty round per token. Where the plain step is taken, a first-size stretch
-    re-measures s once it risks at most start_share of the rounds' time since the last
-    one (s is measured only by stretches)."""
+    """The plain step while rounds, empty ones included at their rate, beat decoding alone;
+    else a stretch, longer with each empty turn in a row. One that ends where the drafter
+    proposes again is taken when its start, spread over the expected gap of 1 / f tokens,
+    costs less than an empty round a token. Only stretches measure s: a first-size one
+    re-measures it once that risks at most start_share of the rounds' time since the last."""
     if ends_at_match:
         rounds_ns = e.round_ns(0)
         gap = 1.0 / e.proposal_rate if remaining is None else min(1.0 / e.proposal_rate, remaining)
@@ -171,32 +148,14 @@ def _stretch_unless_last(stretch: int, remaining: int | None, least: int | None,
 
 
 class SpeculationPolicy:
-    """What the speculation loop asks and tells a policy."""
+    """The loop asks `next_action`, and tells `estimator` what each round and stretch
+    measured (a fixed k is measured too: its costs are reported and handed on)."""
 
-    max_k: int  # the largest k this policy will ever ask for
+    def __init__(self, max_k: int, estimator: CostEstimator):
+        self.max_k, self.estimator = max_k, estimator  # max_k: the largest k it will ask for
 
     def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT) -> Action:
         raise NotImplementedError
-
-    def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
-        """A finished round (or a token of a stretch), elapsed_ns after its decision."""
-
-    def observe_turn(self, proposed: bool) -> None:
-        """The drafter was asked for tokens: it proposed some, or nothing."""
-
-    def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
-        """During a stretch, a round not run (CostEstimator.observe_shadow)."""
-
-    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0,
-                        passes_ns: int | None = None) -> None:
-        """A whole stretch (CostEstimator.observe_stretch)."""
-
-    def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
-        """The stretch that ended the call (CostEstimator.observe_solo_tokens)."""
-
-    def target_runs_lookup(self) -> None:
-        """The target can run this call's drafter's rounds itself, inside stretches: a
-        prompt-lookup drafter, across the network (Verifier.runs_lookup)."""
 
 
 class FixedK(SpeculationPolicy):
@@ -204,7 +163,7 @@ class FixedK(SpeculationPolicy):
     proposed nothing takes the plain step."""
 
     def __init__(self, k: int):
-        self.max_k = k
+        super().__init__(k, CostEstimator(k))
 
     def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT) -> Action:
         return Action(k=self.max_k, ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
@@ -218,44 +177,11 @@ class AdaptiveK(SpeculationPolicy):
 
     def __init__(self, max_k: int, decay: float = 0.9, rules: StretchRules = StretchRules(),
                  costs: MeasuredCosts | None = None, overlaps: bool = False):
-        self.max_k, self.rules = max_k, rules
-        self.estimator = CostEstimator(max_k, decay, costs, overlaps)
-
-    @property
-    def measured(self) -> bool:
-        """The call measured the target's passes (rounds, or a stretch's passes)."""
-        return self.estimates().measured
-
-    def estimates(self) -> Estimates:
-        return self.estimator.estimates()
+        super().__init__(max_k, CostEstimator(max_k, decay, costs, overlaps))
+        self.rules = rules
 
     def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT) -> Action:
-        return decide(self.estimates(), remaining, turn, self.rules)
-
-    def observe(self, round_stats: RoundStats, elapsed_ns: int) -> None:
-        self.estimator.observe(round_stats, elapsed_ns)
-
-    def observe_turn(self, proposed: bool) -> None:
-        self.estimator.observe_turn(proposed)
-
-    def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
-        self.estimator.observe_shadow(num_drafted, num_accepted)
-
-    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0,
-                        passes_ns: int | None = None) -> None:
-        self.estimator.observe_stretch(num_tokens, elapsed_ns, token_ns, empty_turns, passes_ns)
-
-    def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
-        self.estimator.observe_solo_tokens(num_tokens, token_ns)
-
-    def target_runs_lookup(self) -> None:
-        self.estimator.target_runs_lookup = True
-
-    def seed(self, costs: MeasuredCosts) -> None:
-        self.estimator.seed(costs)
-
-    def costs(self) -> MeasuredCosts:
-        return self.estimator.costs()
+        return decide(self.estimator.estimates(), remaining, turn, self.rules)
 
 
 def _ceil(x: float) -> int:

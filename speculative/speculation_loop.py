@@ -1,13 +1,7 @@
-"""The round loop: propose k tokens, verify them in one target pass, apply the verdict,
-commit, repeat, with k from the policy, until a stop token or max_new_tokens.
-
-The loop reaches both sides through small interfaces: a `DraftSession` and a `Verifier`
-(a local TargetSession in speculative.generator, a remote target stream in
-draft_service.remote_verifier), so it is the same code in process and across the
-network. The optimisations live around it, each with a setting (`Features`):
-drafting ahead (drafting_ahead.py) and stretches of target-only decoding, with shadow
-rounds and lookup run by the target (stretches.py). Free of torch on purpose: the
-n-gram draft worker runs it without a model runtime.
+"""The round loop: propose k tokens (k from the policy), verify them in one target pass, apply the verdict, commit,
+repeat until a stop token or max_new_tokens; the same code in process and across the network (a `DraftSession` and
+a `Verifier`, local or remote). Around it, each switched by `Features`: drafting ahead (drafting_ahead.py) and
+stretches (stretches.py). Free of torch on purpose: the n-gram draft worker runs it without a model runtime.
 """
 
 from __future__ import annotations
@@ -48,12 +42,10 @@ class RoundResult:
 def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len: int, params: SamplingParams,
                        policy: SpeculationPolicy, context_length: int,
                        features: Features = Features()) -> Iterator[RoundResult]:
-    """Rounds until a stop token, max_new_tokens or the context length. On entry verifier
-    and draft both hold `base_len` committed tokens; after each yielded result both hold
-    the new committed length (the draft also any proposal sent ahead)."""
+    """Rounds until a stop token, max_new_tokens or the context length. On entry verifier and draft hold `base_len`
+    committed tokens; after each result, the new committed length (the draft also any proposal sent ahead)."""
     call = Call(base_len, params, context_length, policy)
-    ahead = features.draft_ahead and verifier.overlaps
-    proposer = (AheadProposer if ahead else Proposer)(verifier, draft, params)
+    proposer = (AheadProposer if features.draft_ahead and verifier.overlaps else Proposer)(verifier, draft, params)
     stretches = Stretches(verifier, proposer, policy, features.target_lookup) \
         if features.stretches and draft is not None else None
     while not call.finished:
@@ -70,7 +62,7 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
         k = min(action.k, call.room - 1)
         sent = proposer.propose(call.base_len, k, action.min_reach if features.draft_stop else 0.0)
         if k > 0 and not sent.ahead:
-            policy.observe_turn(proposed=bool(sent.proposal.token_ids))
+            policy.estimator.observe_turn(proposed=bool(sent.proposal.token_ids))
             if not sent.proposal.token_ids and stretches is not None:  # a round trip for one token?
                 stretch = stretches.after_empty_turn(call.room)
                 if stretch:  # a lookup drafter's stretch ends where it would propose again
@@ -78,7 +70,8 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
                     continue
         # 2. Verify it in one target pass; 3. apply the verdict to the draft; 4. commit.
         proposer.send(sent, action, call.room)
-        result, stats = proposer.settle(sent)
+        result, stats = proposer.receive(sent)
+        proposer.apply_to_draft(sent, result)
         yield from call.commit(result, stats)
 
 
@@ -104,15 +97,9 @@ class Call:
         self.base_len += len(result.token_ids)
         self.num_generated += len(result.token_ids)
         out_of_room = self.num_generated >= self.params.max_new_tokens or self.base_len >= self.context_length
-        self.finish_reason = _finish_reason(result, out_of_room)
+        self.finish_reason = FinishReason.STOP_TOKEN if result.stopped else FinishReason.LENGTH if out_of_room else None
         yield RoundResult(result.token_ids, stats, self.finish_reason)
-        # Measured after the caller is done with the result: what a round (or a
-        # streamed token) costs includes passing it on.
-        self.policy.observe(stats, time.perf_counter_ns() - self.start_ns)
+        # Measured after the caller is done with the result: a round's (a token's) cost includes passing it on.
+        self.policy.estimator.observe(stats, time.perf_counter_ns() - self.start_ns)
         self.start_ns = time.perf_counter_ns()
 
-
-def _finish_reason(result: VerifyResult, out_of_room: bool) -> FinishReason | None:
-    if result.stopped:
-        return FinishReason.STOP_TOKEN
-    return FinishReason.LENGTH if out_of_room else None

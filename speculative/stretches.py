@@ -1,19 +1,12 @@
-"""Stretches: runs of tokens the target decodes alone, one result streamed per pass, for
-where the policy finds speculation losing (or the drafter proposing nothing). The draft
-follows each pass and catches up on them after. Two parts plug in here:
-
-- shadow rounds: during a stretch, a free drafter's (prompt lookup's) proposals are
-  checked against the tokens the target decodes, so acceptance stays measured;
-- lookup run by the target: across the network, the target runs a prompt-lookup
-  drafter's rounds inside the stretch itself (no round trip, no drafting each).
-
-Switched off (the draft worker's `stretches`), the round loop takes a plain target step
-(a round of k = 0) where the policy asks for a stretch: exact either way.
+"""Stretches: runs of tokens the target decodes alone, one result streamed per pass, where the policy finds
+speculation losing (or the drafter proposing nothing); the draft follows each pass and catches up after. Plugged
+in: shadow rounds (a free drafter's proposals checked against the target's tokens, so acceptance stays measured)
+and, across the network, lookup run by the target (prompt lookup's rounds inside the stretch: no round trips).
+Switched off (the draft worker's `stretches`), the loop takes a plain target step instead: exact either way.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -30,16 +23,13 @@ if TYPE_CHECKING:
 
 
 class Stretches:
-    """The stretches of one call."""
-
     def __init__(self, verifier: Verifier, proposer: Proposer, policy: SpeculationPolicy, target_lookup: bool):
         self.verifier, self.proposer, self.policy = verifier, proposer, policy
         self.draft, self.free_draft = proposer.draft, proposer.free_draft
-        # The target runs this drafter's rounds itself: a free drafter that looks up.
-        free_lookup = target_lookup and self.free_draft and verifier.runs_lookup
+        free_lookup = target_lookup and self.free_draft and verifier.runs_lookup  # the target runs its rounds
         self.lookup_sizes = self.draft.lookup_stop() if free_lookup else None
         if self.lookup_sizes is not None:
-            policy.target_runs_lookup()
+            policy.estimator.target_runs_lookup = True
 
     def after_empty_turn(self, room: int) -> int:
         """Tokens of the stretch the policy prefers to a round with nothing to verify (0: none)."""
@@ -47,9 +37,8 @@ class Stretches:
         return min(self.policy.next_action(room, turn).stretch, room)
 
     def run(self, call: Call, num_tokens: int, until: LookupStop | None, lookup_k: int = 0) -> Iterator:
-        """The target decodes up to num_tokens (ending where prompt lookup with `until`'s
-        sizes finds text to copy; verifying up to lookup_k looked-up tokens a pass, where
-        it runs lookup); each pass committed through `call`."""
+        """The target decodes up to num_tokens (ending where prompt lookup with `until`'s sizes finds text to
+        copy; verifying up to lookup_k looked-up tokens a pass, where it runs lookup), committed through `call`."""
         stretch_start, intervals, solo = call.start_ns, [], []  # solo: intervals of passes that verified nothing
         lookup = LookupRounds(self.lookup_sizes, lookup_k) if lookup_k and self.lookup_sizes else None
         # Only a free drafter is checked; a stretch that ends at its next proposal has none.
@@ -58,22 +47,22 @@ class Stretches:
             if intervals and not stats.num_drafted:  # the first interval holds the stretch's start
                 solo.append(stats.verify_ns)
             intervals.append(stats.verify_ns)
-            yield from call.commit(result, dataclasses.replace(stats, index=self.proposer.next_index))
+            yield from call.commit(result, stats)
             if call.finished:
                 if solo:  # what its tokens cost seeds the next call
-                    self.policy.observe_solo_tokens(len(solo), sum(solo) // len(solo))
+                    self.policy.estimator.observe_solo_tokens(len(solo), sum(solo) // len(solo))
                 return
         self.proposer.next_index += 1
         if intervals:
-            self.proposer.after_stretch()
+            self.proposer.catch_up()
             token_ns = sum(solo) // len(solo) if solo else intervals[0]
             passes_ns = token_ns + sum(intervals[1:])  # its passes, the first as long as a solo one
-            self.policy.observe_stretch(len(solo) + 1, time.perf_counter_ns() - stretch_start, token_ns,
+            self.policy.estimator.observe_stretch(len(solo) + 1, time.perf_counter_ns() - stretch_start, token_ns,
                                         empty_turns=len(intervals) - 1 if until else 0, passes_ns=passes_ns)
 
     def _passes(self, base_len: int, num_tokens: int, until: LookupStop | None, lookup: LookupRounds | None,
                 shadow: ShadowRounds | None):
-        """(stats, result) per pass of a stretch; the draft follows each."""
+        """(stats, result) per pass of a stretch (all one round: one index); the draft follows each."""
         passes = self.verifier.decode(base_len, num_tokens, until, lookup)
         try:
             last = time.perf_counter_ns()
@@ -82,7 +71,7 @@ class Stretches:
                 for token_id in result.token_ids if shadow is not None else ():
                     shadow.see(token_id)
                 self.draft.append(result.token_ids)
-                stats = RoundStats(index=0, base_len=base_len, num_drafted=result.num_drafted,
+                stats = RoundStats(index=self.proposer.next_index, base_len=base_len, num_drafted=result.num_drafted,
                                    num_accepted=result.verdict.num_accepted, num_committed=len(result.token_ids),
                                    next_token_kind=result.verdict.next_token_kind, draft_ns=0, verify_ns=now - last,
                                    target_compute_ns=result.target_compute_ns, streamed=True, step=result.step)
@@ -93,11 +82,9 @@ class Stretches:
 
 
 class ShadowRounds:
-    """The rounds a free drafter would have run during a stretch: at each point, what it
-    would have proposed (DraftSession.peek, max k), checked against the tokens the
-    target then decoded, each ended by the first token that differs or the one after
-    a full match, as a round's recovered or bonus token. The policy counts them as
-    acceptance evidence; nothing is sent. For drafters whose `peek` is free."""
+    """The rounds a free drafter (free `peek`) would have run during a stretch: at each point what it would have
+    proposed (max k), checked against the tokens the target then decoded, each ended by the first token that
+    differs or the one after a full match (a round's recovered or bonus token). Acceptance evidence; nothing sent."""
 
     def __init__(self, draft: DraftSession, policy: SpeculationPolicy):
         self.draft, self.policy = draft, policy
@@ -110,10 +97,10 @@ class ShadowRounds:
             self.proposal, self.matched = self.draft.peek(self.policy.max_k), 0
             if not self.proposal:  # an empty turn: the token is a plain step
                 self.proposal = None
-                self.policy.observe_shadow(0, 0)
+                self.policy.estimator.observe_shadow(0, 0)
                 return
         if self.matched < len(self.proposal) and token_id == self.proposal[self.matched]:
             self.matched += 1
             return
-        self.policy.observe_shadow(len(self.proposal), self.matched)
+        self.policy.estimator.observe_shadow(len(self.proposal), self.matched)
         self.proposal = None

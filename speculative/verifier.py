@@ -1,9 +1,5 @@
-"""The target as the round loop sees it: proposals sent, verdicts received in order.
-
-Two implementations: `speculative.generator.LocalVerifier` (a TargetSession in process)
-and `draft_service.remote_verifier.RemoteVerifier` (a Verify stream to a target worker).
-Free of torch on purpose: the n-gram draft worker runs the loop without a model runtime.
-"""
+"""The target as the round loop sees it: proposals sent, verdicts received in order (`generator.LocalVerifier`,
+`draft_service.remote_verifier.RemoteVerifier`). Free of torch: the n-gram draft worker runs the loop without it."""
 
 from __future__ import annotations
 
@@ -18,25 +14,18 @@ if TYPE_CHECKING:
 
 
 class Verifier(Protocol):
-    # Whether the target verifies while the loop drafts (across the network): only
-    # then does drafting the next proposal ahead of a verdict pay (drafting_ahead.py).
-    overlaps: bool
-    # Whether the target can run a prompt-lookup drafter's rounds inside a stretch
-    # (`decode` with lookup): across the network that saves a round trip per round.
-    runs_lookup: bool
+    overlaps: bool  # the target verifies while the loop drafts: only then does drafting ahead pay
+    runs_lookup: bool  # the target can run prompt lookup's rounds in a stretch: a round trip less per round
 
     def send(self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
              expected_last_token_id: int | None = None) -> None:
         """Sends a proposal; expected_last_token_id: the token it assumes at base_len - 1."""
 
     def receive(self) -> VerifyResult:
-        """The verdict on the oldest proposal not yet received (skipping abandoned ones);
-        StaleProposal if the target discarded it."""
-        ...
+        """The verdict on the oldest proposal not yet received (skipping abandoned ones); StaleProposal if stale."""
 
     def verdict_came(self) -> bool:
-        """Whether the verdict on the oldest proposal not yet received is in (no wait)."""
-        ...
+        """Whether that verdict is in (no wait)."""
 
     def abandon_last(self) -> None:
         """The proposal sent last will be discarded (its context turned out wrong): its
@@ -44,8 +33,6 @@ class Verifier(Protocol):
 
     def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
                lookup: LookupRounds | None = None) -> Iterator[VerifyResult]:
-        """A stretch: target-only decoding of up to max_tokens tokens, one result per
-        pass, ending after a stop token or the first token at which prompt lookup with
-        `until`'s sizes finds text to copy; with `lookup`, each pass also verifies the
-        tokens prompt lookup finds to copy. Nothing may be in flight."""
-        ...
+        """A stretch: target-only decoding of up to max_tokens tokens, one result per pass, ending after a
+        stop token or the first token at which prompt lookup with `until`'s sizes finds text to copy; with
+        `lookup`, each pass also verifies what prompt lookup finds. Nothing may be in flight."""

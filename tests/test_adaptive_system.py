@@ -14,6 +14,7 @@ import pytest
 
 from specdec.v1 import common_pb2, orchestrator_pb2
 from speculative.drafters import ModelDrafter
+from speculative.estimator import CostEstimator
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import Action, SpeculationPolicy, Turn
 from speculative.sampling import SamplingParams
@@ -75,7 +76,8 @@ class ReplayedDecisions(SpeculationPolicy):
     and the length of each stretch."""
 
     def __init__(self, actions: list[Action]):
-        self.max_k, self.actions = max(a.k for a in actions), list(actions)
+        super().__init__(max(a.k for a in actions), CostEstimator(max(a.k for a in actions)))
+        self.actions = list(actions)
 
     def next_action(self, remaining=None, turn=Turn.DRAFT) -> Action:
         assert turn is Turn.DRAFT, "a replayed k proposes what it proposed before"

@@ -12,6 +12,7 @@ import pytest
 
 from specdec.v1 import common_pb2, orchestrator_pb2
 from speculative.drafters import ModelDrafter
+from speculative.estimator import CostEstimator
 from speculative.generator import LocalVerifier, SpeculativeGenerator
 from speculative.policy import Action, SpeculationPolicy, Turn
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
@@ -29,9 +30,8 @@ class EverythingPolicy(SpeculationPolicy):
     after a turn that proposed nothing. min_reach above any chance: a model drafter
     that stops early proposes one token a round."""
 
-    max_k = 3
-
     def __init__(self):
+        super().__init__(3, CostEstimator(3))
         self.turns = 0
 
     def next_action(self, remaining=None, turn=Turn.DRAFT) -> Action:
