@@ -11,7 +11,7 @@ from service_common.options import RegistryConfig, ServerConfig, TelemetryConfig
 from service_common.server import advertised_address, default_worker_id
 from speculative.drafter_base import DEFAULT_DRAFT_TOP_K
 from speculative.errors import InvalidArgument
-from speculative.limits import validate_num_speculative_tokens
+from speculative.limits import MAX_TREE_WIDTH, validate_num_speculative_tokens
 
 ENV_PREFIX = "DRAFT"
 
@@ -83,6 +83,10 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # not pay for its pass (speculative.policy.stop_reach; adaptive calls only). Off by
     # default: it has not shown a gain over adaptive k (benchmarks/results_features_qwen.md).
     draft_stop: bool = False
+    # Continuations a fixed-k round may propose at once as a token tree, verified in one
+    # target pass (prompt lookup's distinct matches; speculative/token_tree.py). 1:
+    # chains. Adaptive calls propose chains until the policy prices trees.
+    tree_width: int = 1
     # Used when a request leaves max_new_tokens at 0; the same default as the target's.
     default_max_new_tokens: int = 256
     # torch intra-op threads; 0 = torch's default (all cores), which suits a worker
@@ -98,6 +102,8 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
         """Raises InvalidArgument naming the first bad setting (at start-up, not per call)."""
         validate_num_speculative_tokens(self.default_k)
         check_scheme(self.quantization, self.device)
+        if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise InvalidArgument(f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
         for name in ("max_sessions", "max_cached_tokens", "draft_top_k", "default_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")

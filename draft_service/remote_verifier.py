@@ -68,15 +68,30 @@ class RemoteVerifier:
         self._closed = threading.Event()  # set by close(); the reader then only logs
 
     def send(self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
-             expected_last_token_id: int | None = None) -> None:
-        draft = target_pb2.Draft(token_ids=list(draft_token_ids),
+             expected_last_token_id: int | None = None, parents: Sequence[int] | None = None) -> None:
+        draft = target_pb2.Draft(token_ids=list(draft_token_ids), parents=list(parents or ()),
                                  distributions=[sparse_to_proto(probs) for probs in draft_probs or ()])
         self._put(target_pb2.Proposal(base_len=base_len, draft=draft, expected_last_token_id=expected_last_token_id))
 
     def receive(self) -> VerifyResult:
         self._skip_abandoned()
         proposal, _ = self._outstanding.popleft()
-        return self._result(proposal.round, proposal.base_len, proposal.draft.token_ids, self._next_verdict())
+        verdict, draft = self._next_verdict(), proposal.draft
+        proposed = self._path_tokens(draft, verdict.decision) if draft.parents else draft.token_ids
+        return self._result(proposal.round, proposal.base_len, proposed, verdict, num_drafted=len(draft.token_ids))
+
+    def _path_tokens(self, draft: target_pb2.Draft, decision: target_pb2.Decision) -> list[int]:
+        """The tokens of a tree's accepted path, checked to be a path from the root."""
+        path, parent = list(decision.path), -1
+        for node in path:
+            if not (0 <= node < len(draft.token_ids) and draft.parents[node] == parent):
+                raise RuntimeError(f"target worker at {self.address} sent an inconsistent verdict: path {path} "
+                                   f"is not a path of the proposed tree")
+            parent = node
+        if len(path) != decision.num_accepted:
+            raise RuntimeError(f"target worker at {self.address} sent an inconsistent verdict: a path of "
+                               f"{len(path)} nodes for {decision.num_accepted} accepted tokens")
+        return [draft.token_ids[node] for node in path]
 
     def verdict_came(self) -> bool:
         # Verdicts (or how the stream ended) come in the order of the proposals.

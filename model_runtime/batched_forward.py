@@ -76,6 +76,15 @@ class SequenceKV:
         store[layer] = grown
         return grown
 
+    @torch.inference_mode()  # the caches are inference tensors (written in forward_segments)
+    def move(self, sources: Sequence[int], start: int) -> None:
+        """Copies the keys and values at positions `sources` to start, start + 1, ...
+        in every layer (a tree's accepted path, into place)."""
+        for store in (self._keys, self._values):
+            for tensor in store.values():
+                index = torch.tensor(sources, device=tensor.device)
+                tensor[:, start : start + len(sources)] = tensor[:, index]  # the index copies first
+
     def clear(self) -> None:
         self._keys.clear()
         self._values.clear()
@@ -97,6 +106,10 @@ class Segment:
     fill: bool = False  # a prefill chunk: runs after the segments that wait for logits, cut to fit
     # Logits already computed (the last prompt token's, by its prefill): no pass runs it.
     ready_logits: torch.Tensor | None = None
+    # A tree of new tokens: each one's parent among them (-1: the cached token before
+    # them), each stored at its own position but seen only by its descendants and placed
+    # at its depth. None: a chain (token j after token j - 1).
+    parents: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +119,15 @@ class Segment:
     def num_run_tokens(self) -> int:
         """Tokens a pass runs for this segment: none when its logits are ready."""
         return 0 if self.ready_logits is not None else len(self.token_ids)
+
+    def positions(self) -> torch.Tensor:
+        """Each new token's position: its index after `start`, or in a tree its depth."""
+        if self.parents is None:
+            return torch.arange(self.start, self.start + self.num_tokens)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        return torch.tensor(depths) + self.start
 
     def trim(self, num_tokens: int) -> None:
         """Keeps the first `num_tokens` new tokens (a prefill chunk; in place, so the
@@ -153,10 +175,10 @@ def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.
     padding = padded_rows(offsets[-1]) - offsets[-1] if device.type == "cpu" else 0
     token_ids = [t for s in segments for t in s.token_ids] + [0] * padding
     input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-    positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in segments]
-                          + [torch.zeros(padding, dtype=torch.long)]).to(device)
+    positions = torch.cat([s.positions() for s in segments] + [torch.zeros(padding, dtype=torch.long)]).to(device)
     keep = [offsets[i + 1] - s.num_logits + j for i, s in enumerate(segments) for j in range(s.num_logits)]
-    masks = [_causal_mask(s.start, s.num_tokens, device) for s in segments]
+    masks = [_causal_mask(s.start, s.num_tokens, device) if s.parents is None
+             else _tree_mask(s.start, s.parents, device) for s in segments]
     output = model(
         input_ids=input_ids,
         position_ids=positions.unsqueeze(0),
@@ -191,6 +213,16 @@ def _causal_mask(start: int, num_tokens: int, device: torch.device) -> torch.Ten
     keys = torch.arange(start + num_tokens, device=device)
     queries = torch.arange(start, start + num_tokens, device=device)
     return keys[None, :] <= queries[:, None]
+
+
+def _tree_mask(start: int, parents: list[int], device: torch.device) -> torch.Tensor:
+    """[t, start + t] booleans: new token j sees the cached positions, its ancestors
+    among the new tokens and itself."""
+    sees = torch.eye(len(parents), dtype=torch.bool)
+    for j, parent in enumerate(parents):
+        if parent >= 0:
+            sees[j] |= sees[parent]
+    return torch.cat([torch.ones(len(parents), start, dtype=torch.bool), sees], dim=1).to(device)
 
 
 def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

@@ -123,6 +123,30 @@ class ModelSession:
         return Segment(self._kv, self._cached_len, self._tokens.ids[self._cached_len :], num_positions,
                        ready_logits=ready)
 
+    def tree_segment(self, token_ids: Sequence[int], parents: Sequence[int]) -> Segment:
+        """The pass that scores a tree of new tokens after the sequence (parents as in
+        speculative.token_tree, -1 for the last token): every pending token, then the
+        tree's; logits for the last pending token and each of the tree's. The tree's
+        tokens are not appended: `tree_done` appends the path kept."""
+        self._ready = None
+        self._crop_cache(min(self._cached_len, self.length - 1))
+        pending = self._tokens.ids[self._cached_len :]
+        chain = list(range(-1, len(pending) - 1))
+        tree = [len(pending) - 1 if parent < 0 else len(pending) + parent for parent in parents]
+        return Segment(self._kv, self._cached_len, [*pending, *token_ids], len(token_ids) + 1, parents=chain + tree)
+
+    def tree_done(self, segment: Segment, path: Sequence[int]) -> None:
+        """Records that a `tree_segment` ran, keeping the tree's nodes on `path` (root-most
+        first): their keys and values move into place after the pending tokens, now
+        cached, and their tokens are appended (pending none)."""
+        self.segment_done(segment)
+        first = segment.start + segment.num_tokens - (segment.num_logits - 1)  # the tree's first node
+        sources = [first + node for node in path]
+        if sources != list(range(first, first + len(path))):
+            self._kv.move(sources, first)
+        self._cached_len = first + len(path)
+        self._tokens.append([segment.token_ids[source - segment.start] for source in sources])
+
     def prefill_segment(self) -> Segment | None:
         """The pass that caches every token but the last and gives the last one's
         logits (kept for the next call), or None when they are cached. A scheduler may

@@ -146,7 +146,7 @@ def decision_to_proto(result: VerifyResult, context_length: int, step: common_pb
         num_accepted=result.verdict.num_accepted, next_token_id=result.verdict.next_token_id,
         next_token_kind=NEXT_TOKEN_KIND_TO_PROTO[result.verdict.next_token_kind],
         committed_len=result.committed_len, target_compute_ns=result.target_compute_ns,
-        finish_reason=finish_reason, step=step,
+        finish_reason=finish_reason, step=step, path=list(result.path or ()),
     )
 
 

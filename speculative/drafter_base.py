@@ -36,6 +36,9 @@ class Proposal:
     # [num_drafted] the exact distributions the tokens were sampled from; None when the
     # proposal is deterministic (greedy drafting, n-gram lookup): one-hot distributions.
     draft_probs: list[SparseProbs] | None = None
+    # A token tree (speculative.token_tree): each token's parent, -1 for the last
+    # committed token; None: a chain. A tree is not appended to the draft's session.
+    parents: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -73,6 +76,11 @@ class DraftSession(abc.ABC):
     def set_sampling(self, params: SamplingParams) -> None:
         """Sampling from now on (model drafters sample like the target); a seed restarts
         the draft's generator."""
+
+    def propose_tree(self, k: int, width: int) -> Proposal:
+        """Up to `width` continuations of up to k tokens each, as a token tree where the
+        drafter finds several (not appended); else what propose(k) proposes."""
+        return self.propose(k)
 
     def peek(self, k: int) -> list[int] | None:
         """What propose(k) would return now, the session unchanged, where that is free

@@ -162,25 +162,20 @@ class CostEstimator:
 
     def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None, overlaps: bool = False):
         self.max_k, self.decay, self.overlaps = max_k, decay, overlaps
-        self.target_runs_lookup = False
+        self.target_runs_lookup = self.stretches_measure = self.after_stretch = False
         self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # decayed Bernoulli counts behind a
         # [max_k] decayed (accepted, reached) counts behind a_i, per draft token depth;
         # a's counts are these summed over the depths, plus the prior's
         self.depth_counts = [[0.0, 0.0] for _ in range(max_k)]
         self.prior_counts = [0.5 * PRIOR_TRIALS, PRIOR_TRIALS]
         self.proposals, self.turns = 1.0, 2.0  # decayed counts behind f (prior 0.5)
-        self.draft_token_ns = 0.0
         self.one_token_ns, self.per_token_ns = 0.0, None  # the line c(w), once fitted
         self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum c, sum x c over passes (x = w - 1)
-        self.overhead_ns = 0.0
+        self.draft_token_ns = self.overhead_ns = 0.0
         self.solo_token_ns: float | None = None
         self.stream_start_ns: float | None = None
-        self.overhead_measured = False  # R, by a round
-        self.one_token_measured = False
-        self.batch_sessions = 1.0  # B
-        self.step_base_ns = self.step_token_ns = 0.0  # the target's step cost (0: not reported)
-        self.stretches_measure = False
-        self.after_stretch = False
+        self.overhead_measured = self.one_token_measured = False  # R by a round; c(1) by one-token passes
+        self.batch_sessions, self.step_base_ns, self.step_token_ns = 1.0, 0.0, 0.0  # B; step cost (0: unreported)
         self.stretches_in_a_row = self.empty_turns_in_a_row = 0
         self.rounds_since_stretch, self.rounds_since_stretch_ns = 0, 0.0
         if costs is not None:

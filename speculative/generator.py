@@ -22,6 +22,7 @@ from speculative.sampling import SamplingParams
 from speculative.speculation_loop import Features, speculation_rounds
 from speculative.stats import GenerationStats
 from speculative.target import TargetSession, VerifyResult
+from speculative.token_tree import TokenTree
 from speculative.types import FinishReason
 
 
@@ -34,8 +35,9 @@ class LocalVerifier:
         self.target, self.overlaps, self.runs_lookup = target, overlaps, runs_lookup
         self._outstanding: collections.deque[list] = collections.deque()  # [base_len, ids, probs, last, abandoned]
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None) -> None:
-        self._outstanding.append([base_len, list(draft_token_ids), draft_probs, expected_last_token_id, False])
+    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None) -> None:
+        tree = None if parents is None else TokenTree(tuple(draft_token_ids), tuple(parents))
+        self._outstanding.append([base_len, tree or list(draft_token_ids), draft_probs, expected_last_token_id, False])
 
     def verdict_came(self) -> bool:
         return False  # a proposal is verified only when its verdict is received
@@ -59,8 +61,10 @@ class LocalVerifier:
     def _stale(self, base_len: int, last: int | None) -> bool:
         return base_len != self.target.length or (last is not None and last != self.target.last_token_id)
 
-    def _verify(self, base_len: int, token_ids: list[int], probs) -> VerifyResult:
-        return self.target.verify(base_len, token_ids, probs)
+    def _verify(self, base_len: int, proposal: list[int] | TokenTree, probs) -> VerifyResult:
+        if isinstance(proposal, TokenTree):
+            return self.target.verify_tree(base_len, proposal, probs)
+        return self.target.verify(base_len, proposal, probs)
 
     def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
                lookup: LookupRounds | None = None) -> Iterator[VerifyResult]:

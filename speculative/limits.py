@@ -11,6 +11,10 @@ from speculative.errors import InvalidArgument
 # Speculation length beyond this costs more in verification than any realistic draft
 # recovers (acceptance decays geometrically with position), and keeps proposals small.
 MAX_SPECULATIVE_TOKENS = 16
+# Continuations one token tree may hold (SGLang's n-gram trees go to breadth 10): a
+# tree of MAX_TREE_WIDTH paths of MAX_SPECULATIVE_TOKENS tokens bounds one pass's width.
+MAX_TREE_WIDTH = 8
+MAX_TREE_NODES = MAX_TREE_WIDTH * MAX_SPECULATIVE_TOKENS
 
 
 def validate_num_speculative_tokens(k: int) -> int:

@@ -32,6 +32,7 @@ class Action:
     stretch: int = 0  # > 0: instead, the target decodes up to this many tokens alone
     ahead: bool = False  # draft the next proposal while this one is verified (where the target overlaps)
     lookup_k: int = 0  # in a stretch: looked-up tokens the target verifies a pass, at most (0: none)
+    width: int = 1  # continuations a round may propose at once, as a token tree (1: a chain)
     # A model drafter stops drafting once its own chance that the target accepts every
     # token so far falls below this (DraftSession.propose): see `stop_reach`.
     min_reach: float = 0.0
@@ -159,14 +160,16 @@ class SpeculationPolicy:
 
 
 class FixedK(SpeculationPolicy):
-    """k every round, the next drafted ahead where the target overlaps; a turn that
-    proposed nothing takes the plain step."""
+    """k every round (a tree of up to `width` continuations where the drafter finds
+    several), the next drafted ahead where the target overlaps; a turn that proposed
+    nothing takes the plain step."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, width: int = 1):
         super().__init__(k, CostEstimator(k))
+        self.width = width
 
     def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT) -> Action:
-        return Action(k=self.max_k, ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
+        return Action(k=self.max_k, ahead=True, width=self.width) if turn is Turn.DRAFT else TAKE_ROUND
 
 
 class AdaptiveK(SpeculationPolicy):

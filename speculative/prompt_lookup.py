@@ -16,6 +16,7 @@ from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.errors import InvalidArgument
 from speculative.limits import MAX_SPECULATIVE_TOKENS
 from speculative.sequence import TokenSequence
+from speculative.token_tree import TokenTree
 from speculative.types import NGRAM, SamplingParams
 
 # Longest suffix prompt lookup will search for, in tokens: each size is one scan of the
@@ -103,6 +104,13 @@ class NgramDraftSession(DraftSession):
         self.tokens.append(proposal)
         return Proposal(proposal)
 
+    def propose_tree(self, k: int, width: int) -> Proposal:
+        tree = lookup_tree(self.tokens.ids, k, self.min_ngram, self.max_ngram, width)
+        if tree.is_chain:
+            self.tokens.append(tree.token_ids)
+            return Proposal(list(tree.token_ids))
+        return Proposal(list(tree.token_ids), parents=tree.parents)
+
     def peek(self, k: int) -> list[int]:
         return lookup_continuation(self.tokens.ids, k, self.min_ngram, self.max_ngram)
 
@@ -130,9 +138,29 @@ def lookup_continuation(token_ids: list[int], k: int, min_ngram: int, max_ngram:
     return []
 
 
-def _earliest_occurrence(token_ids: list[int], ngram: list[int], end: int) -> int | None:
-    """The smallest i < end with token_ids[i : i + len(ngram)] == ngram, or None."""
-    i = 0  # list.index jumps from candidate to candidate in C: faster than torch's window compare
+def lookup_tree(token_ids: list[int], k: int, min_ngram: int, max_ngram: int, max_paths: int) -> TokenTree:
+    """Every distinct continuation, up to k tokens each, that followed an occurrence of
+    the longest suffix of token_ids that occurs before (the earliest first, at most
+    max_paths), merged into a trie; its first path is lookup_continuation's."""
+    if k <= 0 or len(token_ids) <= min_ngram:
+        return TokenTree((), ())
+    length = len(token_ids)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        paths: list[list[int]] = []
+        start = _earliest_occurrence(token_ids, token_ids[-n:], length - n)
+        while start is not None and len(paths) < max_paths:
+            path = token_ids[start + n : start + n + k]
+            if path not in paths:
+                paths.append(path)
+            start = _earliest_occurrence(token_ids, token_ids[-n:], length - n, start + 1)
+        if paths:
+            return TokenTree.from_paths(paths)
+    return TokenTree((), ())
+
+
+def _earliest_occurrence(token_ids: list[int], ngram: list[int], end: int, begin: int = 0) -> int | None:
+    """The smallest begin <= i < end with token_ids[i : i + len(ngram)] == ngram, or None."""
+    i = begin  # list.index jumps from candidate to candidate in C: faster than torch's window compare
     while True:
         try:
             i = token_ids.index(ngram[0], i, end)
@@ -185,6 +213,17 @@ class LookupThenModelSession(DraftSession):
             self.model.append(proposal.token_ids)
             return proposal
         proposal = self.model.propose(k, min_reach)
+        self.lookup.append(proposal.token_ids)
+        return proposal
+
+    def propose_tree(self, k: int, width: int) -> Proposal:
+        proposal = self.lookup.propose_tree(k, width)
+        if proposal.parents is not None:
+            return proposal
+        if proposal:
+            self.model.append(proposal.token_ids)
+            return proposal
+        proposal = self.model.propose(k)
         self.lookup.append(proposal.token_ids)
         return proposal
 

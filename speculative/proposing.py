@@ -52,11 +52,16 @@ class Proposer:
         self.draft.prefill()
         self.draft_read_prompt = self.draft_warm = True
 
-    def propose(self, base_len: int, k: int, min_reach: float = 0.0) -> Sent:
-        """Drafts up to k tokens after base_len (DraftSession.propose: min_reach)."""
+    def propose(self, base_len: int, k: int, min_reach: float = 0.0, width: int = 1) -> Sent:
+        """Drafts up to k tokens after base_len (DraftSession.propose: min_reach), or a
+        tree of up to `width` continuations of k tokens (DraftSession.propose_tree)."""
         start = time.perf_counter_ns()
-        proposal = self.draft.propose(k, min_reach) if k > 0 else EMPTY_PROPOSAL
-        sent = Sent(base_len, proposal, time.perf_counter_ns() - start, open_ended=k > 0 and len(proposal) == k,
+        if k <= 0:
+            proposal = EMPTY_PROPOSAL
+        else:
+            proposal = self.draft.propose_tree(k, width) if width > 1 else self.draft.propose(k, min_reach)
+        chain_of_k = proposal.parents is None and len(proposal) == k  # drafting may go on past it
+        sent = Sent(base_len, proposal, time.perf_counter_ns() - start, open_ended=k > 0 and chain_of_k,
                     warm=self.draft_warm and k > 0)
         self.draft_warm = self.draft_warm and k == 0
         return sent
@@ -68,7 +73,8 @@ class Proposer:
     def _send(self, sent: Sent, expected_last: int | None = None) -> None:
         sent.index, self.next_index = self.next_index, self.next_index + 1
         sent.sent_ns = time.perf_counter_ns()
-        self.verifier.send(sent.base_len, sent.proposal.token_ids, sent.proposal.draft_probs, expected_last)
+        self.verifier.send(sent.base_len, sent.proposal.token_ids, sent.proposal.draft_probs, expected_last,
+                           sent.proposal.parents)
 
     def receive(self, sent: Sent) -> tuple[VerifyResult, RoundStats]:
         """The verdict on `sent`, and its round's stats."""
@@ -84,8 +90,10 @@ class Proposer:
         )
 
     def apply_to_draft(self, sent: Sent, result: VerifyResult) -> None:
-        """Rolls the draft back to its accepted prefix and appends the target's tokens."""
+        """Rolls the draft back to its accepted prefix and appends the target's tokens (a
+        tree was never appended: all of them)."""
         if self.draft is not None:
-            num_kept_drafts = min(result.verdict.num_accepted, len(result.token_ids))
+            chain = sent.proposal.parents is None
+            num_kept_drafts = min(result.verdict.num_accepted, len(result.token_ids)) if chain else 0
             self.draft.truncate_to(sent.base_len + num_kept_drafts)
             self.draft.append(result.token_ids[num_kept_drafts:])

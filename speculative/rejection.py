@@ -14,6 +14,13 @@ Sampling follows Leviathan et al. 2023 (arXiv:2211.17192, Algorithm 1) and Chen 
 2023 (arXiv:2302.01318): accept draft token x with probability
 min(1, target_prob(x) / draft_prob(x)); on rejection sample from
 norm(max(0, target_probs - draft_probs)). The output then follows the target exactly.
+
+On a token tree (speculative.token_tree) the rule is SpecInfer's multi-candidate one
+(Miao et al. 2024, arXiv:2305.09781): a node's children are tried in order, each
+against the residual the rejected ones before it left. Siblings are deterministic
+proposals (one-hot draft distributions: lookup's continuations, a model's top picks),
+so a rejected one only removes its token from the residual; with one child per node
+the rule is Leviathan's, draw for draw.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 
 from speculative.errors import InvalidArgument
 from speculative.sampling import SparseProbs, greedy_tokens, sample_from
+from speculative.token_tree import ROOT, TokenTree
 from speculative.types import NextTokenKind, Verdict
 
 
@@ -109,3 +117,62 @@ def verify_sampled(
             return Verdict(position, sample_from(residual, uniforms[k]), NextTokenKind.RECOVERED)
     bonus = sample_from(target_probs[k], uniforms[k])
     return Verdict(k, bonus, NextTokenKind.BONUS)
+
+
+def check_tree_probs(tree: TokenTree, draft_probs: Sequence[SparseProbs | None]) -> None:
+    """A draft distribution per node, each giving its token a positive probability;
+    only a node without siblings may come from one (siblings are deterministic)."""
+    if len(draft_probs) != len(tree):
+        raise InvalidArgument(f"{len(tree)} draft tokens came with {len(draft_probs)} distributions")
+    for node, probs in enumerate(draft_probs):
+        if probs is None:
+            continue
+        if len(tree.children(tree.parents[node])) > 1:
+            raise InvalidArgument(f"token tree node {node} has siblings: branches are deterministic "
+                                  "proposals and carry no draft distribution")
+        check_draft_probs([tree.token_ids[node]], [probs])
+
+
+def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[list[int], Verdict]:
+    """The path of nodes whose tokens equal the target's argmax, from the root, and the
+    target's token after it. target_logits: [n + 1, vocab_size], row 0 the last
+    committed token's, row i + 1 node i's."""
+    assert target_logits.shape[0] == len(tree) + 1, (target_logits.shape, len(tree))
+    target_token_ids = greedy_tokens(target_logits)
+    path, node = [], ROOT
+    while True:
+        children = tree.children(node)
+        wanted = target_token_ids[node + 1]
+        match = next((child for child in children if tree.token_ids[child] == wanted), None)
+        if match is None:
+            kind = NextTokenKind.RECOVERED if children else NextTokenKind.BONUS
+            return path, Verdict(len(path), wanted, kind)
+        path.append(match)
+        node = match
+
+
+def verify_tree_sampled(tree: TokenTree, draft_probs: Sequence[SparseProbs | None] | None,
+                        target_probs: torch.Tensor, generator: torch.Generator) -> tuple[list[int], Verdict]:
+    """SpecInfer's rule. draft_probs: [n] the distribution each node was sampled from
+    (None: deterministic, one-hot). target_probs: [n + 1, vocab_size], as in the greedy
+    rule. Exactly n + 1 uniforms are drawn, node i's at i and the last token's at n,
+    whatever the outcome: a chain draws what verify_sampled draws."""
+    n = len(tree)
+    assert target_probs.shape[0] == n + 1, (target_probs.shape, n)
+    uniforms = torch.rand(n + 1, generator=generator, dtype=torch.float64).tolist()
+    target_probs = target_probs.float().cpu()
+    path, node = [], ROOT
+    while True:
+        residual = target_probs[node + 1]
+        children = tree.children(node)
+        for child in children:
+            token_id = tree.token_ids[child]
+            draft = (draft_probs[child] if draft_probs else None) or SparseProbs.one_hot(token_id)
+            if uniforms[child] < acceptance_probability(float(residual[token_id]), draft.prob_of(token_id)):
+                path.append(child)
+                node = child
+                break
+            residual = recovered_probs(residual, draft.to_dense(residual.shape[-1]))
+        else:
+            kind = NextTokenKind.RECOVERED if children else NextTokenKind.BONUS
+            return path, Verdict(len(path), sample_from(residual, uniforms[n]), kind)

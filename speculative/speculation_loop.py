@@ -60,7 +60,8 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
         if proposer.idle and proposer.read_prompt():  # the draft's prefill is no round's cost
             call.start_ns = time.perf_counter_ns()
         k = min(action.k, call.room - 1)
-        sent = proposer.propose(call.base_len, k, action.min_reach if features.draft_stop else 0.0)
+        width = action.width if k * action.width < call.room else 1  # a tree's every node fits the room
+        sent = proposer.propose(call.base_len, k, action.min_reach if features.draft_stop else 0.0, width)
         if k > 0 and not sent.ahead:
             policy.estimator.observe_turn(proposed=bool(sent.proposal.token_ids))
             if not sent.proposal.token_ids and stretches is not None:  # a round trip for one token?

@@ -21,9 +21,19 @@ import torch
 from model_runtime.loading import LoadedModel
 from model_runtime.model_session import Emit, ForwardSteps, ModelSession, run_alone, stream_alone
 from speculative.errors import InvalidArgument, StaleProposal
+from speculative.limits import MAX_TREE_NODES
 from speculative.prompt_lookup import LookupRounds, LookupStop
-from speculative.rejection import check_draft_probs, check_draft_tokens, verify_greedy, verify_sampled
+from speculative.rejection import (
+    check_draft_probs,
+    check_draft_tokens,
+    check_tree_probs,
+    verify_greedy,
+    verify_sampled,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
+from speculative.token_tree import TokenTree
 from speculative.types import Verdict, VerifyResult
 
 
@@ -133,6 +143,41 @@ class TargetSession:
         compute_ns = 0 if segment.ready_logits is not None else forward_ns + time.perf_counter_ns() - start
         return VerifyResult(verdict, token_ids, self.length, stopped, compute_ns,
                             num_drafted=len(draft_token_ids))
+
+    def verify_tree(self, base_len: int, tree: TokenTree,
+                    draft_probs: Sequence[SparseProbs | None] | None = None) -> VerifyResult:
+        """`verify` of a token tree: the path the target keeps and one more token."""
+        return run_alone(self.model, self.verify_tree_steps(base_len, tree, draft_probs))
+
+    def verify_tree_steps(self, base_len: int, tree: TokenTree,
+                          draft_probs: Sequence[SparseProbs | None] | None = None) -> ForwardSteps[VerifyResult]:
+        """`verify_tree` as one forward pass over every node for a scheduler to run;
+        VerifyResult.token_ids holds the kept path's tokens, then the next token."""
+        if base_len != self.length:
+            raise StaleProposal(f"proposal extends length {base_len} but the session has {self.length} "
+                                "committed tokens")
+        if len(tree) > MAX_TREE_NODES:
+            raise InvalidArgument(f"a token tree of {len(tree)} tokens is over the limit of {MAX_TREE_NODES}")
+        self._check_proposal(tree.token_ids, None)
+        if draft_probs is not None:
+            check_tree_probs(tree, draft_probs)
+            for probs in filter(None, draft_probs):
+                check_draft_tokens(probs.token_ids.tolist(), self.vocab_size)
+        segment = self.session.tree_segment(tree.token_ids, tree.parents)
+        logits, forward_ns = yield segment  # nothing is applied before the pass ran
+        start = time.perf_counter_ns()
+        if self.params.greedy:
+            path, verdict = verify_tree_greedy(tree, logits)
+        else:
+            path, verdict = verify_tree_sampled(tree, draft_probs, logits_to_probs(logits, self.params),
+                                                self.generator)
+        self.session.tree_done(segment, path)
+        token_ids, stopped = self._cut_at_stop([*tree.path_tokens(path), verdict.next_token_id])
+        self.session.truncate_to(base_len + min(len(path), len(token_ids)))
+        self.session.append(token_ids[len(path) :])
+        compute_ns = forward_ns + time.perf_counter_ns() - start
+        return VerifyResult(verdict, token_ids, self.length, stopped, compute_ns, num_drafted=len(tree),
+                            path=tuple(path))
 
     def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
                lookup: LookupRounds | None = None) -> Iterator[VerifyResult]:

@@ -94,6 +94,7 @@ class VerifyResult:
     step: StepLoad | None = None  # the batched step that ran it (None: run alone)
     received_ns: int = 0  # when it reached the draft (time.perf_counter_ns; 0: as it was read)
     num_drafted: int = 0  # draft tokens the pass judged (in a stretch: looked-up tokens it verified)
+    path: tuple[int, ...] | None = None  # a token tree's accepted nodes, root-most first (None: a chain)
 
 
 # The drafters a draft worker offers, by the names of the API (SpeculationParams.drafter).

@@ -18,8 +18,9 @@ class Verifier(Protocol):
     runs_lookup: bool  # the target can run prompt lookup's rounds in a stretch: a round trip less per round
 
     def send(self, base_len: int, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
-             expected_last_token_id: int | None = None) -> None:
-        """Sends a proposal; expected_last_token_id: the token it assumes at base_len - 1."""
+             expected_last_token_id: int | None = None, parents: Sequence[int] | None = None) -> None:
+        """Sends a proposal; expected_last_token_id: the token it assumes at base_len - 1; parents: a
+        token tree's (speculative.token_tree), None for a chain."""
 
     def receive(self) -> VerifyResult:
         """The verdict on the oldest proposal not yet received (skipping abandoned ones); StaleProposal if stale."""

@@ -15,6 +15,7 @@ from speculative.errors import InvalidArgument, StaleProposal
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.target import DecodedPass, TargetSession, VerifyResult
+from speculative.token_tree import TokenTree
 from target_service.sessions import SessionCache
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,17 @@ class TargetEngine:
         self.sessions = sessions
 
     def verify(self, at: At, draft_token_ids: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
-               sampling: SamplingParams | None) -> Verified:
-        """One round in one batched pass, its verdict applied (and `sampling` from now on)."""
+               sampling: SamplingParams | None, parents: Sequence[int] | None = None) -> Verified:
+        """One round in one batched pass, its verdict applied (and `sampling` from now on);
+        parents: the proposal is a token tree (speculative.token_tree)."""
+        tree = None if parents is None else TokenTree(tuple(draft_token_ids), tuple(parents))  # checked first
         with self.sessions.use(at.session_id, growth=len(draft_token_ids) + 1) as target:
             _check_matches(target, at)
             with _sampling_applied(target, sampling):
-                steps = target.verify_steps(at.base_len, draft_token_ids, draft_probs)
+                if tree is None:
+                    steps = target.verify_steps(at.base_len, draft_token_ids, draft_probs)
+                else:
+                    steps = target.verify_tree_steps(at.base_len, tree, draft_probs)
                 result, load = self.sessions.compute.submit(steps, key=at.session_id)
             return Verified(result, load, target.context_length)
 

@@ -145,7 +145,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         draft_probs = [sparse_from_proto(d) for d in draft.distributions] or None
         with tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
             try:
-                verified = self.engine.verify(_at(proposal), list(draft.token_ids), draft_probs, sampling)
+                verified = self.engine.verify(_at(proposal), list(draft.token_ids), draft_probs, sampling,
+                                              list(draft.parents) or None)
                 step = step_load_to_proto(verified.load, waited_ns)
                 verdict = _echo(proposal, decision=decision_to_proto(verified.result, verified.context_length, step))
             except Discarded as stale:

@@ -50,11 +50,11 @@ class WatchingVerifier(LocalVerifier):
         self.sent_ahead = self.stretches = self.looked_up = 0
         self.longest = 0  # the longest proposal not drafted ahead
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None):
+    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None):
         self.sent_ahead += expected_last_token_id is not None
         if expected_last_token_id is None:
             self.longest = max(self.longest, len(draft_token_ids))
-        super().send(base_len, draft_token_ids, draft_probs, expected_last_token_id)
+        super().send(base_len, draft_token_ids, draft_probs, expected_last_token_id, parents)
 
     def decode(self, base_len, max_tokens, until=None, lookup=None):
         self.stretches += 1

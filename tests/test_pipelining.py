@@ -40,9 +40,9 @@ class CountingVerifier(LocalVerifier):
         super().__init__(target, overlaps=True)
         self.ahead = self.abandoned = 0
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None):
+    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None):
         self.ahead += expected_last_token_id is not None
-        super().send(base_len, draft_token_ids, draft_probs, expected_last_token_id)
+        super().send(base_len, draft_token_ids, draft_probs, expected_last_token_id, parents)
 
     def abandon_last(self):
         self.abandoned += 1
@@ -105,10 +105,10 @@ class EarlyVerdicts(CountingVerifier):
         self.asked += 1
         return self.asked % (self.every + 1) == 0
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None):
+    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None):
         if expected_last_token_id is not None:
             self.ahead_sizes.append(len(draft_token_ids))
-        super().send(base_len, draft_token_ids, draft_probs, expected_last_token_id)
+        super().send(base_len, draft_token_ids, draft_probs, expected_last_token_id, parents)
 
 
 @pytest.mark.parametrize("name", ["same", "perturbed", "ngram+model"])

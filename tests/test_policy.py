@@ -749,7 +749,7 @@ class _ScriptedVerifier:
     def __init__(self, prompt_len, script):
         self.prompt_len, self.script, self.sent = prompt_len, script, []
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None):
+    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None):
         self.sent.append((base_len, list(draft_token_ids)))
 
     def receive(self):

@@ -44,12 +44,14 @@ class Proposal(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., expected_last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ..., stretch: _Optional[_Union[Stretch, _Mapping]] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("token_ids", "distributions")
+    __slots__ = ("token_ids", "distributions", "parents")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Stretch(_message.Message):
     __slots__ = ("max_tokens", "until_lookup", "lookup_rounds")
@@ -86,7 +88,7 @@ class Verdict(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., stretch_pass: _Optional[_Union[StretchPass, _Mapping]] = ..., discarded: _Optional[_Union[Discarded, _Mapping]] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finish_reason", "step")
+    __slots__ = ("num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finish_reason", "step", "path")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,7 @@ class Decision(_message.Message):
     TARGET_COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     next_token_kind: _common_pb2.NextTokenKind
@@ -101,7 +104,8 @@ class Decision(_message.Message):
     target_compute_ns: int
     finish_reason: _common_pb2.FinishReason
     step: _common_pb2.StepLoad
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ...) -> None: ...
+    path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StretchPass(_message.Message):
     __slots__ = ("decision", "num_looked_up", "accepted_token_ids", "ended")
