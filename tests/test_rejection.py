@@ -318,14 +318,22 @@ def _enumerate_generation(
     recover: RecoveryRule = recovered_probs,
 ) -> dict[tuple[int, ...], float]:
     """Exact probability of each sequence of `length` emitted tokens when rounds of k draft
-    tokens run from an empty prefix until `length` tokens are out (the last round's extra
-    tokens are cut off). A dynamic programme over the committed prefix."""
+    tokens run from an empty prefix until `length` tokens are out."""
+    return _enumerate_rounds(lambda context: _round_outcomes(world, context, k, accept, recover), length)
+
+
+def _enumerate_rounds(round_outcomes: Callable[[tuple[int, ...]], dict[tuple[int, ...], float]],
+                      length: int) -> dict[tuple[int, ...], float]:
+    """Exact probability of each sequence of `length` emitted tokens when rounds, each
+    committing what round_outcomes(context) gives with its probability, run from an empty
+    prefix (the last round's extra tokens cut off). A dynamic programme over the
+    committed prefix."""
     finished: dict[tuple[int, ...], float] = defaultdict(float)
     pending: dict[tuple[int, ...], float] = {(): 1.0}
     while pending:
         next_pending: dict[tuple[int, ...], float] = defaultdict(float)
         for context, prob in pending.items():
-            for committed, round_prob in _round_outcomes(world, context, k, accept, recover).items():
+            for committed, round_prob in round_outcomes(context).items():
                 tokens = (context + committed)[:length]
                 (finished if len(tokens) == length else next_pending)[tokens] += prob * round_prob
         pending = next_pending

@@ -38,7 +38,7 @@ from speculative.target import TargetSession
 from speculative.token_tree import ROOT, TokenTree
 from speculative.types import NextTokenKind, Verdict
 from tests.system import LocalSystem
-from tests.test_rejection import ALPHA, _chisquare_pvalue, _max_error, _World
+from tests.test_rejection import ALPHA, _chisquare_pvalue, _enumerate_rounds, _max_error, _World
 
 # --- the tree type ----------------------------------------------------------------------
 
@@ -210,16 +210,7 @@ def _tree_round_outcomes(world, context, widths, accept, recover) -> dict[tuple[
 
 
 def _enumerate_tree_generation(world, widths, accept=acceptance_probability, recover=recovered_probs):
-    finished: dict[tuple[int, ...], float] = defaultdict(float)
-    pending: dict[tuple[int, ...], float] = {(): 1.0}
-    while pending:
-        next_pending: dict[tuple[int, ...], float] = defaultdict(float)
-        for context, prob in pending.items():
-            for committed, round_prob in _tree_round_outcomes(world, context, widths, accept, recover).items():
-                tokens = (context + committed)[:LENGTH]
-                (finished if len(tokens) == LENGTH else next_pending)[tokens] += prob * round_prob
-        pending = next_pending
-    return finished
+    return _enumerate_rounds(lambda context: _tree_round_outcomes(world, context, widths, accept, recover), LENGTH)
 
 
 @pytest.mark.parametrize("widths", [(2,), (3,), (2, 2), (3, 1), (1, 2), (2, 2, 2)])
