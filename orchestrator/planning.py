@@ -4,7 +4,7 @@ the limits they must meet."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.config import OrchestratorConfig
 from orchestrator.limits import check_max_new_tokens, check_prompt_tokens
@@ -14,6 +14,7 @@ from service_common.convert import sampling_from_proto
 from specdec.v1 import common_pb2, orchestrator_pb2
 from speculative.errors import InvalidArgument
 from speculative.limits import validate_num_speculative_tokens
+from speculative.prompt_lookup import MAX_LOOKUP_NGRAM, LookupStop
 from speculative.types import SamplingParams, check_drafter_name
 
 
@@ -28,6 +29,7 @@ class Plan:
     k: int
     drafter: str
     adaptive: bool
+    speculation: common_pb2.SpeculationParams = field(default_factory=common_pb2.SpeculationParams)  # to forward
 
 
 def plan_call(config: OrchestratorConfig, tokenizer, request: orchestrator_pb2.GenerateRequest,
@@ -43,7 +45,7 @@ def plan_call(config: OrchestratorConfig, tokenizer, request: orchestrator_pb2.G
     check_max_new_tokens(config, params.max_new_tokens)
     k = speculation.num_speculative_tokens if speculation.HasField("num_speculative_tokens") else config.default_k
     return Plan(record, tokens, keep, params, validate_num_speculative_tokens(k),
-                speculation.drafter, speculation.adaptive)
+                speculation.drafter, speculation.adaptive, speculation)
 
 
 def check_stop_strings(config: OrchestratorConfig, request: orchestrator_pb2.GenerateRequest) -> None:
@@ -81,7 +83,21 @@ def _speculation(request: orchestrator_pb2.GenerateRequest, record: SessionRecor
     if request.HasField("speculation"):
         message = request.speculation
     check_drafter_name(message.drafter)
+    _check_draft_settings(message)
     return message
+
+
+def _check_draft_settings(message: common_pb2.SpeculationParams) -> None:
+    """The draft worker's settings a request may override, each in its range; the draft worker
+    checks them again against its own defaults (a lookup size left 0)."""
+    if message.draft_top_k < 0:
+        raise InvalidArgument(f"draft_top_k must be >= 0 (0 = server default), got {message.draft_top_k}")
+    for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        if not 0 <= getattr(message, name) <= MAX_LOOKUP_NGRAM:
+            raise InvalidArgument(f"{name} must be in 1..{MAX_LOOKUP_NGRAM} (0 = server default), "
+                                  f"got {getattr(message, name)}")
+    if message.prompt_lookup_min and message.prompt_lookup_max:
+        LookupStop(message.prompt_lookup_min, message.prompt_lookup_max)  # raises for min > max
 
 
 def _tokens(tokenizer, request: orchestrator_pb2.GenerateRequest, record: SessionRecord) -> tuple[list[int], int]:

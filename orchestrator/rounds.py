@@ -105,8 +105,9 @@ class RoundStreams:
         """The rounds of one Speculate stream. The target restarts its generator from the
         seed it is sent: moved on by the tokens drawn so far after a failover."""
         record, base_len = plan.record, len(plan.tokens) + len(self.generated.token_ids)
-        speculation = common_pb2.SpeculationParams(
-            num_speculative_tokens=plan.k, drafter=plan.drafter, adaptive=plan.adaptive)
+        speculation = common_pb2.SpeculationParams()
+        speculation.CopyFrom(plan.speculation)  # the lookup sizes and draft_top_k travel as the client gave them
+        speculation.num_speculative_tokens = plan.k
         self.call = self.placement.draft.stub.Speculate(draft_pb2.SpeculateRequest(
             session_id=record.draft.session_id, base_len=base_len,
             target=common_pb2.KvHandle(worker_id=record.target.worker_id, worker_address=self.placement.target.address,

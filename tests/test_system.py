@@ -27,12 +27,13 @@ def system():
         yield local
 
 
-def _request(ids=None, k=4, drafter="ngram", max_new_tokens=MAX_NEW_TOKENS, session_id="", **sampling):
+def _request(ids=None, k=4, drafter="ngram", max_new_tokens=MAX_NEW_TOKENS, session_id="", draft=None, **sampling):
+    """draft: the draft worker's settings a request overrides (prompt_lookup_min, draft_top_k, ...)."""
     request = orchestrator_pb2.GenerateRequest(session_id=session_id, include_stats=True)
     if ids is not None:
         request.token_ids.ids.extend(ids)
     request.sampling.CopyFrom(common_pb2.SamplingParams(max_new_tokens=max_new_tokens, **sampling))
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter=drafter))
+    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter=drafter, **(draft or {})))
     return request
 
 
@@ -147,6 +148,10 @@ def test_cancelled_stream_frees_the_workers_sessions(system, prompt_ids):
         (_request([1, 2], k=99), grpc.StatusCode.INVALID_ARGUMENT, "num_speculative_tokens (k) must be in [0, 16]"),
         (_request([1, 999]), grpc.StatusCode.INVALID_ARGUMENT, "token id 999 is outside the vocabulary"),
         (_request([1, 2], drafter="magic"), grpc.StatusCode.INVALID_ARGUMENT, "drafter must be"),
+        (_request([1, 2], draft={"prompt_lookup_min": 40}), grpc.StatusCode.INVALID_ARGUMENT, "prompt_lookup_min must be in 1..32"),
+        (_request([1, 2], draft={"prompt_lookup_min": 5, "prompt_lookup_max": 3}), grpc.StatusCode.INVALID_ARGUMENT,
+         "prompt lookup sizes need 1 <= prompt_lookup_min <= prompt_lookup_max"),
+        (_request([1, 2], draft={"draft_top_k": -1}), grpc.StatusCode.INVALID_ARGUMENT, "draft_top_k must be >= 0"),
     ],
 )
 def test_bad_input_gets_a_precise_status_and_the_system_keeps_serving(system, tiny_target, prompt_ids, request_, code, message):
@@ -155,6 +160,15 @@ def test_bad_input_gets_a_precise_status_and_the_system_keeps_serving(system, ti
     assert error.value.code() == code
     assert message in error.value.details()
     assert list(system.stub.Generate(_request(prompt_ids[0]), timeout=60).token_ids) == _reference(tiny_target, prompt_ids[0])
+
+
+def test_the_requests_lookup_sizes_reach_the_draft_worker(system, tiny_target):
+    ids = [5, 6, 7, 8, 9] * 4  # copies itself every 5 tokens: prompt lookup finds the repeat at any size up to 15
+    found = system.stub.Generate(_request(ids, draft={"prompt_lookup_min": 2, "prompt_lookup_max": 3}), timeout=60)
+    # No suffix of 32 tokens repeats in a sequence this short: nothing to copy, nothing drafted.
+    none = system.stub.Generate(_request(ids, draft={"prompt_lookup_min": 32, "prompt_lookup_max": 32}), timeout=60)
+    assert found.stats.num_drafted > 0 and none.stats.num_drafted == 0
+    assert list(found.token_ids) == list(none.token_ids) == _reference(tiny_target, ids)
 
 
 def test_oversized_message_is_refused(system):
