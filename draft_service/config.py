@@ -83,9 +83,10 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # not pay for its pass (speculative.policy.stop_reach; adaptive calls only). Off by
     # default: it has not shown a gain over adaptive k (benchmarks/results_features_qwen.md).
     draft_stop: bool = False
-    # Continuations a fixed-k round may propose at once as a token tree, verified in one
-    # target pass (prompt lookup's distinct matches; speculative/token_tree.py). 1:
-    # chains. Adaptive calls propose chains until the policy prices trees.
+    # Continuations a round may propose at once as a token tree, verified in one target
+    # pass (prompt lookup's distinct matches, a model's second choices;
+    # speculative/token_tree.py): fixed-k rounds always, adaptive ones where the policy
+    # finds the tree's nodes pay (speculative.policy.branch_reach). 1: chains.
     tree_width: int = 1
     # Used when a request leaves max_new_tokens at 0; the same default as the target's.
     default_max_new_tokens: int = 256

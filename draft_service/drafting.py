@@ -119,6 +119,9 @@ class SerializedModelDraftSession(DraftSession):
     def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
         return self.compute.submit(self.inner.propose_steps(k, min_reach))[0]
 
+    def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
+        return self.compute.submit(self.inner.propose_steps(k, min_reach, width, min_branch))[0]
+
     def prefill(self) -> None:
         self.compute.submit(self.inner.prefill_steps())
 

@@ -78,7 +78,8 @@ class RemoteVerifier:
         proposal, _ = self._outstanding.popleft()
         verdict, draft = self._next_verdict(), proposal.draft
         proposed = self._path_tokens(draft, verdict.decision) if draft.parents else draft.token_ids
-        return self._result(proposal.round, proposal.base_len, proposed, verdict, num_drafted=len(draft.token_ids))
+        return self._result(proposal.round, proposal.base_len, proposed, verdict, num_drafted=len(draft.token_ids),
+                            tree=bool(draft.parents))
 
     def _path_tokens(self, draft: target_pb2.Draft, decision: target_pb2.Decision) -> list[int]:
         """The tokens of a tree's accepted path, checked to be a path from the root."""
@@ -157,7 +158,7 @@ class RemoteVerifier:
         return verdict
 
     def _result(self, round_index: int, base_len: int, proposed: Sequence[int], verdict: target_pb2.Verdict,
-                num_drafted: int | None = None) -> VerifyResult:
+                num_drafted: int | None = None, tree: bool = False) -> VerifyResult:
         """The verdict checked, as TargetSession.verify returns it (see decision_from_proto)."""
         if verdict.round != round_index or verdict.base_len != base_len:
             raise RuntimeError(f"target worker at {self.address} answered round {verdict.round} at length "
@@ -175,7 +176,7 @@ class RemoteVerifier:
             raise RuntimeError(f"target worker at {self.address} sent an inconsistent verdict ({kind or 'empty'}): "
                                f"{decision.num_accepted} of {len(proposed)} accepted, committed length "
                                f"{decision.committed_len} after {base_len}, next token kind {decision.next_token_kind}")
-        return decision_from_proto(decision, base_len, proposed, self._received_ns, num_drafted)
+        return decision_from_proto(decision, base_len, proposed, self._received_ns, num_drafted, tree)
 
     def close(self) -> None:
         """Half-closes the stream, or cancels it while a verdict is outstanding (after an error). Idempotent."""

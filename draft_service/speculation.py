@@ -67,7 +67,8 @@ def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> Specu
     LookupStop(min_ngram, max_ngram)  # raises InvalidArgument for sizes prompt lookup refuses
     return SpeculatePlan(
         settings=DraftSettings(params, speculation.draft_top_k or config.draft_top_k, min_ngram, max_ngram),
-        policy=AdaptiveK(k, overlaps=config.pipeline) if speculation.adaptive else FixedK(k, config.tree_width),
+        policy=(AdaptiveK(k, overlaps=config.pipeline, max_width=config.tree_width) if speculation.adaptive
+                else FixedK(k, config.tree_width)),
         drafter=speculation.drafter,
         target_address=request.target.worker_address,
         target_session_id=request.target.session_id,

@@ -87,8 +87,19 @@ def sparse_from_proto(message: common_pb2.SparseDistribution) -> SparseProbs:
     return SparseProbs(torch.tensor(list(message.token_ids), dtype=torch.long), torch.tensor(list(message.probs)))
 
 
-def sparse_to_proto(probs: SparseProbs) -> common_pb2.SparseDistribution:
+def sparse_to_proto(probs: SparseProbs | None) -> common_pb2.SparseDistribution:
+    """None (a tree's deterministic token): the empty distribution."""
+    if probs is None:
+        return common_pb2.SparseDistribution()
     return common_pb2.SparseDistribution(token_ids=probs.token_ids.tolist(), probs=probs.probs.tolist())
+
+
+def draft_probs_from_proto(draft) -> list[SparseProbs | None] | None:
+    """A target_pb2.Draft's distributions; in a tree, an empty one is a deterministic token (None)."""
+    if not draft.distributions:
+        return None
+    return [None if draft.parents and not d.token_ids and not d.probs else sparse_from_proto(d)
+            for d in draft.distributions]
 
 
 def round_stats_to_proto(stats: RoundStats, proposal_bytes: int = 0, verdict_bytes: int = 0) -> common_pb2.RoundStats:
@@ -151,9 +162,10 @@ def decision_to_proto(result: VerifyResult, context_length: int, step: common_pb
 
 
 def decision_from_proto(decision: target_pb2.Decision, base_len: int, proposed: Sequence[int], received_ns: int,
-                        num_drafted: int | None = None) -> VerifyResult:
+                        num_drafted: int | None = None, tree: bool = False) -> VerifyResult:
     """The decision on `proposed` at base_len (a draft, or the looked-up tokens a stretch's
-    pass accepted, of num_drafted it verified), already checked to be consistent."""
+    pass accepted, of num_drafted it verified; tree: `proposed` is a tree's accepted path),
+    already checked to be consistent."""
     kind = NEXT_TOKEN_KIND_FROM_PROTO[decision.next_token_kind]
     verdict = Verdict(decision.num_accepted, decision.next_token_id, kind)
     return VerifyResult(
@@ -161,6 +173,7 @@ def decision_from_proto(decision: target_pb2.Decision, base_len: int, proposed: 
         committed_len=decision.committed_len, stopped=decision.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN,
         target_compute_ns=decision.target_compute_ns, step=step_load_from_proto(decision.step),
         received_ns=received_ns, num_drafted=len(proposed) if num_drafted is None else num_drafted,
+        path=tuple(decision.path) if tree else None,
     )
 
 

@@ -10,13 +10,7 @@ import logging
 
 import grpc
 
-from speculative.errors import (
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    SpeculativeError,
-    StaleProposal,
-)
+from speculative.errors import InvalidArgument, NotFound, ResourceExhausted, SpeculativeError, StaleProposal
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from model_runtime.quantization import SCHEMES, SELF_QUANTIZATION, resolve_draft
 from speculative.drafters import ModelDrafter
 from speculative.errors import SpeculativeError
 from speculative.generator import SpeculativeGenerator
-from speculative.policy import AdaptiveK
+from speculative.limits import MAX_TREE_WIDTH
+from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
 
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-keep-output-layer", action="store_true", help="leave the draft's output layer unquantized")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (0 = target-only)")
     parser.add_argument("--adaptive", action="store_true", help="choose k per round (up to --k) from measured acceptance and costs")
+    parser.add_argument("--tree-width", type=int, default=1, help="continuations a round may propose as a token tree "
+                        "(1: chains; adaptive: where the policy finds their nodes pay)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -57,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _policy(args, drafts: bool) -> int | SpeculationPolicy:
+    if not 1 <= args.tree_width <= MAX_TREE_WIDTH:
+        raise SystemExit(f"--tree-width must be in [1, {MAX_TREE_WIDTH}], got {args.tree_width}")
+    if not drafts or args.k == 0:
+        return 0
+    return AdaptiveK(args.k, max_width=args.tree_width) if args.adaptive else FixedK(args.k, args.tree_width)
+
+
 def _run(args) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -69,8 +80,7 @@ def _run(args) -> int:
     prompt_ids = _encode(target.tokenizer, args.prompt, chat=not args.raw)
     if target.eos_token_id is not None:
         params = params.replace(stop_token_ids=(target.eos_token_id,))
-    k = AdaptiveK(args.k) if args.adaptive and drafter else (args.k if drafter else 0)
-    result = generator.generate(prompt_ids, params, k=k)
+    result = generator.generate(prompt_ids, params, k=_policy(args, drafter is not None))
     print(target.tokenizer.decode(result.token_ids, skip_special_tokens=True))
     print(f"\n--- {drafter.name if drafter else 'target only'}, k={args.k}, "
           f"finish: {result.finish_reason.value}", file=sys.stderr)

@@ -37,14 +37,43 @@ class Proposal:
     # proposal is deterministic (greedy drafting, n-gram lookup): one-hot distributions.
     draft_probs: list[SparseProbs] | None = None
     # A token tree (speculative.token_tree): each token's parent, -1 for the last
-    # committed token; None: a chain. A tree is not appended to the draft's session.
+    # committed token; None: a chain. Nodes of a tree carry draft_probs None where
+    # deterministic (a looked-up path, a model's second choice).
     parents: tuple[int, ...] | None = None
+    # Of a tree: how many first nodes, a path from the root, the draft session appended
+    # (a model's chain under its branches); a chain is appended whole.
+    tree_appended: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def appended(self) -> list[int]:
+        """The tokens the draft session appended after the committed ones."""
+        return self.token_ids if self.parents is None else self.token_ids[: self.tree_appended]
+
 
 EMPTY_PROPOSAL = Proposal([])
+
+
+@dataclass(frozen=True, order=True)
+class Branch:
+    """A one-token alternative to a chain's token at `position`."""
+
+    chance: float  # the drafter's own estimate that the target takes it: the chain reached
+    # `position` and chose this token, not the chain's
+    position: int
+    token_id: int
+
+
+def with_branches(chain: Proposal, branches: Sequence[Branch], count: int) -> Proposal:
+    """The chain and its `count` likeliest branches (by `chance`), as a tree whose first
+    nodes are the chain, appended to the draft; the chain alone where none is taken."""
+    chosen = sorted(sorted(branches, reverse=True)[: max(count, 0)], key=lambda b: b.position)
+    if not chosen:
+        return chain
+    parents = (*range(-1, len(chain) - 1), *(branch.position - 1 for branch in chosen))
+    probs = None if chain.draft_probs is None else [*chain.draft_probs, *(None for _ in chosen)]
+    return Proposal([*chain.token_ids, *(branch.token_id for branch in chosen)], probs, parents, len(chain))
 
 
 class DraftSession(abc.ABC):
@@ -77,10 +106,12 @@ class DraftSession(abc.ABC):
         """Sampling from now on (model drafters sample like the target); a seed restarts
         the draft's generator."""
 
-    def propose_tree(self, k: int, width: int) -> Proposal:
+    def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
         """Up to `width` continuations of up to k tokens each, as a token tree where the
-        drafter finds several (not appended); else what propose(k) proposes."""
-        return self.propose(k)
+        drafter finds several (Proposal.tree_appended of them appended); else what
+        propose(k, min_reach) proposes. A drafter that knows its chances branches only
+        where the branch's chance of being the target's is at least min_branch."""
+        return self.propose(k, min_reach)
 
     def peek(self, k: int) -> list[int] | None:
         """What propose(k) would return now, the session unchanged, where that is free

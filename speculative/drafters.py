@@ -16,7 +16,7 @@ import torch
 
 from model_runtime.loading import LoadedModel
 from model_runtime.model_session import ForwardSteps, ModelSession, run_alone
-from speculative.drafter_base import DEFAULT_DRAFT_TOP_K, Drafter, DraftSession, Proposal
+from speculative.drafter_base import DEFAULT_DRAFT_TOP_K, Branch, Drafter, DraftSession, Proposal, with_branches
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
 
 
@@ -59,27 +59,46 @@ class ModelDraftSession(DraftSession):
     def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
         return run_alone(self.session.model, self.propose_steps(k, min_reach))
 
-    def propose_steps(self, k: int, min_reach: float = 0.0) -> ForwardSteps[Proposal]:
-        """`propose` as up to k forward passes for a scheduler to batch with other sessions'."""
-        token_ids, draft_probs, reach = [], [], 1.0
+    def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
+        """A chain as `propose` drafts it, and up to width - 1 one-token branches: the
+        draft's second choice where it is likeliest to be the target's (`with_branches`),
+        each with a chance of at least min_branch."""
+        return run_alone(self.session.model, self.propose_steps(k, min_reach, width, min_branch))
+
+    def propose_steps(self, k: int, min_reach: float = 0.0, width: int = 1,
+                      min_branch: float = 0.0) -> ForwardSteps[Proposal]:
+        """`propose` (or `propose_tree`, width > 1) as up to k forward passes for a
+        scheduler to batch with other sessions'. The branches cost no pass: the second
+        choice comes from the logits that gave the first."""
+        token_ids, draft_probs, reach, branches = [], [], 1.0, []
         while len(token_ids) < k and (not token_ids or reach >= min_reach):  # the first token always
             segment = self.session.pending_segment(1)  # the pending tokens: 1 or 2
             logits, _ = yield segment
             self.session.segment_done(segment)
-            logits = logits[0]
+            probs = self._distribution(logits[0], dense=bool(min_reach) or width > 1)
             if self.params.greedy:
-                token_id = int(logits.argmax())
-                confidence = float(torch.softmax(logits.float(), -1)[token_id]) if min_reach else 1.0
+                token_id = int(logits[0].argmax())
             else:
-                probs = SparseProbs.truncate(logits_to_probs(logits[None], self.params)[0], self.draft_top_k)
                 token_id = probs.sample(float(torch.rand(1, generator=self.generator, dtype=torch.float64)))
                 draft_probs.append(probs)
-                confidence = probs.prob_of(token_id)
+            if width > 1 and (second := second_choice(probs, token_id)) and reach * second[1] >= min_branch:
+                branches.append(Branch(reach * second[1], len(token_ids), second[0]))
             token_ids.append(token_id)
-            reach *= confidence
+            reach *= probs.prob_of(token_id) if probs is not None else 1.0
             # The last token stays pending: it runs only if accepted (draft lag).
             self.session.append([token_id])
-        return Proposal(token_ids, None if self.params.greedy else draft_probs)
+        chain = Proposal(token_ids, None if self.params.greedy else draft_probs)
+        return with_branches(chain, branches, width - 1)
+
+    def _distribution(self, logits: torch.Tensor, dense: bool) -> SparseProbs | None:
+        """What the draft samples from (its draft_top_k most likely tokens); greedy: its
+        softmax, where the caller reads probabilities (else None: argmax needs none)."""
+        if not self.params.greedy:
+            return SparseProbs.truncate(logits_to_probs(logits[None], self.params)[0], self.draft_top_k)
+        if not dense:
+            return None
+        top = torch.softmax(logits.float(), -1).topk(2)
+        return SparseProbs(top.indices.cpu(), top.values.cpu())
 
     def append(self, token_ids: Sequence[int]) -> None:
         self.session.append(token_ids)
@@ -100,3 +119,14 @@ class ModelDraftSession(DraftSession):
     def set_sampling(self, params: SamplingParams) -> None:
         self.params = params
         self.generator = make_generator(draft_seed(params.seed))
+
+
+def second_choice(probs: SparseProbs | None, token_id: int) -> tuple[int, float] | None:
+    """The likeliest token other than token_id, and its probability; None where there is none."""
+    if probs is None:
+        return None
+    others = probs.token_ids != token_id
+    if not bool(others.any()):
+        return None
+    best = int(probs.probs.masked_fill(~others, -1.0).argmax())
+    return int(probs.token_ids[best]), float(probs.probs[best])

@@ -22,8 +22,8 @@ class AheadProposer(Proposer):
     def idle(self) -> bool:
         return self.ahead is None
 
-    def propose(self, base_len: int, k: int, min_reach: float = 0.0, width: int = 1) -> Sent:
-        return self.ahead or super().propose(base_len, k, min_reach, width)  # the proposal sent ahead, if it survived
+    def propose(self, base_len: int, k: int, action: Action, draft_stop: bool = False) -> Sent:
+        return self.ahead or super().propose(base_len, k, action, draft_stop)  # the proposal sent ahead, if it survived
 
     def send(self, sent: Sent, action: Action, room: int) -> None:
         """Sends `sent` (unless it went ahead), then, where the policy says so, drafts

@@ -42,6 +42,10 @@ SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
 # A pass slower than this many times the line counts as this slow: a burst of load must
 # not rule a width out; a lasting slowdown is still learnt, a clipped step at a time.
 SLOW_PASS_CLIP = 1.25
+# A tree's branch nodes yield this many accepted tokens each before measured, weighing as
+# many nodes: where a node costs the pass less (policy.branch_reach), trees are tried, and
+# tried again once what they measured has aged.
+BRANCH_PRIOR_YIELD, BRANCH_PRIOR_NODES = 0.1, 4.0
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -99,6 +103,8 @@ class Estimates:
     target_runs_lookup: bool = False  # the target runs the (prompt-lookup) drafter's rounds inside stretches
     # [max_k] a_i, hopeful, for draft tokens 1..max_k; empty: `acceptance` at every depth.
     depth_acceptance: tuple[float, ...] = ()
+    max_width: int = 1  # the most continuations a round may propose as a token tree
+    branch_yield: float = 0.0  # accepted tokens per tree node off the first path
 
     @property
     def measured(self) -> bool:
@@ -160,8 +166,10 @@ class Estimates:
 class CostEstimator:
     """The estimators behind Estimates, fed by the speculation loop's observations."""
 
-    def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None, overlaps: bool = False):
-        self.max_k, self.decay, self.overlaps = max_k, decay, overlaps
+    def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None, overlaps: bool = False,
+                 max_width: int = 1):
+        self.max_k, self.decay, self.overlaps, self.max_width = max_k, decay, overlaps, max_width
+        self.branch_tokens = self.branch_nodes = 0.0  # decayed counts behind branch_yield
         self.target_runs_lookup = self.stretches_measure = self.after_stretch = False
         self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # decayed Bernoulli counts behind a
         # [max_k] decayed (accepted, reached) counts behind a_i, per draft token depth;
@@ -198,7 +206,12 @@ class CostEstimator:
             self.worker_k(), self.stretches_measure, self.after_stretch,
             self.stretches_in_a_row if self.rounds_since_stretch <= 1 else 0, self.empty_turns_in_a_row,
             self.rounds_since_stretch_ns, self.overlaps, self.target_runs_lookup, self.depth_acceptance(hope),
+            self.max_width, self.branch_yield(),
         )
+
+    def branch_yield(self) -> float:
+        return ((BRANCH_PRIOR_YIELD * BRANCH_PRIOR_NODES + self.branch_tokens)
+                / (BRANCH_PRIOR_NODES + self.branch_nodes))
 
     def depth_acceptance(self, hope: float = 0.0) -> tuple[float, ...]:
         """a_i for depths 1..max_k, read with `hope` more accepted tokens; a depth no
@@ -279,9 +292,11 @@ class CostEstimator:
             overhead = max(0, elapsed_ns - drafting_ns - stats.target_compute_ns - stats.late_ns)
             self.overhead_ns = _blend(self.overhead_ns if self.overhead_measured else None, overhead, self.decay)
         self.overhead_measured = True
-        if stats.num_drafted:
-            self._observe_acceptance(stats.num_drafted, stats.num_accepted)
-            passes = stats.num_drafted - stats.draft_warm
+        self.branch_tokens = self.decay * self.branch_tokens + stats.branch_tokens  # aged by every round
+        self.branch_nodes = self.decay * self.branch_nodes + stats.branch_nodes
+        if stats.num_drafted:  # a tree's first path: what a chain would have proposed
+            self._observe_acceptance(stats.num_drafted - stats.branch_nodes, stats.num_accepted - stats.branch_tokens)
+            passes = stats.num_drafted - stats.branch_nodes - stats.draft_warm
             if passes:
                 self.draft_token_ns = _blend(self.draft_token_ns or None, stats.draft_ns / passes, self.decay)
 

@@ -36,6 +36,9 @@ class Action:
     # A model drafter stops drafting once its own chance that the target accepts every
     # token so far falls below this (DraftSession.propose): see `stop_reach`.
     min_reach: float = 0.0
+    # In a tree, a model drafter's branch must have at least this chance of being the
+    # target's token (DraftSession.propose_tree): see `branch_reach`.
+    min_branch: float = 0.0
 
 
 TAKE_ROUND = Action()  # after a turn that proposed nothing: the plain step, one round trip
@@ -96,7 +99,16 @@ def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) ->
 
 
 def _round(e: Estimates, k: int) -> Action:
-    return Action(k=k, ahead=draft_ahead(e, k), min_reach=stop_reach(e, k))
+    width = e.max_width if e.branch_yield >= branch_reach(e, k) else 1
+    return Action(k=k, ahead=draft_ahead(e, k), min_reach=stop_reach(e, k), width=width,
+                  min_branch=branch_reach(e, k))
+
+
+def branch_reach(e: Estimates, k: int) -> float:
+    """The tokens a tree's branch node must bring for its place in the pass: it widens the
+    target's pass by g, so at least g times the tokens per ns that rounds of k earn. A
+    tree is proposed while its branches' measured yield per node (`branch_yield`) pays."""
+    return min(1.0, e.per_token_ns * e.tokens_per_ns(k)) if e.measured else 1.0
 
 
 def stop_reach(e: Estimates, k: int) -> float:
@@ -176,11 +188,12 @@ class AdaptiveK(SpeculationPolicy):
     """`decide` on this call's own estimates; `costs` seeds them with what earlier calls
     between the same draft and target measured. overlaps: the target verifies while the
     draft drafts (a remote target with pipelining on), so rounds are priced with
-    drafting ahead."""
+    drafting ahead. max_width: rounds may propose token trees of that many continuations
+    where their branches pay (`branch_reach`)."""
 
     def __init__(self, max_k: int, decay: float = 0.9, rules: StretchRules = StretchRules(),
-                 costs: MeasuredCosts | None = None, overlaps: bool = False):
-        super().__init__(max_k, CostEstimator(max_k, decay, costs, overlaps))
+                 costs: MeasuredCosts | None = None, overlaps: bool = False, max_width: int = 1):
+        super().__init__(max_k, CostEstimator(max_k, decay, costs, overlaps, max_width))
         self.rules = rules
 
     def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT) -> Action:

@@ -104,7 +104,7 @@ class NgramDraftSession(DraftSession):
         self.tokens.append(proposal)
         return Proposal(proposal)
 
-    def propose_tree(self, k: int, width: int) -> Proposal:
+    def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
         tree = lookup_tree(self.tokens.ids, k, self.min_ngram, self.max_ngram, width)
         if tree.is_chain:
             self.tokens.append(tree.token_ids)
@@ -216,15 +216,15 @@ class LookupThenModelSession(DraftSession):
         self.lookup.append(proposal.token_ids)
         return proposal
 
-    def propose_tree(self, k: int, width: int) -> Proposal:
+    def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
         proposal = self.lookup.propose_tree(k, width)
         if proposal.parents is not None:
             return proposal
         if proposal:
             self.model.append(proposal.token_ids)
             return proposal
-        proposal = self.model.propose(k)
-        self.lookup.append(proposal.token_ids)
+        proposal = self.model.propose_tree(k, width, min_reach, min_branch)
+        self.lookup.append(proposal.appended())
         return proposal
 
     def append(self, token_ids: Sequence[int]) -> None:

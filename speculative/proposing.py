@@ -52,14 +52,18 @@ class Proposer:
         self.draft.prefill()
         self.draft_read_prompt = self.draft_warm = True
 
-    def propose(self, base_len: int, k: int, min_reach: float = 0.0, width: int = 1) -> Sent:
-        """Drafts up to k tokens after base_len (DraftSession.propose: min_reach), or a
-        tree of up to `width` continuations of k tokens (DraftSession.propose_tree)."""
+    def propose(self, base_len: int, k: int, action: Action, draft_stop: bool = False) -> Sent:
+        """Drafts up to k tokens after base_len, or a tree of up to action.width
+        continuations of k tokens (DraftSession.propose_tree: action.min_branch); draft_stop:
+        a model draft stops where its own chances say the next token does not pay (action.min_reach)."""
         start = time.perf_counter_ns()
+        min_reach = action.min_reach if draft_stop else 0.0
         if k <= 0:
             proposal = EMPTY_PROPOSAL
+        elif action.width > 1:
+            proposal = self.draft.propose_tree(k, action.width, min_reach, action.min_branch)
         else:
-            proposal = self.draft.propose_tree(k, width) if width > 1 else self.draft.propose(k, min_reach)
+            proposal = self.draft.propose(k, min_reach)
         chain_of_k = proposal.parents is None and len(proposal) == k  # drafting may go on past it
         sent = Sent(base_len, proposal, time.perf_counter_ns() - start, open_ended=k > 0 and chain_of_k,
                     warm=self.draft_warm and k > 0)
@@ -87,13 +91,27 @@ class Proposer:
             next_token_kind=result.verdict.next_token_kind, draft_ns=sent.draft_ns,
             verify_ns=received - sent.sent_ns, target_compute_ns=result.target_compute_ns, step=result.step,
             drafted_ahead=sent.ahead, late_ns=now - received, draft_warm=sent.warm,
+            **_branch_counts(sent.proposal, result.path),
         )
 
     def apply_to_draft(self, sent: Sent, result: VerifyResult) -> None:
-        """Rolls the draft back to its accepted prefix and appends the target's tokens (a
-        tree was never appended: all of them)."""
+        """Rolls the draft back to what it appended of the accepted path and appends the rest
+        of the target's tokens."""
         if self.draft is not None:
-            chain = sent.proposal.parents is None
-            num_kept_drafts = min(result.verdict.num_accepted, len(result.token_ids)) if chain else 0
-            self.draft.truncate_to(sent.base_len + num_kept_drafts)
-            self.draft.append(result.token_ids[num_kept_drafts:])
+            num_kept = _common_prefix(sent.proposal.appended(), result.token_ids[: result.verdict.num_accepted])
+            self.draft.truncate_to(sent.base_len + num_kept)
+            self.draft.append(result.token_ids[num_kept:])
+
+
+def _branch_counts(proposal: Proposal, path: tuple[int, ...] | None) -> dict[str, int]:
+    """A tree's nodes off its first path (its leading chain of nodes 0, 1, ...), and the
+    accepted tokens they added past what that path alone had."""
+    if proposal.parents is None or path is None:
+        return {}
+    first = next((i for i, parent in enumerate(proposal.parents) if parent != i - 1), len(proposal))
+    on_first = next((i for i, node in enumerate(path) if node != i), len(path))
+    return {"branch_nodes": len(proposal) - first, "branch_tokens": len(path) - on_first}
+
+
+def _common_prefix(first: list[int], second: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))

@@ -120,17 +120,13 @@ def verify_sampled(
 
 
 def check_tree_probs(tree: TokenTree, draft_probs: Sequence[SparseProbs | None]) -> None:
-    """A draft distribution per node, each giving its token a positive probability;
-    only a node without siblings may come from one (siblings are deterministic)."""
+    """A draft distribution per node (None: deterministic), each giving its token a
+    positive probability."""
     if len(draft_probs) != len(tree):
         raise InvalidArgument(f"{len(tree)} draft tokens came with {len(draft_probs)} distributions")
     for node, probs in enumerate(draft_probs):
-        if probs is None:
-            continue
-        if len(tree.children(tree.parents[node])) > 1:
-            raise InvalidArgument(f"token tree node {node} has siblings: branches are deterministic "
-                                  "proposals and carry no draft distribution")
-        check_draft_probs([tree.token_ids[node]], [probs])
+        if probs is not None:
+            check_draft_probs([tree.token_ids[node]], [probs])
 
 
 def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[list[int], Verdict]:

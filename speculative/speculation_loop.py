@@ -6,6 +6,7 @@ stretches (stretches.py). Free of torch on purpose: the n-gram draft worker runs
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,8 +61,9 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
         if proposer.idle and proposer.read_prompt():  # the draft's prefill is no round's cost
             call.start_ns = time.perf_counter_ns()
         k = min(action.k, call.room - 1)
-        width = action.width if k * action.width < call.room else 1  # a tree's every node fits the room
-        sent = proposer.propose(call.base_len, k, action.min_reach if features.draft_stop else 0.0, width)
+        if k * action.width >= call.context_room:  # a tree's every node fits the context
+            action = dataclasses.replace(action, width=1)
+        sent = proposer.propose(call.base_len, k, action, features.draft_stop)
         if k > 0 and not sent.ahead:
             policy.estimator.observe_turn(proposed=bool(sent.proposal.token_ids))
             if not sent.proposal.token_ids and stretches is not None:  # a round trip for one token?
@@ -89,6 +91,11 @@ class Call:
     def room(self) -> int:
         """Tokens this call may still generate (never past max_new_tokens or the context)."""
         return min(self.params.max_new_tokens - self.num_generated, self.context_length - self.base_len)
+
+    @property
+    def context_room(self) -> int:
+        """Positions left in the context: a tree's nodes hold some while it is verified."""
+        return self.context_length - self.base_len
 
     @property
     def finished(self) -> bool:

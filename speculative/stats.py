@@ -44,6 +44,10 @@ class RoundStats:
     drafted_ahead: bool = False  # its proposal was drafted while the one before was verified
     late_ns: int = 0  # its verdict waited this long for the draft (busy drafting the next proposal)
     draft_warm: bool = False  # the draft's first token came with its prefill: drafting cost a pass less
+    # A token tree's nodes off its first path (what a chain would have proposed), and the
+    # accepted tokens they added past the first path's: 0 and 0 for a chain.
+    branch_nodes: int = 0
+    branch_tokens: int = 0
 
 
 @dataclass

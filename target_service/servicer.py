@@ -15,10 +15,10 @@ from opentelemetry import trace
 from service_common import telemetry
 from service_common.convert import (
     decision_to_proto,
+    draft_probs_from_proto,
     lookup_rounds_from_proto,
     lookup_stop_from_proto,
     sampling_from_proto,
-    sparse_from_proto,
     step_load_to_proto,
     worker_load_to_proto,
 )
@@ -142,7 +142,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _verify(self, proposal: target_pb2.Proposal, waited_ns: int) -> target_pb2.Verdict:
         draft = proposal.draft
         sampling = self._sampling(proposal)
-        draft_probs = [sparse_from_proto(d) for d in draft.distributions] or None
+        draft_probs = draft_probs_from_proto(draft)
         with tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
             try:
                 verified = self.engine.verify(_at(proposal), list(draft.token_ids), draft_probs, sampling,

@@ -11,8 +11,10 @@ target pass with a tree attention mask, the kept path's KV cache moved into plac
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -22,9 +24,12 @@ from hypothesis import strategies as st
 from model_runtime.batched_forward import Segment, SequenceKV, forward_segments
 from specdec.v1 import common_pb2, orchestrator_pb2
 from speculative import rejection
+from speculative.drafter_base import Branch, Proposal, with_branches
+from speculative.drafters import ModelDrafter, second_choice
 from speculative.errors import InvalidArgument
+from speculative.estimator import BRANCH_PRIOR_NODES, BRANCH_PRIOR_YIELD, CostEstimator
 from speculative.generator import SpeculativeGenerator
-from speculative.policy import FixedK
+from speculative.policy import AdaptiveK, FixedK
 from speculative.prompt_lookup import NgramDrafter, lookup_continuation, lookup_tree
 from speculative.rejection import (
     acceptance_probability,
@@ -33,11 +38,12 @@ from speculative.rejection import (
     verify_tree_greedy,
     verify_tree_sampled,
 )
-from speculative.sampling import SamplingParams, SparseProbs, make_generator
+from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
 from speculative.target import TargetSession
 from speculative.token_tree import ROOT, TokenTree
 from speculative.types import NextTokenKind, Verdict
 from tests.system import LocalSystem
+from tests.test_estimator import round_, settled, streamed
 from tests.test_rejection import ALPHA, _chisquare_pvalue, _enumerate_rounds, _max_error, _World
 
 # --- the tree type ----------------------------------------------------------------------
@@ -287,12 +293,121 @@ def test_greedy_walks_to_the_target_argmax_and_says_how_it_ended():
     assert path == [2] and verdict == Verdict(1, 1, NextTokenKind.RECOVERED)
 
 
-def test_only_an_only_child_may_carry_a_draft_distribution(tiny_target, prompt_ids):
+def test_a_draft_distribution_must_give_its_token_a_chance(tiny_target, prompt_ids):
     target = TargetSession(tiny_target, prompt_ids[0], SamplingParams(temperature=1.0, max_new_tokens=4))
-    probs = SparseProbs.one_hot(1)
-    with pytest.raises(InvalidArgument, match="node 0 has siblings"):
-        target.verify_tree(target.length, TokenTree.from_paths([[1], [2]]), [probs, None])
-    assert target.verify_tree(target.length, TokenTree.chain([1]), [probs]).committed_len >= target.length
+    with pytest.raises(InvalidArgument, match="draft"):
+        target.verify_tree(target.length, TokenTree.from_paths([[1], [2]]), [SparseProbs.one_hot(3), None])
+    before = target.length
+    result = target.verify_tree(before, TokenTree.from_paths([[1], [2]]), [SparseProbs.one_hot(1), None])
+    assert result.committed_len > before
+
+
+# --- a model's second choices as branches: sampled chain, deterministic leaves ----------
+
+
+def _branch_round_outcomes(world, context, depth, accept, recover) -> dict[tuple[int, ...], float]:
+    """The exact probability of each token tuple one round commits where the draft samples
+    a chain of `depth` tokens and branches its second choice under every one of them
+    (`with_branches`): the draft's draws enumerated, then SpecInfer's rule, the sampled
+    token first against its q, the second choice after it, one-hot."""
+    outcomes: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def walk(path: tuple[int, ...], prob: float, level: int) -> None:
+        residual = world.target64(context + path)
+        if level == depth:
+            for token_id, token_prob in enumerate(residual.tolist()):
+                outcomes[path + (token_id,)] += prob * token_prob
+            return
+        draft, q = world.draft(context + path), world.draft64(context + path)
+        for drawn in draft.token_ids.tolist():
+            accepted = accept(float(residual[drawn]), float(q[drawn]))
+            if accepted > 0.0:
+                walk(path + (drawn,), prob * float(q[drawn]) * accepted, level + 1)
+            rest, left = prob * float(q[drawn]) * (1.0 - accepted), recover(residual, q)
+            second = second_choice(draft, drawn)
+            if second is not None:
+                took = accept(float(left[second[0]]), 1.0)
+                for token_id, token_prob in enumerate(world.target64(context + path + (second[0],)).tolist()):
+                    outcomes[path + (second[0], token_id)] += rest * took * token_prob
+                rest = rest * (1.0 - took)
+                left = recover(left, torch.nn.functional.one_hot(torch.tensor(second[0]), VOCAB).double())
+            for token_id, token_prob in enumerate(left.tolist()):
+                outcomes[path + (token_id,)] += rest * token_prob
+
+    walk((), 1.0, 0)
+    return outcomes
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def testsecond_choice_branches_enumerate_to_the_target_distribution(depth, seed):
+    world = _World(seed, VOCAB, 3)
+    enumerated = _enumerate_rounds(
+        lambda context: _branch_round_outcomes(world, context, depth, acceptance_probability, recovered_probs), LENGTH)
+    assert sum(enumerated.values()) == pytest.approx(1.0, abs=1e-9)
+    assert _max_error(world, enumerated, LENGTH) < 1e-6
+
+
+def test_asecond_choice_judged_without_the_residual_fails_the_enumeration():
+    """Negative control: the branch tried against the target's distribution, not what the
+    rejected first choice left."""
+    world = _World(0, VOCAB, 3)
+    enumerated = _enumerate_rounds(lambda context: _branch_round_outcomes(
+        world, context, 1, acceptance_probability, lambda residual, draft: residual), LENGTH)
+    assert _max_error(world, enumerated, LENGTH) > 1e-3
+
+
+def testsecond_choice_branches_follow_the_target_by_chi_square():
+    """The real sampler on the trees the model drafter builds: a sampled chain of 2 and
+    its second choices (`with_branches`), the draft's q for the chain, one-hot below."""
+    world, generator, pairs = STAT_WORLD, make_generator(7), Counter()
+    for _ in range(STAT_RUNS):
+        tokens: tuple[int, ...] = ()
+        while len(tokens) < 2:
+            chain, probs, branches = [], [], []
+            for position in range(2):
+                q = world.draft(tokens + tuple(chain))
+                drawn = q.sample(float(torch.rand(1, generator=generator, dtype=torch.float64)))
+                second = second_choice(q, drawn)
+                if second is not None:
+                    branches.append(Branch(second[1], position, second[0]))
+                chain.append(drawn)
+                probs.append(q)
+            proposal = with_branches(Proposal(chain, probs), branches, 2)
+            tree = TokenTree(tuple(proposal.token_ids), proposal.parents)
+            rows = [world.target(tokens + tuple(tree.path_tokens(tree.ancestors(node)))) for node in range(len(tree))]
+            path, verdict = verify_tree_sampled(tree, proposal.draft_probs, torch.stack([world.target(tokens), *rows]),
+                                                generator)
+            tokens += (*tree.path_tokens(path), verdict.next_token_id)
+        pairs[tokens[:2]] += 1
+    expected = {(a, b): STAT_WORLD.autoregressive_prob((a, b)) for a in range(6) for b in range(6)}
+    assert _chisquare_pvalue(pairs, expected) >= ALPHA
+
+
+def test_with_branches_hangs_the_likeliestsecond_choices_under_the_chain():
+    chain = Proposal([10, 11, 12])
+    branches = [Branch(0.30, 0, 20), Branch(0.05, 1, 21), Branch(0.20, 2, 22)]
+    tree = with_branches(chain, branches, 2)
+    assert tree.token_ids == [10, 11, 12, 20, 22] and tree.parents == (ROOT, 0, 1, ROOT, 1)
+    assert tree.appended() == [10, 11, 12]
+    assert with_branches(chain, branches, 0) is chain
+
+
+def test_model_branches_in_the_round_loop_equal_target_only(tiny_target, tiny_perturbed, prompt_ids):
+    """The model drafter at width 3, greedy and sampled with a seed: greedy equals
+    target-only; a seeded sampled call is reproducible; the draft's session follows the
+    kept path (a branch taken, its chain rolled back)."""
+    generator = SpeculativeGenerator(tiny_target, ModelDrafter(tiny_perturbed))
+    trees = 0
+    for ids in prompt_ids:
+        greedy = SamplingParams(max_new_tokens=24)
+        result = generator.generate(ids, greedy, k=FixedK(4, width=3))
+        assert result.token_ids == SpeculativeGenerator(tiny_target).generate(ids, greedy, k=0).token_ids
+        trees += sum(result.stats.drafted_per_position[4:])
+    assert trees > 0
+    seeded = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)
+    first = generator.generate(prompt_ids[0], seeded, k=FixedK(4, width=3)).token_ids
+    assert generator.generate(prompt_ids[0], seeded, k=FixedK(4, width=3)).token_ids == first
 
 
 # --- trees in the round loop, in process and through the services -----------------------
@@ -312,18 +427,19 @@ def test_lookup_trees_in_the_round_loop_equal_target_only(tiny_target, prompt_id
     assert trees > 0  # some round proposed more than a chain of 4 could
 
 
-def _fixed_k_request(ids) -> orchestrator_pb2.GenerateRequest:
+def _fixed_k_request(ids, drafter: str) -> orchestrator_pb2.GenerateRequest:
     request = orchestrator_pb2.GenerateRequest(include_stats=True)
     request.token_ids.ids.extend(ids)
     request.sampling.CopyFrom(common_pb2.SamplingParams(max_new_tokens=32))
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=4, drafter="ngram"))
+    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=4, drafter=drafter))
     return request
 
 
-@pytest.mark.parametrize("width", [1, 4])
-def test_trees_through_the_services_equal_target_only(width, tiny_target, prompt_ids):
-    """The draft worker's tree_width off (1) and on: exact both ways; only on does a
-    round propose more tokens than k (a tree)."""
+@pytest.mark.parametrize(("width", "drafter"), [(1, "ngram"), (4, "ngram"), (3, "model")])
+def test_trees_through_the_services_equal_target_only(width, drafter, tiny_target, prompt_ids):
+    """The draft worker's tree_width off (1) and on, for prompt lookup's tries and a
+    model's second choices: exact both ways; only on does a round propose more tokens
+    than k (a tree)."""
     system = LocalSystem()
     next(r for r in system.roles if r.pool == "draft").args.extend(
         ["--tree-width", str(width), "--prompt-lookup-min", "1", "--prompt-lookup-max", "2"])
@@ -332,7 +448,98 @@ def test_trees_through_the_services_equal_target_only(width, tiny_target, prompt
     wider_than_k = 0
     with system:
         for ids in prompt_ids:
-            response = system.stub.Generate(_fixed_k_request(ids), timeout=120)
+            response = system.stub.Generate(_fixed_k_request(ids, drafter), timeout=120)
             assert list(response.token_ids) == generator.generate(ids, greedy, k=0).token_ids, system.logs()
             wider_than_k += sum(response.stats.drafted_per_position[4:])
     assert (wider_than_k > 0) == (width > 1), wider_than_k
+
+
+# --- the policy chooses the shape --------------------------------------------------------
+
+
+def _tree_round(num_first, accepted_first, branch_nodes, branch_tokens, compute_ms):
+    stats, elapsed = round_(num_first + branch_nodes, accepted_first + branch_tokens, compute_ms)
+    return dataclasses.replace(stats, branch_nodes=branch_nodes, branch_tokens=branch_tokens), elapsed
+
+
+@pytest.mark.parametrize(("per_token_ms", "width"), [(0.5, 4), (30.0, 1)])
+def test_trees_where_a_node_costs_the_pass_little_chains_where_it_costs_much(per_token_ms, width):
+    """A memory-bound target (a node adds 0.5 ms to a 100 ms pass) gets trees on the prior
+    yield; a compute-bound one (30 ms a node) chains."""
+    policy = AdaptiveK(8, max_width=4)
+    settled(policy.estimator, [*(round_(k, k // 2, 100.0 + per_token_ms * k) for k in (1, 4, 8)), streamed(100.0)])
+    assert policy.next_action().width == width
+
+
+def test_branches_that_bring_nothing_turn_trees_off_and_age_back_into_a_probe():
+    policy = AdaptiveK(8, max_width=4)
+    settled(policy.estimator, [*(round_(k, k // 2, 100.0 + 0.5 * k) for k in (1, 4, 8)), streamed(100.0)])
+    for _ in range(10):  # 8 branch nodes a round, never on the kept path
+        policy.estimator.observe(*_tree_round(8, 4, 8, 0, 104.0))
+    assert policy.estimator.branch_yield() < 0.05 and policy.next_action().width == 1
+    for _ in range(40):  # chains: the evidence ages, the prior returns
+        policy.estimator.observe(*round_(8, 4, 104.0))
+    assert policy.next_action().width == 4
+
+
+def test_a_trees_first_path_is_what_acceptance_learns():
+    """Branch nodes neither count as rejected drafts nor as draft passes."""
+    chains, trees = CostEstimator(8, max_width=4), CostEstimator(8, max_width=4)
+    settled(chains, [round_(4, 2, 100.0)])
+    settled(trees, [_tree_round(4, 2, 6, 1, 100.0)])
+    assert trees.acceptance() == pytest.approx(chains.acceptance())
+    nodes, tokens = 6 / 0.1, 1 / 0.1  # the settled decayed counts (decay 0.9)
+    prior = BRANCH_PRIOR_YIELD * BRANCH_PRIOR_NODES
+    assert trees.branch_yield() == pytest.approx((prior + tokens) / (BRANCH_PRIOR_NODES + nodes), rel=1e-3)
+
+
+def test_the_model_drafter_branches_only_where_its_chance_pays(tiny_target, tiny_perturbed, prompt_ids):
+    draft = ModelDrafter(tiny_perturbed).open(prompt_ids[0], SamplingParams(max_new_tokens=8))
+    every = draft.propose_tree(4, 4)
+    draft.truncate_to(len(prompt_ids[0]))
+    none = draft.propose_tree(4, 4, min_branch=1.0)
+    assert len(every) > 4 and every.appended() == none.token_ids and none.parents is None
+
+
+def _exact_with_stop(loaded, prompt: list[int], params: SamplingParams, stop: int) -> dict[tuple[int, ...], float]:
+    """The target's distribution of its next tokens, enumerated, a sequence ending at `stop`."""
+    distribution = {(): 1.0}
+    for _ in range(params.max_new_tokens):
+        grown: dict[tuple[int, ...], float] = defaultdict(float)
+        for prefix, mass in distribution.items():
+            if prefix and prefix[-1] == stop:
+                grown[prefix] += mass
+                continue
+            with torch.inference_mode():
+                logits = loaded.model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1:]
+            probs = logits_to_probs(logits, params)[0].double()
+            for token in probs.nonzero().flatten().tolist():
+                grown[prefix + (token,)] += mass * float(probs[token])
+        distribution = dict(grown)
+    return distribution
+
+
+def test_sampled_model_trees_through_the_services_follow_the_target(tiny_target, prompt_ids):
+    """Chi-square through the three services: the draft worker's model (other random
+    weights: often wrong, so branches are often tried) samples a chain of 2 and branches
+    its second choices (--tree-width 3); the target judges them by SpecInfer's rule."""
+    from tests.test_sampled_generation import ALPHA as SAMPLED_ALPHA
+    from tests.test_sampled_generation import NUM_RUNS, _chi_square_p_value
+
+    params = SamplingParams(temperature=1.0, top_k=4, max_new_tokens=3)
+    prompt, system = prompt_ids[0], LocalSystem()
+    next(r for r in system.roles if r.pool == "draft").args.extend(["--tree-width", "3"])
+
+    def call(seed: int) -> tuple[tuple[int, ...], int]:
+        request = orchestrator_pb2.GenerateRequest(include_stats=True)
+        request.token_ids.ids.extend(prompt)
+        request.sampling.CopyFrom(common_pb2.SamplingParams(temperature=1.0, top_k=4, max_new_tokens=3, seed=seed))
+        request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=2, drafter="model"))
+        response = system.stub.Generate(request, timeout=60)
+        return tuple(response.token_ids), sum(response.stats.drafted_per_position[2:])
+
+    with system, ThreadPoolExecutor(8) as pool:
+        runs = list(pool.map(call, range(NUM_RUNS)))
+    assert sum(branches for _, branches in runs) > NUM_RUNS // 4, "rounds should have proposed trees"
+    exact = _exact_with_stop(tiny_target, prompt, params, tiny_target.eos_token_id)
+    assert _chi_square_p_value(Counter(tokens for tokens, _ in runs), exact) > SAMPLED_ALPHA
