@@ -54,6 +54,12 @@ class Scheme:
     cpu: str | None  # how the CPU runs it ("fbgemm-per-channel", ...), None: refused there
     cuda: str | None  # the torchao config that runs it on CUDA, None: refused there
     why_not_cpu: str = ""
+    cuda_args: tuple[tuple[str, object], ...] = ()  # the config's arguments
+
+
+# torchao's default int4 layout needs the separate `mslk` kernels package; the tiled
+# layout runs torch's own int4 matmul (tinygemm) on bf16 models.
+INT4_CUDA_ARGS = (("group_size", 128), ("int4_packing_format", "tile_packed_to_4d"))
 
 
 SCHEMES = {
@@ -62,7 +68,7 @@ SCHEMES = {
     "int8-dynamic-per-tensor": Scheme(cpu="fbgemm-per-tensor", cuda=None),
     "int8-weight-only": Scheme(cpu=None, cuda="Int8WeightOnlyConfig",
                                why_not_cpu="torchao's int8 weight-only kernel is 5-7x slower than fp32 on CPU"),
-    "int4-weight-only": Scheme(cpu=None, cuda="Int4WeightOnlyConfig",
+    "int4-weight-only": Scheme(cpu=None, cuda="Int4WeightOnlyConfig", cuda_args=INT4_CUDA_ARGS,
                                why_not_cpu="torchao's int4 weight-only kernel needs CUDA"),
     "fp8": Scheme(cpu=None, cuda="Float8DynamicActivationFloat8WeightConfig",
                   why_not_cpu="fp8 matmuls need a CUDA GPU with fp8 support (Ada, Hopper or newer)"),
@@ -92,7 +98,7 @@ def quantize(model: nn.Module, scheme: str, keep_output_layer: bool = False) -> 
         return model
     skip = _output_layer_names(model) if keep_output_layer else set()
     if parameter.device.type == "cuda":
-        _quantize_torchao(model, entry.cuda, skip)
+        _quantize_torchao(model, torchao_config(entry), skip)
     else:
         model = _quantize_fbgemm(model, per_channel=entry.cpu == "fbgemm-per-channel", skip=skip)
     log.info("quantized linears: %s%s", scheme, " (output layer kept)" if skip else "")
@@ -124,13 +130,18 @@ def _quantize_fbgemm(model: nn.Module, per_channel: bool, skip: set[str]) -> nn.
         return quantize_dynamic(model, spec, dtype=torch.qint8, inplace=True)
 
 
-def _quantize_torchao(model: nn.Module, config_name: str, skip: set[str]) -> None:
-    from torch import nn
-
+def torchao_config(entry: Scheme):
+    """The torchao config object that runs `entry` on CUDA."""
     try:
         import torchao.quantization as torchao_quantization
     except ImportError:
         raise InvalidArgument("quantization on CUDA needs torchao: pip install '.[gpu]'") from None
-    config = getattr(torchao_quantization, config_name)()
+    return getattr(torchao_quantization, entry.cuda)(**dict(entry.cuda_args))
+
+
+def _quantize_torchao(model: nn.Module, config, skip: set[str]) -> None:
+    from torch import nn
+    import torchao.quantization as torchao_quantization
+
     torchao_quantization.quantize_(
         model, config, filter_fn=lambda module, name: isinstance(module, nn.Linear) and name not in skip)

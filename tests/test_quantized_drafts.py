@@ -4,6 +4,8 @@ sampled chi-square test with a quantized draft, and clear refusals."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -93,3 +95,19 @@ def test_cpu_int8_starts_from_float32():
 def test_the_per_tensor_scheme_is_cpu_only():
     with pytest.raises(InvalidArgument, match="CPU only"):
         quantization.check_scheme("int8-dynamic-per-tensor", "cuda")
+
+
+@pytest.mark.parametrize("scheme", [name for name, entry in quantization.SCHEMES.items() if entry.cuda not in (None, "none")])
+def test_every_cuda_scheme_builds_its_torchao_config(scheme):
+    """Where torchao is installed (`.[gpu]`): each CUDA scheme's config is one torchao
+    accepts; int4 asks for the tiled layout, which torch's own kernel runs."""
+    pytest.importorskip("torchao")
+    config = quantization.torchao_config(quantization.SCHEMES[scheme])
+    if scheme == "int4-weight-only":
+        assert config.int4_packing_format == "tile_packed_to_4d"
+
+
+def test_cuda_schemes_without_torchao_say_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # an import of it fails
+    with pytest.raises(InvalidArgument, match="pip install"):
+        quantization.torchao_config(quantization.SCHEMES["int8-weight-only"])
