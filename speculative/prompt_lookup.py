@@ -139,23 +139,22 @@ def lookup_continuation(token_ids: list[int], k: int, min_ngram: int, max_ngram:
 
 
 def lookup_tree(token_ids: list[int], k: int, min_ngram: int, max_ngram: int, max_paths: int) -> TokenTree:
-    """Every distinct continuation, up to k tokens each, that followed an occurrence of
-    the longest suffix of token_ids that occurs before (the earliest first, at most
-    max_paths), merged into a trie; its first path is lookup_continuation's."""
+    """Every distinct continuation, up to k tokens each, that followed an occurrence of a
+    suffix of token_ids (n from max_ngram down to min_ngram; per n the earliest first),
+    at most max_paths, merged into a trie: a longer match ranks first, a shorter one adds
+    the alternatives the context holds where the longer one's guess fails. Its first
+    path is lookup_continuation's."""
     if k <= 0 or len(token_ids) <= min_ngram:
         return TokenTree((), ())
-    length = len(token_ids)
+    length, paths = len(token_ids), []
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        paths: list[list[int]] = []
         start = _earliest_occurrence(token_ids, token_ids[-n:], length - n)
         while start is not None and len(paths) < max_paths:
             path = token_ids[start + n : start + n + k]
             if path not in paths:
                 paths.append(path)
             start = _earliest_occurrence(token_ids, token_ids[-n:], length - n, start + 1)
-        if paths:
-            return TokenTree.from_paths(paths)
-    return TokenTree((), ())
+    return TokenTree.from_paths(paths) if paths else TokenTree((), ())
 
 
 def _earliest_occurrence(token_ids: list[int], ngram: list[int], end: int, begin: int = 0) -> int | None:

@@ -79,6 +79,14 @@ def test_lookup_proposes_every_distinct_continuation_its_first_as_a_chain_would(
     assert len(lookup_tree([1, 2, 3], 3, 2, 2, max_paths=4)) == 0
 
 
+def test_a_shorter_match_adds_the_alternatives_after_the_longer_ones():
+    """Suffix (8, 1, 2) occurred once, followed by 3; suffix (1, 2) also by 7: the
+    longer match's guess first, the shorter one's as its sibling."""
+    ids = [8, 1, 2, 3, 4, 1, 2, 7, 6, 8, 1, 2]
+    assert lookup_tree(ids, 2, 2, 3, max_paths=4) == TokenTree.from_paths([[3, 4], [7, 6]])
+    assert lookup_tree(ids, 2, 3, 3, max_paths=4) == TokenTree.from_paths([[3, 4]])
+
+
 # --- one pass over a tree ---------------------------------------------------------------
 
 
