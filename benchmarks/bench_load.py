@@ -66,7 +66,7 @@ from pathlib import Path
 
 import grpc
 
-from launcher.cluster import Cluster, parse_args, start_system
+from launcher.cluster import Cluster, layout, parse_args, start_system
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -396,8 +396,11 @@ def running_system(pair: Pair, args, target_workers: int = 1):
     system_args.startup_timeout = 1800.0  # a large target loads slowly on 2 cores
     system_args.log_dir = tempfile.mkdtemp(prefix="bench-load-logs-")
     cluster = Cluster(Path(system_args.log_dir))
+    roles = layout(system_args)
+    for draft in (role for role in roles if role.pool == "draft"):  # token trees where asked (1: chains)
+        draft.args.extend(["--tree-width", str(args.tree_width)])
     try:
-        channel = grpc.insecure_channel(start_system(system_args, cluster))
+        channel = grpc.insecure_channel(start_system(system_args, cluster, roles))
         try:
             yield orchestrator_pb2_grpc.OrchestratorStub(channel)
         finally:
@@ -766,11 +769,12 @@ def runs_as_json(run: Run, args, command: str) -> dict:
 
 def write_results(run: Run, pair: Pair, methods: list[Method], args, command: str) -> None:
     out = Path(args.out)
-    plot = out / "plots" / args.pair / "load_throughput_latency.png"
+    name = args.pair + (f"_tree{args.tree_width}" if args.tree_width > 1 else "")
+    plot = out / "plots" / name / "load_throughput_latency.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
     plot_throughput_latency(plot, run)
     lines = markdown(run, pair, methods, args, command, plot)
-    result_file, runs_file = out / f"results_load_{args.pair}.md", out / f"runs_load_{args.pair}.json"
+    result_file, runs_file = out / f"results_load_{name}.md", out / f"runs_load_{name}.json"
     result_file.write_text("\n".join(lines))
     runs_file.write_text(json.dumps(runs_as_json(run, args, command), indent=1))
     print("\n".join(lines))
@@ -804,6 +808,8 @@ def parse(argv: list[str] | None):
     parser.add_argument("--scale-out-concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per worker process")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
+    parser.add_argument("--tree-width", type=int, default=1,
+                        help="the draft worker's --tree-width (token trees; 1: chains); results get a _tree<N> suffix")
     parser.add_argument("--out", default=str(REPO / "benchmarks"), help="directory for the results and plot")
     args = parser.parse_args(argv)
     args.concurrency = args.concurrency or list(PAIRS[args.pair].concurrency)

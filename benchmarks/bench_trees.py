@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", default="4,8", help="comma-separated fixed depths (empty: none)")
     parser.add_argument("--adaptive", action="store_true", help="also adaptive k, chains against trees")
     parser.add_argument("--width", type=int, default=4, help="most continuations a tree holds")
+    parser.add_argument("--min-ngram", type=int, default=2, help="prompt lookup's shortest suffix match")
     parser.add_argument("--prompts", default=None, help="comma-separated prompt kinds (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -114,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--pair {args.pair} has no draft model: --drafter ngram")
     target = load_model(pair.target)
     model = ModelDrafter(load_model(pair.draft, quantize=pair.quantization)) if args.drafter != "ngram" else None
-    drafter = {"ngram": NgramDrafter(), "model": model,
-               "ngram+model": model and LookupThenModelDrafter(model, NgramDrafter())}[args.drafter]
+    lookup = NgramDrafter(args.min_ngram, max(args.min_ngram, 4))
+    drafter = {"ngram": lookup, "model": model, "ngram+model": model and LookupThenModelDrafter(model, lookup)}[args.drafter]
     ks = [int(k) for k in args.ks.split(",") if k]
     prompts = args.prompts.split(",") if args.prompts else list(pair.prompts)
     inputs = {name: chat_ids(target.tokenizer, PROMPTS[name]) for name in prompts}
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                       args.repeats)
     command = "python -m benchmarks.bench_trees " + shlex.join(argv if argv is not None else sys.argv[1:])
     text = report(command, args.pair, results, args)
-    path = Path(args.out) / f"results_trees_{args.pair}_{args.drafter.replace('+', '_')}.md"
+    suffix = f"_min{args.min_ngram}" if args.min_ngram != 2 else ""
+    path = Path(args.out) / f"results_trees_{args.pair}_{args.drafter.replace('+', '_')}{suffix}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(text)
