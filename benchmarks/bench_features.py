@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_core import chat_ids
-from benchmarks.bench_suite import ADAPTIVE_MAX_K, PAIRS, Run, hardware, measure, paired_ratio
+from benchmarks.bench_suite import ADAPTIVE_MAX_K, PAIRS, Run, exactness_line, hardware, measure, paired_ratio
 from benchmarks.prompts import PROMPTS
 from model_runtime.loading import load_model
 from speculative.drafters import ModelDrafter
@@ -81,10 +81,7 @@ def report(command: str, pair_name: str, drafter_name: str, results: dict, args)
         lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
     lines.append("| geomean against all on | " + " | ".join(
         f"{statistics.geometric_mean(r):.3f}" for r in against_all_on.values()) + " |")
-    exact = sum(run.token_ids == runs["target-only"][0].token_ids
-                for runs in results.values() for method_runs in runs.values() for run in method_runs)
-    total = sum(len(method_runs) for runs in results.values() for method_runs in runs.values())
-    lines += ["", f"Every output equal to target-only greedy: {exact} of {total} runs.", ""]
+    lines += ["", exactness_line(results), ""]
     return "\n".join(lines)
 
 

@@ -107,7 +107,8 @@ def _hf(loaded, max_new_tokens, **kwargs):
     return run
 
 
-def _ours(loaded, drafter, policy, max_new_tokens):
+def ours(loaded, drafter, policy, max_new_tokens):
+    """A call's runner, in process: `policy()` gives each call's k (0: target-only)."""
     generator = SpeculativeGenerator(loaded, drafter)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(loaded.eos_token_id,))
 
@@ -121,17 +122,17 @@ def _ours(loaded, drafter, policy, max_new_tokens):
 def in_process_methods(target, draft, k: int, max_new_tokens: int) -> dict:
     drafter = ModelDrafter(draft) if draft is not None else NgramDrafter()
     methods = {
-        "target-only (ours)": _ours(target, None, lambda: 0, max_new_tokens),
+        "target-only (ours)": ours(target, None, lambda: 0, max_new_tokens),
         "target-only (HF generate)": _hf(target, max_new_tokens),
         f"HF prompt lookup k={k}": _hf(target, max_new_tokens, prompt_lookup_num_tokens=k),
     }
     if draft is not None:
         methods["HF assisted (assistant_model)"] = _hf(target, max_new_tokens, assistant_model=draft.model)
-    methods[f"ours k={k}"] = _ours(target, drafter, lambda: FixedK(k), max_new_tokens)
-    methods[f"ours adaptive k<={ADAPTIVE_MAX_K}"] = _ours(target, drafter, lambda: AdaptiveK(ADAPTIVE_MAX_K),
+    methods[f"ours k={k}"] = ours(target, drafter, lambda: FixedK(k), max_new_tokens)
+    methods[f"ours adaptive k<={ADAPTIVE_MAX_K}"] = ours(target, drafter, lambda: AdaptiveK(ADAPTIVE_MAX_K),
                                                          max_new_tokens)
     if draft is not None:
-        methods[f"ours ngram+model adaptive k<={ADAPTIVE_MAX_K}"] = _ours(
+        methods[f"ours ngram+model adaptive k<={ADAPTIVE_MAX_K}"] = ours(
             target, LookupThenModelDrafter(drafter, NgramDrafter()), lambda: AdaptiveK(ADAPTIVE_MAX_K), max_new_tokens)
     return methods
 
@@ -356,6 +357,14 @@ def against_reference(title: str, reference: dict, reference_baseline: str, serv
               for name, prompts in behind.items()]
     lines.append("")
     return lines
+
+
+def exactness_line(results: dict) -> str:
+    """How many runs of every method equal their prompt's first target-only output."""
+    exact = sum(run.token_ids == runs["target-only"][0].token_ids
+                for runs in results.values() for method_runs in runs.values() for run in method_runs)
+    total = sum(len(method_runs) for runs in results.values() for method_runs in runs.values())
+    return f"Every output equal to target-only greedy: {exact} of {total} runs."
 
 
 def paired_ratio(method_runs: list[Run], baseline_runs: list[Run], confidence: float = 0.95):

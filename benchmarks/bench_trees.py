@@ -19,44 +19,29 @@ import argparse
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_core import chat_ids
-from benchmarks.bench_suite import ADAPTIVE_MAX_K, PAIRS, Run, hardware, measure, paired_ratio
+from benchmarks.bench_suite import ADAPTIVE_MAX_K, PAIRS, Run, exactness_line, hardware, measure, ours, paired_ratio
 from benchmarks.prompts import PROMPTS
 from model_runtime.loading import load_model
 from speculative.drafters import ModelDrafter
-from speculative.generator import SpeculativeGenerator
 from speculative.policy import AdaptiveK, FixedK
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
-from speculative.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def method(target, drafter, policy, max_new_tokens: int):
-    """A call's runner: `policy()` gives each call's k (0: target-only)."""
-    generator = SpeculativeGenerator(target, drafter)
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(target.eos_token_id,))
-
-    def run(ids):
-        start = time.perf_counter()
-        result = generator.generate(ids, params, k=policy())
-        return Run(result.token_ids, time.perf_counter() - start, result.stats)
-    return run
-
-
 def methods(target, drafter, ks: list[int], width: int, adaptive: bool, max_new_tokens: int) -> dict:
-    every = {"target-only": method(target, None, lambda: 0, max_new_tokens)}
+    every = {"target-only": ours(target, None, lambda: 0, max_new_tokens)}
     for k in ks:
-        every[f"chain k={k}"] = method(target, drafter, lambda k=k: FixedK(k), max_new_tokens)
-        every[f"tree k={k} w={width}"] = method(target, drafter, lambda k=k: FixedK(k, width), max_new_tokens)
+        every[f"chain k={k}"] = ours(target, drafter, lambda k=k: FixedK(k), max_new_tokens)
+        every[f"tree k={k} w={width}"] = ours(target, drafter, lambda k=k: FixedK(k, width), max_new_tokens)
     if adaptive:  # the policy chooses k, and whether a round is a tree
-        every["chain adaptive"] = method(target, drafter, lambda: AdaptiveK(ADAPTIVE_MAX_K), max_new_tokens)
-        every[f"tree adaptive w={width}"] = method(
+        every["chain adaptive"] = ours(target, drafter, lambda: AdaptiveK(ADAPTIVE_MAX_K), max_new_tokens)
+        every[f"tree adaptive w={width}"] = ours(
             target, drafter, lambda: AdaptiveK(ADAPTIVE_MAX_K, max_width=width), max_new_tokens)
     return every
 
@@ -88,10 +73,7 @@ def report(command: str, pair_name: str, results: dict, args) -> str:
         lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
     lines.append("| geomean | " + " | ".join("" for _ in names) + " | " + " | ".join(
         f"{statistics.geometric_mean(ratios):.3f}" for ratios in tree_over_chain.values()) + " |")
-    exact = sum(run.token_ids == runs["target-only"][0].token_ids
-                for runs in results.values() for method_runs in runs.values() for run in method_runs)
-    total = sum(len(method_runs) for runs in results.values() for method_runs in runs.values())
-    lines += ["", f"Every output equal to target-only greedy: {exact} of {total} runs.", ""]
+    lines += ["", exactness_line(results), ""]
     return "\n".join(lines)
 
 

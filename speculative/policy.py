@@ -99,9 +99,9 @@ def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) ->
 
 
 def _round(e: Estimates, k: int) -> Action:
-    width = e.max_width if e.branch_yield >= branch_reach(e, k) else 1
-    return Action(k=k, ahead=draft_ahead(e, k), min_reach=stop_reach(e, k), width=width,
-                  min_branch=branch_reach(e, k))
+    min_branch = branch_reach(e, k)
+    width = e.max_width if e.branch_yield >= min_branch else 1
+    return Action(k=k, ahead=draft_ahead(e, k), min_reach=stop_reach(e, k), width=width, min_branch=min_branch)
 
 
 def branch_reach(e: Estimates, k: int) -> float:
