@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from orchestrator.config import OrchestratorConfig
 from orchestrator.limits import check_max_new_tokens, check_prompt_tokens
 from orchestrator.store import SessionRecord
-from orchestrator.text import common_prefix_length, render_chat
+from orchestrator.text import render_chat
 from service_common.convert import sampling_from_proto
 from specdec.v1 import common_pb2, orchestrator_pb2
 from speculative.errors import InvalidArgument
 from speculative.limits import validate_num_speculative_tokens
 from speculative.prompt_lookup import MAX_LOOKUP_NGRAM, LookupStop
+from speculative.sequence import common_prefix_length
 from speculative.types import SamplingParams, check_drafter_name
 
 

@@ -30,15 +30,6 @@ def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
         raise InvalidArgument(f"the chat messages do not fit the target's chat template: {error}") from error
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length
-
-
 class TextAssembler:
     """Generated tokens in; text deltas and the tokens behind them out, cut before the
     first stop string. A token is released only once all its text is final, so the

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from speculative.drafter_base import EMPTY_PROPOSAL, DraftSession, Proposal
 from speculative.policy import Action
+from speculative.sequence import common_prefix_length
 from speculative.stats import RoundStats
 from speculative.types import SamplingParams, VerifyResult
 from speculative.verifier import Verifier
@@ -98,7 +99,7 @@ class Proposer:
         """Rolls the draft back to what it appended of the accepted path and appends the rest
         of the target's tokens."""
         if self.draft is not None:
-            num_kept = _common_prefix(sent.proposal.appended(), result.token_ids[: result.verdict.num_accepted])
+            num_kept = common_prefix_length(sent.proposal.appended(), result.token_ids[: result.verdict.num_accepted])
             self.draft.truncate_to(sent.base_len + num_kept)
             self.draft.append(result.token_ids[num_kept:])
 
@@ -111,7 +112,3 @@ def _branch_counts(proposal: Proposal, path: tuple[int, ...] | None) -> dict[str
     first = next((i for i, parent in enumerate(proposal.parents) if parent != i - 1), len(proposal))
     on_first = next((i for i, node in enumerate(path) if node != i), len(path))
     return {"branch_nodes": len(proposal) - first, "branch_tokens": len(path) - on_first}
-
-
-def _common_prefix(first: list[int], second: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))

@@ -37,3 +37,8 @@ class TokenSequence:
         if not 0 <= length <= len(self._ids):
             raise InvalidArgument(f"cannot truncate a {len(self._ids)}-token sequence to {length}")
         del self._ids[length:]
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
