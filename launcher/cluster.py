@@ -144,6 +144,8 @@ def parse_args(argv):
                              "the target's passes), on for n-gram lookup (it costs no compute)")
     parser.add_argument("--drafter", default="ngram", help="the draft workers' default drafter")
     parser.add_argument("--target-workers", type=int, default=1)
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="ranks each target worker's model is sharded over (processes here, GPUs in a cluster)")
     parser.add_argument("--draft-workers", type=int, default=1)
     parser.add_argument("--orchestrators", type=int, default=1, help="orchestrator replicas (more than 1 needs Redis)")
     parser.add_argument("--redis-url", default="",
@@ -198,6 +200,11 @@ class Role:
     address: str
 
 
+def target_flags(args) -> list[str]:
+    parallel = ["--tensor-parallel", str(args.tensor_parallel)] if getattr(args, "tensor_parallel", 1) > 1 else []
+    return ["--model", args.target_model, *parallel]
+
+
 def layout(args) -> list[Role]:
     """The processes to start for args, each on a free port: workers first."""
     if args.orchestrators > 1 and not args.redis_url:
@@ -207,7 +214,7 @@ def layout(args) -> list[Role]:
     tls = tls_files(args)
     roles = []
     for pool, count, module, flags in (
-        ("target", args.target_workers, "target_service", ["--model", args.target_model]),
+        ("target", args.target_workers, "target_service", target_flags(args)),
         ("draft", args.draft_workers, "draft_service", draft_flags(args)),
     ):
         for index in range(count):

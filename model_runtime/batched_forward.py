@@ -28,6 +28,7 @@ with post-rotary keys (Llama, Qwen2, Mistral, ...), on any device, with device_m
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from transformers.masking_utils import sdpa_mask
 RAGGED_ATTENTION = "specdec_ragged"
 EXACT_ROWS = 64  # steps up to this wide run as they are: decode steps and proposals
 KV_GROWTH_TOKENS = 256  # a cache grows by at least this many tokens: few reallocations
+LOCKSTEP_ATTR = "specdec_lockstep"  # on rank 0 of a tensor-parallel model: what announces its passes
 # Mask creation sees this 4D "mask" and passes it through untouched; the ragged
 # attention builds each sequence's causal mask itself.
 _NO_MASK = torch.empty(1, 1, 0, 0, dtype=torch.bool)
@@ -53,6 +55,8 @@ class SequenceKV:
     def __init__(self):
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
+        # Edits other ranks' copies must replay (a tensor-parallel model: tensor_parallel.py); None: none kept.
+        self.edits: list[tuple] | None = None
 
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores `[num_kv_heads, t, head_dim]` keys and values at positions
@@ -80,12 +84,16 @@ class SequenceKV:
     def move(self, sources: Sequence[int], start: int) -> None:
         """Copies the keys and values at positions `sources` to start, start + 1, ...
         in every layer (a tree's accepted path, into place)."""
+        if self.edits is not None:
+            self.edits.append(("move", list(sources), start))
         for store in (self._keys, self._values):
             for tensor in store.values():
                 index = torch.tensor(sources, device=tensor.device)
                 tensor[:, start : start + len(sources)] = tensor[:, index]  # the index copies first
 
     def clear(self) -> None:
+        if self.edits is not None:
+            self.edits.append(("clear",))
         self._keys.clear()
         self._values.clear()
 
@@ -179,14 +187,16 @@ def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.
     keep = [offsets[i + 1] - s.num_logits + j for i, s in enumerate(segments) for j in range(s.num_logits)]
     masks = [_causal_mask(s.start, s.num_tokens, device) if s.parents is None
              else _tree_mask(s.start, s.parents, device) for s in segments]
-    output = model(
-        input_ids=input_ids,
-        position_ids=positions.unsqueeze(0),
-        attention_mask=_NO_MASK.to(device),
-        use_cache=False,
-        logits_to_keep=torch.tensor(keep or [0], device=device),
-        ragged_batch=_RaggedBatch(segments, offsets, masks),
-    )
+    lockstep = getattr(model, LOCKSTEP_ATTR, None)  # rank 0 of a tensor-parallel model (tensor_parallel.py)
+    with lockstep.announced(segments) if lockstep is not None else contextlib.nullcontext():
+        output = model(
+            input_ids=input_ids,
+            position_ids=positions.unsqueeze(0),
+            attention_mask=_NO_MASK.to(device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep or [0], device=device),
+            ragged_batch=_RaggedBatch(segments, offsets, masks),
+        )
     logits = output.logits[0]  # [len(keep), vocab_size]
     results, row = [], 0
     for segment in segments:

@@ -186,16 +186,18 @@ def load_model(
     pack_cpu_linears: bool = True,
     quantize: str = quantization.NONE,
     keep_output_layer: bool = False,
+    distributed_config=None,
 ) -> LoadedModel:
     """Loads weights and tokenizer. device_map (e.g. "auto") shards across GPUs via
     accelerate and overrides device. pack_cpu_linears: oneDNN linears for fp32 on CPU
     (see cpu_linear.py); the model can then no longer be copied or moved. quantize: a
     scheme of model_runtime.quantization for the linears (drafts), the output layer
-    left alone with keep_output_layer; the linears it leaves in fp32 are packed."""
+    left alone with keep_output_layer; the linears it leaves in fp32 are packed.
+    distributed_config: this rank's shard of a tensor-parallel model (tensor_parallel.py)."""
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     quantization.check_scheme(quantize, device)  # before seconds of loading
-    if _is_tiny(name):
+    if is_made_in_code(name):
         loaded = load_tiny_model(name, device=device, dtype=dtype)
         quantization.quantize(loaded.model, quantize, keep_output_layer)
         return loaded
@@ -204,8 +206,9 @@ def load_model(
         converted = model_cache.ensure_converted(Path(source.path) / source.gguf_file, dtype)
         source = ModelSource(str(converted)) if converted else source
     tokenizer = _from_pretrained(AutoTokenizer, name, source)
-    model = _from_pretrained(AutoModelForCausalLM, name, source, dtype=DTYPES[dtype], device_map=device_map)
-    if device_map is None:
+    sharding = {"distributed_config": distributed_config} if distributed_config is not None else {}
+    model = _from_pretrained(AutoModelForCausalLM, name, source, dtype=DTYPES[dtype], device_map=device_map, **sharding)
+    if device_map is None and distributed_config is None:  # a shard is placed on its rank's device
         model = model.to(device)
     loaded = _describe(name, model.eval(), tokenizer)
     quantization.quantize(model, quantize, keep_output_layer)
@@ -217,7 +220,7 @@ def load_model(
 def load_tokenizer(name: str = DEFAULT_MODEL):
     """The tokenizer alone: from the model cache when a worker converted the model
     already (a GGUF file is not converted for its tokenizer only)."""
-    if _is_tiny(name):
+    if is_made_in_code(name):
         return tiny.byte_tokenizer()
     source = resolve_model_source(name)
     if source.gguf_file:
@@ -226,7 +229,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
     return _from_pretrained(AutoTokenizer, name, source)
 
 
-def _is_tiny(name: str) -> bool:
+def is_made_in_code(name: str) -> bool:
     """A model made in code with the byte tokenizer: tiny-random[:SEED] or random:SHAPE[:SEED]."""
     return name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":") or tiny.is_random_shaped(name)
 

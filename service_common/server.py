@@ -105,13 +105,15 @@ def add_health_port(service: Service, address: str) -> int:
 @dataclass
 class Service:
     """A built (not started) server with what runs around it: hooks run once it serves
-    (e.g. joining a pool) and at SIGTERM before calls are drained (e.g. leaving it)."""
+    (e.g. joining a pool), at SIGTERM before calls are drained (e.g. leaving it) and
+    after (e.g. stopping helper processes)."""
 
     server: grpc.Server
     port: int
     health: health.HealthServicer
     on_started: list[Callable[[], None]] = field(default_factory=list)
     on_stopping: list[Callable[[], None]] = field(default_factory=list)
+    on_stopped: list[Callable[[], None]] = field(default_factory=list)  # once calls are drained
 
     def start(self) -> None:
         self.server.start()
@@ -127,6 +129,8 @@ class Service:
             except Exception:  # noqa: BLE001 - stopping goes on
                 log.exception("stopping hook failed")
         self.server.stop(grace_s).wait()
+        for hook in self.on_stopped:
+            hook()
 
     def serve_until_signalled(self, grace_s: float) -> None:
         """Runs until SIGTERM/SIGINT, then stops gracefully."""

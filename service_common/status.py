@@ -10,7 +10,7 @@ import logging
 
 import grpc
 
-from speculative.errors import InvalidArgument, NotFound, ResourceExhausted, SpeculativeError, StaleProposal
+from speculative.errors import InvalidArgument, NotFound, ResourceExhausted, SpeculativeError, StaleProposal, WorkerLost
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ STATUS_OF_ERROR = [
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (WorkerLost, grpc.StatusCode.UNAVAILABLE),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
 ]
 

@@ -27,3 +27,8 @@ class StaleProposal(SpeculativeError):
 
 class ResourceExhausted(SpeculativeError):
     """A memory budget or context window is full (maps to RESOURCE_EXHAUSTED)."""
+
+
+class WorkerLost(SpeculativeError):
+    """A part of this worker is gone (a tensor-parallel rank): it stops; callers go to
+    another worker (maps to UNAVAILABLE)."""

@@ -31,6 +31,9 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # None = the whole model on `device`; "auto" shards one model across all GPUs of
     # the host with accelerate (overrides device).
     device_map: str | None = _option(None, "'auto' shards the model across the host's GPUs (accelerate)")
+    # One worker over N GPUs (or N CPU processes): each layer split across them
+    # (model_runtime/tensor_parallel.py); for a target that does not fit one device.
+    tensor_parallel: int = _option(1, "ranks the model is sharded over (tensor parallelism); rank r on cuda:r")
     # Empty = f"target-{hostname}-{pid}": unique per process, stable for its lifetime.
     worker_id: str = _option("", "id in KV-cache handles; empty = target-HOSTNAME-PID")
     # Other workers must reach this one (e.g. the pod IP in Kubernetes); empty = derived

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
-from model_runtime import warmup
+from model_runtime import tensor_parallel, warmup
 from model_runtime.host_memory import fix_mmap_threshold
 from model_runtime.loading import LoadedModel, configure_threads, load_model
 from model_runtime.step_scheduler import StepScheduler
@@ -36,16 +38,21 @@ def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None)
     compute = StepScheduler(max_batch_tokens=config.max_batch_tokens, name="target-compute",
                             expected_jobs=lambda: admission.load().running, prefill_share=config.prefill_share)
     compute.run(configure_threads, config.threads)
-    loaded = loaded_model or compute.run(
-        load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None
-    )
+    ranks = _start_ranks(config) if config.tensor_parallel > 1 and loaded_model is None else None
+    if ranks is not None:
+        loaded = compute.run(tensor_parallel.load_rank_zero, config.model, device=config.device, dtype=config.dtype,
+                             ranks=ranks)
+    else:
+        loaded = loaded_model or compute.run(
+            load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None
+        )
     compute.model = loaded.model
     if warmup.pays_off(loaded):
         log.info("warmed up in %.2f s", compute.run(warmup.warm_up, loaded) * 1e-9)
     servicer = TargetServicer(
         SessionCache(loaded, config.max_sessions, config.max_cached_tokens, compute),
         worker_id=config.resolved_worker_id(),
-        model_info=model_info(loaded, describe_device(loaded)),
+        model_info=model_info(loaded, describe_device(loaded, config.tensor_parallel)),
         default_max_new_tokens=config.default_max_new_tokens,
         admission=admission,
     )
@@ -60,11 +67,34 @@ def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None)
         max_calls=max(config.max_sessions, config.max_running + config.max_queued),
     )
     servicer.worker_address = config.resolved_advertise_address(service.port)
+    if ranks is not None:
+        service.on_stopped.append(ranks.close)
     return service
 
 
-def describe_device(loaded: LoadedModel) -> str:
-    """"cpu", "cuda:0", or for a model sharded by accelerate e.g. "cuda:0-3"."""
+def _start_ranks(config: TargetConfig) -> tensor_parallel.Ranks:
+    """Ranks 1..N-1; one that exits stops this worker (SIGTERM to itself: health NOT_SERVING,
+    out of the registry, calls in flight failing over), which then exits with status 1."""
+    if config.device_map:
+        raise SpeculativeError("--tensor-parallel and --device-map are two ways to shard a model: choose one")
+
+    def lost(rank: int, status: int) -> None:
+        _LOST_RANKS.append(rank)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return tensor_parallel.Ranks(config.tensor_parallel, config.model, config.device, config.dtype, config.threads, lost)
+
+
+_LOST_RANKS: list[int] = []  # ranks of this process's tensor-parallel worker that exited
+
+
+def describe_device(loaded: LoadedModel, tensor_parallel_ranks: int = 1) -> str:
+    """"cpu", "cuda:0", for a model sharded by accelerate e.g. "cuda:0-3", and by tensor
+    parallelism "cuda:0-3 (tensor parallel)" or "cpu x2 (tensor parallel)"."""
+    if tensor_parallel_ranks > 1:
+        device = loaded.device.type
+        places = f"cuda:0-{tensor_parallel_ranks - 1}" if device == "cuda" else f"{device} x{tensor_parallel_ranks}"
+        return f"{places} (tensor parallel)"
     device_map = getattr(loaded.model, "hf_device_map", None)
     if not device_map:
         return str(loaded.device)
@@ -81,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("target", config.log_level)
     log.info("loading model", extra={"fields": {
         "model": config.model, "device": config.device_map or config.device, "dtype": config.dtype,
+        "tensor_parallel": config.tensor_parallel,
     }})
     try:
         telemetry.setup("target", config, config.resolved_worker_id())
@@ -95,5 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     }})
     service.serve_until_signalled(config.grace_s)
     telemetry.current().shutdown()  # flushes the spans still buffered
+    if _LOST_RANKS:  # a thread may still wait in a collective with the dead rank: leave at once
+        log.error("stopped: tensor-parallel rank %d was lost", _LOST_RANKS[0])
+        os._exit(1)
     log.info("stopped")
     return 0

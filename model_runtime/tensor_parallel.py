@@ -1,0 +1,278 @@
+"""One model sharded over N processes of one host (tensor parallelism), run in lockstep.
+
+The sharding is the model's own plan in transformers (`base_model_tp_plan`: q, k, v,
+gate and up split by output column, o and down by input row, an all-reduce after each
+row-wise layer; the output layer gathered), on torch.distributed: NCCL on CUDA (rank r
+on GPU r), gloo on CPU (fp32: gloo cannot all-reduce bf16). Each rank holds 1/N of the
+weights and 1/N of every session's KV cache (its own attention heads).
+
+Rank 0 is the worker: it serves, schedules steps, holds the sessions and samples. The
+other ranks (`python -m model_runtime.tensor_parallel`, started by rank 0) hold no
+session: before each batched pass rank 0 broadcasts what the pass runs (each segment's
+tokens and start, which cache it extends) and the cache edits made since that cache's
+last pass (a tree's kept path moved into place, a cache freed), and every rank runs the
+same pass. Rollback needs no message: a segment starts where its cache was cut back to.
+
+Failure is whole: rank 0 watches the other ranks and stops the worker when one exits
+(`Ranks.on_lost`); the others die with rank 0 (PR_SET_PDEATHSIG) or at the next
+broadcast, which fails once rank 0's sockets close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from model_runtime import loading
+from model_runtime.batched_forward import LOCKSTEP_ATTR, Segment, SequenceKV, forward_segments
+from speculative.errors import InvalidArgument, WorkerLost
+
+log = logging.getLogger(__name__)
+
+# Ranks wait for rank 0's next pass for as long as the worker lives: a dead peer is
+# found by its exit (Ranks) or its closed sockets, never by a timeout on an idle worker.
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+def check_shardable(model: PreTrainedModel, world_size: int) -> None:
+    """Every rank must hold whole attention heads: N divides the query and key-value heads."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if heads % world_size or kv_heads % world_size:
+        raise InvalidArgument(f"--tensor-parallel {world_size} must divide the model's {heads} attention heads and "
+                              f"{kv_heads} key-value heads")
+
+
+def backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def join(rank: int, world_size: int, port: int, device: str) -> dist.ProcessGroup:
+    """Joins the ranks' process group (the environment transformers reads is set too);
+    returns the gloo group that carries rank 0's announcements (small pickles, on the CPU)."""
+    if device not in ("cpu", "cuda"):
+        raise InvalidArgument(f"tensor parallelism runs on 'cpu' or 'cuda' (rank r on cuda:r), not {device!r}")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend(device), rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def load_shard(name: str, *, device: str, dtype: str, world_size: int) -> loading.LoadedModel:
+    """This rank's shard of the model: weights files are read shard by shard by
+    transformers; a model made in code is made whole on every rank (the same seed, the
+    same weights), then sharded. CPU linears stay unpacked: the plan hooks nn.Linear."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    config = DistributedConfig(tp_size=world_size)
+    rank_device = f"cuda:{dist.get_rank()}" if device == "cuda" else device
+    if loading.is_made_in_code(name):
+        loaded = loading.load_model(name, device=rank_device, dtype=dtype, pack_cpu_linears=False)
+        check_shardable(loaded.model, world_size)
+        model_class = type(loaded.model)
+        config, _, mesh = model_class.prepare_distribute_model(config)
+        model_class.maybe_distribute_model(loaded.model, config, mesh)
+        return loaded
+    loaded = loading.load_model(name, device=rank_device, dtype=dtype, pack_cpu_linears=False,
+                                distributed_config=config)
+    check_shardable(loaded.model, world_size)
+    return loaded
+
+
+# --- rank 0 -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _SegmentCopy:
+    cache: int  # which of the follower's caches (numbered by rank 0 at its first pass)
+    edits: list[tuple]  # SequenceKV edits since its last pass, in order
+    start: int
+    token_ids: list[int]
+    num_logits: int
+    parents: list[int] | None
+
+
+@dataclass(frozen=True)
+class _Pass:
+    freed: list[int]  # caches whose sessions are gone
+    segments: list[_SegmentCopy]
+
+
+class Leader:
+    """Rank 0's side: announces each pass before running it (batched_forward calls
+    `announce` through the model's LOCKSTEP_ATTR)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self._group = group
+        self._numbers: weakref.WeakKeyDictionary[SequenceKV, int] = weakref.WeakKeyDictionary()
+        self._next = itertools.count()
+        self._freed: list[int] = []
+        self._lock = threading.Lock()  # caches are freed on whichever thread drops them
+
+    def attach(self, model: PreTrainedModel) -> None:
+        setattr(model, LOCKSTEP_ATTR, self)
+
+    @contextlib.contextmanager
+    def announced(self, segments: Sequence[Segment]) -> Iterator[None]:
+        """Announces a pass, which then runs on every rank; a rank gone (a broadcast or
+        an all-reduce failing) is WorkerLost: this worker cannot run passes any more."""
+        copies = [self._copy(segment) for segment in segments]
+        with self._lock:
+            freed, self._freed = self._freed, []
+        try:
+            dist.broadcast_object_list([_Pass(freed, copies)], src=0, group=self._group)
+            yield
+        except RuntimeError as error:  # gloo and NCCL failures (DistBackendError is one)
+            raise WorkerLost(f"a tensor-parallel rank of this worker is gone ({_first_line(error)})") from error
+
+    def _copy(self, segment: Segment) -> _SegmentCopy:
+        kv = segment.kv
+        number = self._numbers.get(kv)
+        if number is None:  # its first pass: from now on its edits are recorded
+            number = self._numbers[kv] = next(self._next)
+            kv.edits = []
+            weakref.finalize(kv, self._free, number)
+        edits, kv.edits = kv.edits, []
+        return _SegmentCopy(number, edits, segment.start, list(segment.token_ids), segment.num_logits,
+                            None if segment.parents is None else list(segment.parents))
+
+    def _free(self, number: int) -> None:
+        with self._lock:
+            self._freed.append(number)
+
+
+class Ranks:
+    """Ranks 1..N-1 as child processes of rank 0; `on_lost` runs once if one exits
+    while the worker serves."""
+
+    def __init__(self, world_size: int, model: str, device: str, dtype: str, threads: int,
+                 on_lost: Callable[[int, int], None]):
+        self.world_size, self.port = world_size, _free_port()
+        self._closing = threading.Event()
+        self.processes = [subprocess.Popen(
+            [sys.executable, "-m", "model_runtime.tensor_parallel", "--rank", str(rank), "--world-size",
+             str(world_size), "--port", str(self.port), "--model", model, "--device", device, "--dtype", dtype,
+             "--threads", str(threads)],
+            preexec_fn=_die_with_parent,
+        ) for rank in range(1, world_size)]
+        self._on_lost = on_lost
+        threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        from multiprocessing.connection import wait
+
+        sentinels = {_pid_sentinel(p.pid): rank for rank, p in enumerate(self.processes, start=1)}
+        ready = wait(list(sentinels))
+        if self._closing.is_set():
+            return
+        rank = sentinels[ready[0]]
+        code = self.processes[rank - 1].wait()
+        log.error("tensor-parallel rank %d exited (status %s): the worker stops", rank, code)
+        self._on_lost(rank, code)
+
+    def close(self) -> None:
+        """Stops every other rank (the worker is stopping)."""
+        self._closing.set()
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+def load_rank_zero(name: str, *, device: str, dtype: str, ranks: Ranks) -> loading.LoadedModel:
+    """Rank 0's shard, its passes announced to the other ranks."""
+    group = join(0, ranks.world_size, ranks.port, device)
+    loaded = load_shard(name, device=device, dtype=dtype, world_size=ranks.world_size)
+    Leader(group).attach(loaded.model)
+    return loaded
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _pid_sentinel(pid: int) -> int:
+    """A file descriptor readable once the process exits (pidfd, Linux 5.3+)."""
+    return os.pidfd_open(pid)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when rank 0 exits, however rank 0 ends."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+# --- ranks 1..N-1 ---------------------------------------------------------------------
+
+def follow(model: PreTrainedModel, group: dist.ProcessGroup) -> None:
+    """Runs every pass rank 0 announces, on this rank's copies of the caches, until rank 0 stops."""
+    caches: dict[int, SequenceKV] = {}
+    while True:
+        message: list[_Pass | None] = [None]
+        dist.broadcast_object_list(message, src=0, group=group)
+        announced = message[0]
+        if announced is None:
+            return
+        for number in announced.freed:
+            caches.pop(number, None)
+        segments = []
+        for copy in announced.segments:
+            kv = caches.setdefault(copy.cache, SequenceKV())
+            for edit in copy.edits:
+                _apply(kv, edit)
+            segments.append(Segment(kv, copy.start, copy.token_ids, copy.num_logits, parents=copy.parents))
+        forward_segments(model, segments)
+
+
+def _apply(kv: SequenceKV, edit: tuple) -> None:
+    if edit[0] == "move":
+        kv.move(edit[1], edit[2])
+    else:
+        kv.clear()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m model_runtime.tensor_parallel",
+                                     description="A tensor-parallel rank after rank 0 (started by the target worker).")
+    for flag, kind in (("--rank", int), ("--world-size", int), ("--port", int), ("--model", str),
+                       ("--device", str), ("--dtype", str), ("--threads", int)):
+        parser.add_argument(flag, type=kind, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"rank {args.rank}: %(levelname)s %(message)s")
+    loading.configure_threads(args.threads)
+    group = join(args.rank, args.world_size, args.port, args.device)
+    loaded = load_shard(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size)
+    try:
+        follow(loaded.model, group)
+    except RuntimeError as error:  # rank 0 is gone: its sockets closed (DistBackendError is one)
+        log.info("rank 0 is gone (%s): stopping", _first_line(error))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
