@@ -27,7 +27,11 @@ Measured, in this order (a time budget, --budget-s, drops the optional parts las
    positions: a batched pass (verifying k tokens) and a width-1 pass (target-only)
    can then pick different tokens. A differing output is reported with the logits of
    both tokens at its first difference, in bf16 steps (a tie or one step: rounding;
-   more: a bug).
+   more: a bug);
+5. the same services with the target sharded over the GPUs this machine has (`--tensor-parallel N`:
+   the most GPUs that divide the target's heads; on one GPU it says so and runs nothing),
+   target-only against k=4 and adaptive, each output checked against the sharded
+   target-only's and the single-process target-only's of step 3.
 
 Results go to DIR/results_gpu.md (DIR/results_gpu_smoke.md with --smoke), rewritten
 after each step (a run cut short leaves what it measured), and are printed at the end.
@@ -72,6 +76,7 @@ TITLES = {
     2: "Draft time per token by quantization",
     3: "End to end: self-draft unquantized",
     4: "End to end: self-draft quantized {scheme}",
+    5: "End to end: the target over {ranks} devices (tensor parallel), self-draft unquantized",
 }
 
 
@@ -98,16 +103,18 @@ class Plan:
     # Seconds an optional part is expected to take at most: it starts only with this left.
     target_schemes_s: float
     quantized_e2e_s: float
+    tensor_parallel_s: float
+    devices: int = 0  # ranks step 5 may use (0: the GPUs this machine has)
 
 
 GPU = Plan(target="random:qwen2.5-7b:0", draft="random:qwen2.5-1.5b:0", device="cuda", dtype="bfloat16",
            prefix=512, widths=(1, 2, 4, 8, 16), repeats=20, decode_tokens=32, prompt_tokens=128, prompts=3,
            max_new_tokens=64, e2e_repeats=3, budget_s=400.0, threads=0, startup_timeout_s=180.0,
-           call_timeout_s=60.0, target_schemes_s=100.0, quantized_e2e_s=150.0)
+           call_timeout_s=60.0, target_schemes_s=100.0, quantized_e2e_s=150.0, tensor_parallel_s=150.0)
 SMOKE = Plan(target="random:qwen2-tiny:0", draft="random:qwen2-tiny:1", device="cpu", dtype="float32",
              prefix=32, widths=(1, 2, 4, 8, 16), repeats=3, decode_tokens=8, prompt_tokens=24, prompts=1,
              max_new_tokens=12, e2e_repeats=1, budget_s=240.0, threads=1, startup_timeout_s=120.0,
-             call_timeout_s=60.0, target_schemes_s=10.0, quantized_e2e_s=40.0)
+             call_timeout_s=60.0, target_schemes_s=10.0, quantized_e2e_s=40.0, tensor_parallel_s=40.0, devices=2)
 
 
 @dataclass
@@ -117,6 +124,7 @@ class Report:
     path: Path
     header: list[str] = field(default_factory=list)
     sections: dict[int, list[str]] = field(default_factory=dict)
+    runs: dict[int, dict] = field(default_factory=dict)  # an end-to-end step's runs, by step
 
     def set(self, step: int, lines: list[str]) -> None:
         self.sections[step] = lines
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"Skipped: {clock.left():.0f} s of the budget left, {plan.quantized_e2e_s:.0f} s needed."])
     else:
         guarded(report, 4, TITLES[4].format(scheme=scheme), lambda: step_e2e(plan, report, 4, scheme, clock))
+    step_tensor_parallel(plan, report, clock)
     report.header.append(f"- run time: {clock.elapsed():.0f} s (budget {plan.budget_s:.0f} s: optional parts start "
                          "only with their time left)")
     report.write()
@@ -449,9 +458,11 @@ def generate(stub, ids: list[int], method: str, plan: Plan) -> Run:
     return Run(list(response.token_ids), seconds, response.stats.acceptance_rate if drafted else None)
 
 
-def system_args(plan: Plan, draft_quantization: str, log_dir: str) -> tuple[argparse.Namespace, list]:
+def system_args(plan: Plan, draft_quantization: str, log_dir: str,
+                ranks: int = 1) -> tuple[argparse.Namespace, list]:
     args = parse_args(["--http-port", "-1", "--port", "0"])  # gRPC clients only
     args.target_model, args.draft_model, args.draft_quantization = plan.target, "self", draft_quantization
+    args.tensor_parallel = ranks
     args.drafter, args.threads, args.log_dir = "model", plan.threads, log_dir
     args.startup_timeout = plan.startup_timeout_s
     roles = layout(args)
@@ -461,10 +472,33 @@ def system_args(plan: Plan, draft_quantization: str, log_dir: str) -> tuple[argp
     return args, roles
 
 
-def step_e2e(plan: Plan, report: Report, step: int, draft_quantization: str, clock: Clock) -> None:
-    title = f"## {step}. {TITLES[step].format(scheme=draft_quantization)}"
+def shardable_ranks(plan: Plan) -> int:
+    """The most devices (of those here) that divide the target's attention and key-value heads."""
+    available = plan.devices or torch.cuda.device_count()
+    if not tiny.is_random_shaped(plan.target):
+        return available  # the worker refuses heads that do not divide, with a clear error
+    shape, _ = tiny.parse_random_name(plan.target)
+    return max(n for n in range(1, available + 1) if shape.num_heads % n == 0 and shape.num_kv_heads % n == 0)
+
+
+def step_tensor_parallel(plan: Plan, report: Report, clock: Clock) -> None:
+    ranks = shardable_ranks(plan)
+    title = f"## 5. {TITLES[5].format(ranks=ranks)}"
+    if ranks < 2:
+        report.set(5, [title, "", f"Not run: {plan.devices or torch.cuda.device_count()} GPU(s) here; tensor "
+                                  "parallelism needs 2 or more (one rank is step 3's target)."])
+    elif clock.left() < plan.tensor_parallel_s:
+        report.set(5, [title, "", f"Skipped: {clock.left():.0f} s of the budget left, {plan.tensor_parallel_s:.0f} s "
+                                  "needed."])
+    else:
+        guarded(report, 5, TITLES[5].format(ranks=ranks),
+                lambda: step_e2e(plan, report, 5, quantization.NONE, clock, ranks))
+
+
+def step_e2e(plan: Plan, report: Report, step: int, draft_quantization: str, clock: Clock, ranks: int = 1) -> None:
+    title = f"## {step}. {TITLES[step].format(scheme=draft_quantization, ranks=ranks)}"
     log_dir = tempfile.mkdtemp(prefix="gpu-check-logs-")
-    args, roles = system_args(plan, draft_quantization, log_dir)
+    args, roles = system_args(plan, draft_quantization, log_dir, ranks)
     cluster = Cluster(Path(log_dir))
     inputs = prompts(plan)
     try:
@@ -486,12 +520,28 @@ def step_e2e(plan: Plan, report: Report, step: int, draft_quantization: str, clo
         channel.close()
     finally:
         cluster.stop()
+    report.runs[step] = runs
     lines = e2e_lines(plan, title, runs, started_s, draft_quantization)
+    if ranks > 1:
+        lines += single_process_lines(report, runs)
     report.set(step, lines)
     mismatches = [(name, method, run) for name, by_method in runs.items() for method, method_runs in by_method.items()
                   for run in method_runs if run.token_ids != by_method["target-only (k=0)"][0].token_ids]
     if mismatches:
         report.set(step, [*lines, *diagnose(plan, inputs, runs, mismatches, clock)])
+
+
+def single_process_lines(report: Report, runs: dict[str, dict[str, list[Run]]]) -> list[str]:
+    """The sharded target's target-only output and speed against step 3's single process."""
+    single = report.runs.get(3)
+    if not single:
+        return ["", "Step 3 did not run: nothing to compare with the single-process target."]
+    base = "target-only (k=0)"
+    equal = sum(runs[name][base][0].token_ids == single[name][base][0].token_ids for name in runs)
+    speeds = [median_rate(runs[name][base]) / median_rate(single[name][base]) for name in runs]
+    return ["", f"Against step 3's single-process target: {equal} of {len(runs)} target-only outputs equal token for "
+                f"token; target-only tokens/s {statistics.geometric_mean(speeds):.2f}x the single process's "
+                "(geometric mean; the steps ran minutes apart)."]
 
 
 def rotated(names: list[str], repeat: int) -> list[str]:

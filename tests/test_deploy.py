@@ -76,11 +76,11 @@ def role_settings(objects: list[dict], role: str):
 # ---------------------------------------------------------------- the validators, and that they can fail
 
 
-def test_both_overlays_exist():
-    assert set(OVERLAYS) == {"cpu", "gpu"}
+def test_every_overlay_exists():
+    assert set(OVERLAYS) == {"cpu", "gpu", "gpu-tensor-parallel"}
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
 def test_overlay_renders_and_validates(overlay):
     assert validate.check_overlay(OVERLAYS[overlay]) == []
 
@@ -138,7 +138,7 @@ def test_compose_schema_is_the_compose_specification():
 # ---------------------------------------------------------------- settings vs the code
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
 def test_manifests_set_only_what_the_services_read(rendered, overlay):
     found = validate.k8s_settings(rendered[overlay])
     assert sorted(s.role.name for s in found) == ["draft", "http", "orchestrator", "target"]
@@ -294,7 +294,7 @@ def test_launcher_comparison_can_fail(compose):
 # ---------------------------------------------------------------- what the manifests promise
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
 def test_services_probes_and_resources(rendered, overlay):
     objects = rendered[overlay]
     services = objects_of(objects, "Service")
@@ -317,7 +317,7 @@ def test_services_probes_and_resources(rendered, overlay):
         assert int(settings.env[f"{role.prefix()}_METRICS_PORT"]) == 9464
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
 def test_workers_register_their_pod_in_redis(rendered, overlay):
     for role in ("target", "draft"):
         settings = role_settings(rendered[overlay], role)
@@ -348,7 +348,7 @@ POOL_METRICS = {
 }
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
 def test_each_pool_scales_on_its_own_gauges(rendered, overlay):
     hpas = objects_of(rendered[overlay], "HorizontalPodAutoscaler")
     for role in ("target", "draft"):
@@ -363,7 +363,7 @@ def test_each_pool_scales_on_its_own_gauges(rendered, overlay):
         assert "replicas" not in objects_of(rendered[overlay], "Deployment")[f"specdec-{role}"]["spec"]
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
 def test_target_pool_scales_out_before_its_calls_queue_or_are_refused(rendered, overlay):
     """The calls metric aims at most at 1 call per running slot (no queue), below the
     point where a pod refuses calls, 1 + max_queued / max_running, with the overlay's
@@ -406,7 +406,7 @@ def test_hpa_metrics_are_gauges_the_workers_export(rendered):
             assert set(pods_metrics(hpa)) <= exported[role], (overlay, role)
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
 def test_disruption_budgets_cover_every_role(rendered, overlay):
     budgets = objects_of(rendered[overlay], "PodDisruptionBudget")
     for role in validate.ROLES:
@@ -414,7 +414,7 @@ def test_disruption_budgets_cover_every_role(rendered, overlay):
         assert selector["app.kubernetes.io/component"] == role
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
 def test_redis_persists_with_aof_behind_a_secret(rendered, overlay):
     objects = rendered[overlay]
     redis = objects_of(objects, "StatefulSet")["specdec-redis"]
@@ -447,7 +447,19 @@ def test_gpu_overlay_places_pools_on_gpus(rendered):
     assert objects_of(objects, "PersistentVolumeClaim")["specdec-models"]
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_tensor_parallel_overlay_runs_one_rank_per_gpu_of_the_pod(rendered):
+    objects = rendered["gpu-tensor-parallel"]
+    pod, target = role_container(objects, "target")
+    settings = role_settings(objects, "target").env
+    ranks = int(settings["TARGET_TENSOR_PARALLEL"])
+    assert ranks > 1
+    assert int(target["resources"]["limits"]["nvidia.com/gpu"]) == ranks
+    assert int(target["resources"]["requests"]["nvidia.com/gpu"]) == ranks
+    assert not settings["TARGET_DEVICE_MAP"] and settings["TARGET_DEVICE"] == "cuda"  # one way to shard
+    assert any(volume.get("emptyDir", {}).get("medium") == "Memory" for volume in pod["volumes"])  # NCCL's /dev/shm
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
 def test_http_api_is_a_service_probed_on_health_that_scales_on_cpu(rendered, overlay):
     objects = rendered[overlay]
     role = validate.ROLES["http"]
@@ -467,7 +479,7 @@ def test_http_api_is_a_service_probed_on_health_that_scales_on_cpu(rendered, ove
     assert hpa["spec"]["scaleTargetRef"]["name"] == "specdec-http"
     assert [m["resource"]["name"] for m in hpa["spec"]["metrics"]] == ["cpu"]
     assert "replicas" not in objects_of(objects, "Deployment")["specdec-http"]["spec"]
-    if overlay == "gpu":  # components/tls: the orchestrators ask for a client certificate
+    if overlay.startswith("gpu"):  # components/tls: the orchestrators ask for a client certificate
         assert settings.env["HTTP_API_TLS_CERT"] and settings.env["HTTP_API_TLS_CA"]
 
 
