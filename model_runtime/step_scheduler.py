@@ -20,6 +20,12 @@ Rules:
   token a step, so a prompt always advances; no cap while a prefill token's price is
   unknown). A step with no one decoding gives prefill the whole budget: the time to
   first token is all that waits.
+- A prefill that resumes a stream its client is already reading (a failover's
+  re-prefill of the committed tokens) is running work, not a new prompt: its client is
+  stalled mid-stream until it ends, so its chunks come right after the segments that
+  need logits and are held to the budget only, not to the prefill share (at 16
+  sessions on two SmolLM2 workers, one killed, 7 re-prefills at the share's ~15 tokens
+  a step stalled their streams 3.9-6.3 s; budget-bound, 2.3-3.3 s).
 - The oldest job always gets into a step, whatever its size: nothing starves.
 - A step waits for stragglers while that costs less than it saves: a call's next work
   arrives a little after its last result (the stream's next message, a draft's next
@@ -132,9 +138,10 @@ class _Turnarounds:
 
 
 class _Job:
-    def __init__(self, steps: ForwardSteps, key: object = None, streaming: bool = False):
+    def __init__(self, steps: ForwardSteps, key: object = None, streaming: bool = False, resumes: bool = False):
         self.steps = steps
         self.key = key  # the caller's stream (e.g. its session): turn-arounds are per key
+        self.resumes = resumes  # its prefill resumes a stream its client reads: not held to the prefill share
         self.future: Future = Future()
         self.segment: Segment | None = None  # the pass it waits for
         self.ready_ns = time.perf_counter_ns()  # since when it waits for a step
@@ -148,6 +155,11 @@ class _Job:
     @property
     def prefill(self) -> bool:
         return self.segment is not None and (self.segment.fill or self.segment.num_logits == 0)
+
+    @property
+    def shared(self) -> bool:
+        """A prefill chunk held to the prefill share: a new prompt's, not a resumed stream's."""
+        return self.prefill and not self.resumes
 
     def advance(self, value=None) -> bool:
         """Resumes the generator (first call: value None); False once it is done, its
@@ -228,13 +240,14 @@ class StepScheduler:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, steps: ForwardSteps[T], key: object = None) -> tuple[T, StepLoad | None]:
+    def submit(self, steps: ForwardSteps[T], key: object = None, resumes: bool = False) -> tuple[T, StepLoad | None]:
         """Runs `steps` batched with other jobs; returns its result and what its steps
         were like (None if it needed no pass), or raises its error. key: the caller's
-        stream (its session), whose turn-around the scheduler learns to wait for."""
+        stream (its session), whose turn-around the scheduler learns to wait for.
+        resumes: its prefill resumes a stream a client is reading (see the rules)."""
         if threading.current_thread() is self._thread:  # from a step's own work: no batching, no deadlock
             return run_alone(self.model, steps), None
-        job = _Job(steps, key)
+        job = _Job(steps, key, resumes=resumes)
         self._queue.put(job)
         return job.future.result()
 
@@ -324,17 +337,18 @@ class StepScheduler:
                 _run_call(*item)
 
     def _pick(self) -> list[_Job]:
-        """This step's jobs: those needing logits oldest first, then prefill chunks cut
-        to the budget left and to the prefill share; the oldest job always."""
+        """This step's jobs: those needing logits oldest first, then resumed streams'
+        prefill chunks cut to the budget left, then new prompts' cut to it and to the
+        prefill share; the oldest job always."""
         budget = self.max_batch_tokens
         picked: list[_Job] = []
-        prefill_room: float | None = None  # prefill tokens this step may still take (None: no cap)
-        for job in sorted(self._jobs, key=lambda j: j.prefill):  # stable: oldest first
+        prefill_room: float | None = None  # shared prefill tokens this step may still take (None: no cap)
+        for job in sorted(self._jobs, key=lambda j: (j.prefill, j.shared)):  # stable: oldest first
             room = budget - sum(j.segment.num_run_tokens for j in picked)
             size = job.segment.num_run_tokens
-            if job.prefill and picked and prefill_room is None:
+            if job.shared and picked and prefill_room is None:
                 prefill_room = self._prefill_room(picked)
-            if prefill_room is not None:
+            if job.shared and prefill_room is not None:
                 room = min(room, int(prefill_room))
             if not picked or size <= room:
                 picked.append(job)
@@ -343,7 +357,7 @@ class StepScheduler:
                 picked.append(job)
             else:
                 continue
-            if prefill_room is not None:
+            if job.shared and prefill_room is not None:
                 prefill_room -= job.segment.num_run_tokens
         return picked
 

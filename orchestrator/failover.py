@@ -44,13 +44,14 @@ class Failover:
         self.placer, self.placement, self.streams = placer, placer.placement, streams
         self.generated, self.stats = generated, stats
 
-    def sync(self, plan: Plan, keep: int) -> None:
-        """Brings target and draft to exactly the committed tokens, of which they share keep."""
+    def sync(self, plan: Plan, keep: int, resumes: bool = False) -> None:
+        """Brings target and draft to exactly the committed tokens, of which they share keep;
+        resumes: the call's stream is under way (after a failover)."""
         tokens = self.generated.committed(plan)
         synced: set[tuple[str, str]] = set()  # (pool, address): done, not redone on a retry
         while True:
             try:
-                self.placer.sync(plan, tokens, keep, synced)
+                self.placer.sync(plan, tokens, keep, synced, resumes)
                 break
             except grpc.RpcError as error:
                 self._replace_lost_workers(plan, error)
@@ -68,7 +69,7 @@ class Failover:
                 return
             except grpc.RpcError as error:
                 self._replace_lost_workers(plan, error)
-                self.sync(plan, self.placement.synced_len)
+                self.sync(plan, self.placement.synced_len, resumes=True)
 
     def _replace_lost_workers(self, plan: Plan, error: grpc.RpcError) -> None:
         """Finds which worker is gone and replaces it. Raises the error when it is not a

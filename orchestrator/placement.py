@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 ROLLBACK_SPAN = "specdec.rollback"  # both workers truncated to the committed tokens (read by `python -m report`)
+# On a target's OpenSession or Extend that resumes a stream its client is reading (a failover): the target runs
+# that prefill as running work, not held to its prefill share (target_service.servicer.RESUMES_STREAM).
+RESUMES_STREAM = ("specdec-resumes-stream", "1")
 
 
 @dataclass
@@ -96,33 +99,38 @@ class Placer:
                             plan.record.session_id)
                 instruments().fallbacks.add(1)
 
-    def sync(self, plan: Plan, tokens: list[int], keep: int, synced: set[tuple[str, str]]) -> None:
+    def sync(self, plan: Plan, tokens: list[int], keep: int, synced: set[tuple[str, str]],
+             resumes: bool = False) -> None:
         """Syncs each worker not yet in synced ((pool, address)) to tokens, adding it there;
-        a worker's RpcError is raised, for the caller to replace it and retry."""
+        a worker's RpcError is raised, for the caller to replace it and retry. resumes: the
+        call's stream is under way (a failover), its client waiting for the next token."""
         for worker, field in ((self.placement.target, "target"), (self.placement.draft, "draft")):
             if worker is None or (worker.pool, worker.address) in synced:
                 continue
-            setattr(plan.record, field, self.sync_worker(worker, getattr(plan.record, field), tokens, keep, plan))
+            setattr(plan.record, field,
+                    self.sync_worker(worker, getattr(plan.record, field), tokens, keep, plan, resumes))
             synced.add((worker.pool, worker.address))
 
     def sync_worker(self, worker: Worker, handle: WorkerHandle | None, tokens: list[int], keep: int,
-                    plan: Plan) -> WorkerHandle:
+                    plan: Plan, resumes: bool = False) -> WorkerHandle:
         """Rolls the worker's session back to what it shares with tokens, then extends
         it; opens (prefills) a new one where it has none, lost it, or shares nothing."""
+        # A target runs a resumed stream's prefill beside its running sessions, not as a new prompt.
+        metadata = {"metadata": (RESUMES_STREAM,)} if resumes and worker.pool == TARGET else {}
         if handle is None or handle.address != worker.address:
-            return self._open(worker, tokens, plan)
+            return self._open(worker, tokens, plan, metadata)
         keep = min(keep, handle.committed_len)
         # A draft session keeps the drafter it was opened with; a session keeps at least one token.
         if (worker.pool == DRAFT and handle.drafter != plan.drafter) or keep < 1:
             close_worker_sessions(self.pool, ((worker.pool, handle),), self.rpc_timeout_s)
-            return self._open(worker, tokens, plan)
+            return self._open(worker, tokens, plan, metadata)
         try:
-            return self._extend(worker, handle, tokens, keep)
+            return self._extend(worker, handle, tokens, keep, metadata)
         except grpc.RpcError as error:
             if error.code() != grpc.StatusCode.NOT_FOUND:
                 raise
             log.info("session %s evicted from %s: re-prefilling", handle.session_id, worker.address)
-        return self._open(worker, tokens, plan)
+        return self._open(worker, tokens, plan, metadata)
 
     def roll_back(self, record: SessionRecord, cut_tokens: int) -> None:
         """Truncates both workers to the record's committed tokens; a draft left behind
@@ -147,22 +155,23 @@ class Placer:
             self.in_flight.enter_context(self.pool.placed(worker))
         return worker
 
-    def _extend(self, worker: Worker, handle: WorkerHandle, tokens: list[int], keep: int) -> WorkerHandle:
+    def _extend(self, worker: Worker, handle: WorkerHandle, tokens: list[int], keep: int,
+                metadata: dict) -> WorkerHandle:
         # Always: a round in flight when the previous call stopped may have run past the committed tokens.
         worker.stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=keep),
                              timeout=self.rpc_timeout_s)
         if keep < len(tokens):  # a call with no new input (generation just continues) extends nothing
             response = worker.stub.Extend(common_pb2.ExtendRequest(
                 session_id=handle.session_id, base_len=keep, token_ids=tokens[keep:]),
-                timeout=self.deadline.remaining())
+                timeout=self.deadline.remaining(), **metadata)
             self.stats.count_prefill(worker.pool, response.prefill_ns, len(tokens) - keep)
         return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(tokens), handle.drafter)
 
-    def _open(self, worker: Worker, tokens: list[int], plan: Plan) -> WorkerHandle:
+    def _open(self, worker: Worker, tokens: list[int], plan: Plan, metadata: dict) -> WorkerHandle:
         timeout = self.deadline.remaining()  # a prefill: it may queue behind other sessions'
         if worker.pool == TARGET:
             response = worker.stub.OpenSession(target_pb2.OpenSessionRequest(
-                prompt_token_ids=tokens, sampling=sampling_to_proto(plan.params)), timeout=timeout)
+                prompt_token_ids=tokens, sampling=sampling_to_proto(plan.params)), timeout=timeout, **metadata)
         else:
             response = worker.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
                 prompt_token_ids=tokens, drafter=plan.drafter), timeout=timeout)

@@ -75,13 +75,14 @@ class TargetEngine:
                 result, load = self.sessions.compute.submit(steps, key=at.session_id)
             return Verified(result, load, target.context_length)
 
-    def extend(self, at: At, token_ids: list[int]) -> tuple[int, int]:
-        """The next turn's input prefilled, batched; returns the committed length and the prefill's time (ns)."""
+    def extend(self, at: At, token_ids: list[int], resumes: bool = False) -> tuple[int, int]:
+        """The next turn's input prefilled, batched; returns the committed length and the prefill's time (ns).
+        resumes: the tokens resume a stream a client is reading (StepScheduler.submit)."""
         if not token_ids:  # as on the draft worker: nothing to extend is a mistake
             raise InvalidArgument("no token ids given: send at least one")
         with self.sessions.use(at.session_id, growth=len(token_ids)) as target:
             start = time.perf_counter_ns()
-            self.sessions.compute.submit(target.extend_steps(at.base_len, token_ids))
+            self.sessions.compute.submit(target.extend_steps(at.base_len, token_ids), resumes=resumes)
             return target.length, time.perf_counter_ns() - start
 
     def truncate(self, session_id: str, length: int) -> int:

@@ -79,10 +79,11 @@ class SessionCache:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._evicted: OrderedDict[str, None] = OrderedDict()
 
-    def open(self, session_id: str, prompt_token_ids: Sequence[int],
-             params: SamplingParams) -> tuple[int, StepLoad | None]:
+    def open(self, session_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+             resumes: bool = False) -> tuple[int, StepLoad | None]:
         """Creates and prefills a session (in the scheduler's steps); returns the
-        prefill's wall time in nanoseconds and its steps' load."""
+        prefill's wall time in nanoseconds and its steps' load. resumes: the prompt
+        resumes a stream a client is reading (StepScheduler.submit)."""
         check_prompt(prompt_token_ids, self.loaded.vocab_size, self.loaded.context_length)
         growth = len(prompt_token_ids)
         entry, victims = self._insert(session_id, growth)  # entry comes locked
@@ -90,7 +91,7 @@ class SessionCache:
             self._release(victims)
             start = time.perf_counter_ns()
             target = TargetSession(self.loaded, prompt_token_ids, params, prefill=False)
-            _, load = self.compute.submit(target.prefill_steps())
+            _, load = self.compute.submit(target.prefill_steps(), resumes=resumes)
             target.prefill_ns = time.perf_counter_ns() - start
             entry.target = target
             return target.prefill_ns, load
