@@ -23,9 +23,7 @@ Rules:
 - A prefill that resumes a stream its client is already reading (a failover's
   re-prefill of the committed tokens) is running work, not a new prompt: its client is
   stalled mid-stream until it ends, so its chunks come right after the segments that
-  need logits and are held to the budget only, not to the prefill share (at 16
-  sessions on two SmolLM2 workers, one killed, 7 re-prefills at the share's ~15 tokens
-  a step stalled their streams 3.9-6.3 s; budget-bound, 2.3-3.3 s).
+  need logits and are held to the budget only, not to the prefill share.
 - The oldest job always gets into a step, whatever its size: nothing starves.
 - A step waits for stragglers while that costs less than it saves: a call's next work
   arrives a little after its last result (the stream's next message, a draft's next

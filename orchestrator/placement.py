@@ -25,9 +25,6 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 ROLLBACK_SPAN = "specdec.rollback"  # both workers truncated to the committed tokens (read by `python -m report`)
-# On a target's OpenSession or Extend that resumes a stream its client is reading (a failover): the target runs
-# that prefill as running work, not held to its prefill share (target_service.servicer.RESUMES_STREAM).
-RESUMES_STREAM = ("specdec-resumes-stream", "1")
 
 
 @dataclass
@@ -115,22 +112,21 @@ class Placer:
                     plan: Plan, resumes: bool = False) -> WorkerHandle:
         """Rolls the worker's session back to what it shares with tokens, then extends
         it; opens (prefills) a new one where it has none, lost it, or shares nothing."""
-        # A target runs a resumed stream's prefill beside its running sessions, not as a new prompt.
-        metadata = {"metadata": (RESUMES_STREAM,)} if resumes and worker.pool == TARGET else {}
+        resumes = resumes and worker.pool == TARGET  # a target runs it beside its running sessions
         if handle is None or handle.address != worker.address:
-            return self._open(worker, tokens, plan, metadata)
+            return self._open(worker, tokens, plan, resumes)
         keep = min(keep, handle.committed_len)
         # A draft session keeps the drafter it was opened with; a session keeps at least one token.
         if (worker.pool == DRAFT and handle.drafter != plan.drafter) or keep < 1:
             close_worker_sessions(self.pool, ((worker.pool, handle),), self.rpc_timeout_s)
-            return self._open(worker, tokens, plan, metadata)
+            return self._open(worker, tokens, plan, resumes)
         try:
-            return self._extend(worker, handle, tokens, keep, metadata)
+            return self._extend(worker, handle, tokens, keep, resumes)
         except grpc.RpcError as error:
             if error.code() != grpc.StatusCode.NOT_FOUND:
                 raise
             log.info("session %s evicted from %s: re-prefilling", handle.session_id, worker.address)
-        return self._open(worker, tokens, plan, metadata)
+        return self._open(worker, tokens, plan, resumes)
 
     def roll_back(self, record: SessionRecord, cut_tokens: int) -> None:
         """Truncates both workers to the record's committed tokens; a draft left behind
@@ -156,22 +152,23 @@ class Placer:
         return worker
 
     def _extend(self, worker: Worker, handle: WorkerHandle, tokens: list[int], keep: int,
-                metadata: dict) -> WorkerHandle:
+                resumes: bool) -> WorkerHandle:
         # Always: a round in flight when the previous call stopped may have run past the committed tokens.
         worker.stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=keep),
                              timeout=self.rpc_timeout_s)
         if keep < len(tokens):  # a call with no new input (generation just continues) extends nothing
             response = worker.stub.Extend(common_pb2.ExtendRequest(
-                session_id=handle.session_id, base_len=keep, token_ids=tokens[keep:]),
-                timeout=self.deadline.remaining(), **metadata)
+                session_id=handle.session_id, base_len=keep, token_ids=tokens[keep:], resumes_stream=resumes),
+                timeout=self.deadline.remaining())
             self.stats.count_prefill(worker.pool, response.prefill_ns, len(tokens) - keep)
         return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(tokens), handle.drafter)
 
-    def _open(self, worker: Worker, tokens: list[int], plan: Plan, metadata: dict) -> WorkerHandle:
+    def _open(self, worker: Worker, tokens: list[int], plan: Plan, resumes: bool) -> WorkerHandle:
         timeout = self.deadline.remaining()  # a prefill: it may queue behind other sessions'
         if worker.pool == TARGET:
             response = worker.stub.OpenSession(target_pb2.OpenSessionRequest(
-                prompt_token_ids=tokens, sampling=sampling_to_proto(plan.params)), timeout=timeout, **metadata)
+                prompt_token_ids=tokens, sampling=sampling_to_proto(plan.params), resumes_stream=resumes),
+                timeout=timeout)
         else:
             response = worker.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
                 prompt_token_ids=tokens, drafter=plan.drafter), timeout=timeout)

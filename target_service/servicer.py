@@ -36,10 +36,6 @@ from target_service.sessions import SessionCache
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-# Metadata on an OpenSession or Extend whose prefill resumes a stream its client is reading (the
-# orchestrator's failover, orchestrator.placement.RESUMES_STREAM): scheduled as running work.
-RESUMES_STREAM = ("specdec-resumes-stream", "1")
-
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, sessions: SessionCache, worker_id: str, model_info: common_pb2.ModelInfo,
@@ -60,7 +56,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         prompt_token_ids = list(request.prompt_token_ids)
         with (self._admitted(context) as waited_ns,
               spans.prefill(session_id, 0, len(prompt_token_ids)) as span):
-            prefill_ns, _ = self.sessions.open(session_id, prompt_token_ids, params, _resumes(context))
+            prefill_ns, _ = self.sessions.open(session_id, prompt_token_ids, params, request.resumes_stream)
             span.set_attributes({"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns})
         log.debug("opened session", extra={"fields": {"session_id": session_id, "prompt_len": len(prompt_token_ids)}})
         handle = common_pb2.KvHandle(worker_id=self.worker_id, worker_address=self.worker_address,
@@ -72,7 +68,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with (self._admitted(context) as waited_ns,
               spans.prefill(request.session_id, request.base_len, len(request.token_ids)) as span):
             committed_len, prefill_ns = self.engine.extend(At(request.session_id, request.base_len),
-                                                           list(request.token_ids), _resumes(context))
+                                                           list(request.token_ids), request.resumes_stream)
             span.set_attributes({"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns})
             return common_pb2.ExtendResponse(committed_len=committed_len, prefill_ns=prefill_ns)
 
@@ -202,10 +198,6 @@ def _echo(proposal: target_pb2.Proposal, discarded: Discarded | None = None, **f
         fields["discarded"] = target_pb2.Discarded(committed_len=discarded.committed_len)
     return target_pb2.Verdict(session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len,
                               **fields)
-
-
-def _resumes(context) -> bool:
-    return RESUMES_STREAM in (tuple(item) for item in context.invocation_metadata() or ())
 
 
 def _at(proposal: target_pb2.Proposal) -> At:

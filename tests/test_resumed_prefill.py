@@ -2,7 +2,7 @@
 shares the steps with the sessions decoding there, chunked to the step budget, and is
 not held to the prefill share a new prompt is (issue 37: 7 re-prefills at the share's
 ~15 tokens a step stalled their streams 3.9-6.3 s). The orchestrator marks such a prefill
-(`RESUMES_STREAM` metadata) on its failover's re-sync only."""
+(`resumes_stream` on OpenSession and Extend) on its failover's re-sync only."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 
 from model_runtime.batched_forward import Segment
 from model_runtime.step_scheduler import StepCost, StepScheduler, _Job
-from orchestrator import placement
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Generation
 from orchestrator.planning import Plan
@@ -20,7 +19,6 @@ from orchestrator.workers import DRAFT, TARGET, Worker, WorkerPool
 from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2, target_pb2_grpc
 from speculative.generator import SpeculativeGenerator
 from speculative.sampling import SamplingParams
-from target_service import servicer
 from target_service.config import TargetConfig
 from target_service.server import create_server
 
@@ -71,8 +69,8 @@ def target(tiny_target):
 
 
 def test_the_target_runs_a_prefill_marked_as_resuming_a_stream_as_such(target, tiny_target, monkeypatch):
-    """OpenSession and Extend with the orchestrator's metadata submit resumed prefills,
-    without it new ones; the resumed session then decodes exactly as target-only."""
+    """OpenSession and Extend with resumes_stream submit resumed prefills, without it new
+    ones; the resumed session then decodes exactly as target-only."""
     seen = []
     submit = StepScheduler.submit
 
@@ -82,22 +80,17 @@ def test_the_target_runs_a_prefill_marked_as_resuming_a_stream_as_such(target, t
 
     monkeypatch.setattr(StepScheduler, "submit", recording_submit)
     prompt = list(b"The failed-over session resumes here")
-    resumed = (servicer.RESUMES_STREAM,)
     new = target.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=prompt[:4]), timeout=DEADLINE_S)
-    handle = target.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=prompt[:10]), timeout=DEADLINE_S,
-                                metadata=resumed).handle
-    target.Extend(common_pb2.ExtendRequest(session_id=handle.session_id, base_len=10, token_ids=prompt[10:]),
-                  timeout=DEADLINE_S, metadata=resumed)
+    handle = target.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=prompt[:10], resumes_stream=True),
+                                timeout=DEADLINE_S).handle
+    target.Extend(common_pb2.ExtendRequest(session_id=handle.session_id, base_len=10, token_ids=prompt[10:],
+                                           resumes_stream=True), timeout=DEADLINE_S)
     assert seen == [False, True, True]
     tokens = [t.token_id for t in target.Decode(target_pb2.DecodeRequest(
         session_id=handle.session_id, base_len=len(prompt), max_tokens=12), timeout=DEADLINE_S)]
     expected = SpeculativeGenerator(tiny_target).generate(prompt, SamplingParams(max_new_tokens=12), k=0).token_ids
     assert tokens == expected
     target.CloseSession(common_pb2.CloseSessionRequest(session_id=new.handle.session_id), timeout=DEADLINE_S)
-
-
-def test_orchestrator_and_target_agree_on_the_metadata():
-    assert placement.RESUMES_STREAM == servicer.RESUMES_STREAM
 
 
 class Lost(grpc.RpcError):
@@ -109,17 +102,17 @@ class Lost(grpc.RpcError):
 
 
 class Worker_:
-    """A worker stub recording each call with the metadata it carried."""
+    """A worker stub recording each call with whether it resumed a stream."""
 
     def __init__(self, name: str):
         self.name, self.calls = name, []
 
     def Truncate(self, request, timeout, **kwargs):
-        self.calls.append(("Truncate", kwargs.get("metadata")))
+        self.calls.append(("Truncate", False))
         return common_pb2.TruncateResponse(committed_len=request.length)
 
     def Extend(self, request, timeout, **kwargs):
-        self.calls.append(("Extend", kwargs.get("metadata")))
+        self.calls.append(("Extend", request.resumes_stream))
         return common_pb2.ExtendResponse(committed_len=request.base_len + len(request.token_ids))
 
     def Info(self, request, timeout):
@@ -129,7 +122,7 @@ class Worker_:
 def test_only_the_failover_re_sync_marks_the_targets_prefill(monkeypatch):
     """The call's first sync is a new turn (its prefill is the time to first token);
     after a lost stream the re-sync resumes the client's stream: its target Extend
-    carries RESUMES_STREAM, the draft's nothing."""
+    carries resumes_stream, the draft's not."""
     target, draft = Worker_(TARGET), Worker_(DRAFT)
     generation = Generation(OrchestratorConfig(), WorkerPool(lambda: [], refresh_s=60), None, None,
                             orchestrator_pb2.GenerateRequest(), _Active())
@@ -139,7 +132,7 @@ def test_only_the_failover_re_sync_marks_the_targets_prefill(monkeypatch):
                            draft=WorkerHandle(DRAFT, "d:1", "ds", 3, ""))
     plan = Plan(record, [1, 2, 3, 4, 5], 3, SamplingParams(max_new_tokens=8), 4, "", False)
     generation.failover.sync(plan, 3)
-    assert ("Extend", None) in target.calls and ("Extend", None) in draft.calls
+    assert ("Extend", False) in target.calls and ("Extend", False) in draft.calls
     target.calls.clear(), draft.calls.clear()
 
     def rounds(plan):  # the first stream is lost after a round, the next one ends the call
@@ -151,8 +144,8 @@ def test_only_the_failover_re_sync_marks_the_targets_prefill(monkeypatch):
     rounds.lost = False
     monkeypatch.setattr(generation.streams, "rounds", rounds)
     assert list(generation.failover.rounds(plan)) == [([8], 1)]
-    assert ("Extend", (placement.RESUMES_STREAM,)) in target.calls
-    assert all(metadata is None for _, metadata in draft.calls)
+    assert ("Extend", True) in target.calls
+    assert not any(resumes for _, resumes in draft.calls)
 
 
 class _Active:

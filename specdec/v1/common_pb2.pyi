@@ -229,14 +229,16 @@ class WorkerLoad(_message.Message):
     def __init__(self, active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., queued_calls: _Optional[int] = ..., running_calls: _Optional[int] = ..., max_running: _Optional[int] = ..., mean_batch_tokens: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "token_ids")
+    __slots__ = ("session_id", "base_len", "token_ids", "resumes_stream")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_STREAM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    resumes_stream: bool
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., resumes_stream: _Optional[bool] = ...) -> None: ...
 
 class ExtendResponse(_message.Message):
     __slots__ = ("committed_len", "prefill_ns")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"p\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"O\n\x13OpenSessionResponse\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.specdec.v1.KvHandle\x12\x12\n\nprefill_ns\x18\x02 \x01(\x03\"\x81\x02\n\x08Proposal\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x03 \x01(\x05\x12#\n\x16\x65xpected_last_token_id\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\"\n\x05\x64raft\x18\x06 \x01(\x0b\x32\x11.specdec.v1.DraftH\x00\x12&\n\x07stretch\x18\x07 \x01(\x0b\x32\x13.specdec.v1.StretchH\x00\x42\x06\n\x04kindB\x19\n\x17_expected_last_token_id\"b\n\x05\x44raft\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x35\n\rdistributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x0f\n\x07parents\x18\x03 \x03(\x05\"\x8a\x01\n\x07Stretch\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12.\n\x0cuntil_lookup\x18\x02 \x01(\x0b\x32\x16.specdec.v1.LookupStopH\x00\x12\x31\n\rlookup_rounds\x18\x03 \x01(\x0b\x32\x18.specdec.v1.LookupRoundsH\x00\x42\x08\n\x06lookup\"O\n\x0cLookupRounds\x12%\n\x05sizes\x18\x01 \x01(\x0b\x32\x16.specdec.v1.LookupStop\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\x05\"\xcd\x01\n\x07Verdict\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x03 \x01(\x05\x12(\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0b\x32\x14.specdec.v1.DecisionH\x00\x12/\n\x0cstretch_pass\x18\x05 \x01(\x0b\x32\x17.specdec.v1.StretchPassH\x00\x12*\n\tdiscarded\x18\x06 \x01(\x0b\x32\x15.specdec.v1.DiscardedH\x00\x42\x06\n\x04kind\"\x80\x02\n\x08\x44\x65\x63ision\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x32\n\x0fnext_token_kind\x18\x03 \x01(\x0e\x32\x19.specdec.v1.NextTokenKind\x12\x15\n\rcommitted_len\x18\x04 \x01(\x05\x12\x19\n\x11target_compute_ns\x18\x05 \x01(\x03\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\"\n\x04step\x18\x07 \x01(\x0b\x32\x14.specdec.v1.StepLoad\x12\x0c\n\x04path\x18\x08 \x03(\x05\"w\n\x0bStretchPass\x12&\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x14.specdec.v1.Decision\x12\x15\n\rnum_looked_up\x18\x02 \x01(\x05\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x03 \x03(\x05\x12\r\n\x05\x65nded\x18\x04 \x01(\x08\"\"\n\tDiscarded\x12\x15\n\rcommitted_len\x18\x01 \x01(\x05\"\x8b\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05J\x04\x08\x05\x10\x06R\x0cuntil_lookup\"n\n\x0b\x44\x65\x63odeToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12\x12\n\ncompute_ns\x18\x03 \x01(\x03\x12\"\n\x04step\x18\x04 \x01(\x0b\x32\x14.specdec.v1.StepLoad\"\x15\n\x13GetTokenizerRequest\"\x9a\x02\n\x14GetTokenizerResponse\x12\x1b\n\x13tokenizer_json_gzip\x18\x01 \x01(\x0c\x12\x15\n\rchat_template\x18\x02 \x01(\t\x12K\n\x0especial_tokens\x18\x03 \x03(\x0b\x32\x33.specdec.v1.GetTokenizerResponse.SpecialTokensEntry\x12$\n\x1c\x63lean_up_tokenization_spaces\x18\x04 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x10\n\x08model_id\x18\x06 \x01(\t\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xc1\x04\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12?\n\x06\x45xtend\x12\x19.specdec.v1.ExtendRequest\x1a\x1a.specdec.v1.ExtendResponse\x12\x37\n\x06Verify\x12\x14.specdec.v1.Proposal\x1a\x13.specdec.v1.Verdict(\x01\x30\x01\x12>\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x17.specdec.v1.DecodeToken0\x01\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponse\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x88\x01\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0eresumes_stream\x18\x04 \x01(\x08\"O\n\x13OpenSessionResponse\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.specdec.v1.KvHandle\x12\x12\n\nprefill_ns\x18\x02 \x01(\x03\"\x81\x02\n\x08Proposal\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x03 \x01(\x05\x12#\n\x16\x65xpected_last_token_id\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\"\n\x05\x64raft\x18\x06 \x01(\x0b\x32\x11.specdec.v1.DraftH\x00\x12&\n\x07stretch\x18\x07 \x01(\x0b\x32\x13.specdec.v1.StretchH\x00\x42\x06\n\x04kindB\x19\n\x17_expected_last_token_id\"b\n\x05\x44raft\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x35\n\rdistributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x0f\n\x07parents\x18\x03 \x03(\x05\"\x8a\x01\n\x07Stretch\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12.\n\x0cuntil_lookup\x18\x02 \x01(\x0b\x32\x16.specdec.v1.LookupStopH\x00\x12\x31\n\rlookup_rounds\x18\x03 \x01(\x0b\x32\x18.specdec.v1.LookupRoundsH\x00\x42\x08\n\x06lookup\"O\n\x0cLookupRounds\x12%\n\x05sizes\x18\x01 \x01(\x0b\x32\x16.specdec.v1.LookupStop\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\x05\"\xcd\x01\n\x07Verdict\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x03 \x01(\x05\x12(\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0b\x32\x14.specdec.v1.DecisionH\x00\x12/\n\x0cstretch_pass\x18\x05 \x01(\x0b\x32\x17.specdec.v1.StretchPassH\x00\x12*\n\tdiscarded\x18\x06 \x01(\x0b\x32\x15.specdec.v1.DiscardedH\x00\x42\x06\n\x04kind\"\x80\x02\n\x08\x44\x65\x63ision\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x32\n\x0fnext_token_kind\x18\x03 \x01(\x0e\x32\x19.specdec.v1.NextTokenKind\x12\x15\n\rcommitted_len\x18\x04 \x01(\x05\x12\x19\n\x11target_compute_ns\x18\x05 \x01(\x03\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\"\n\x04step\x18\x07 \x01(\x0b\x32\x14.specdec.v1.StepLoad\x12\x0c\n\x04path\x18\x08 \x03(\x05\"w\n\x0bStretchPass\x12&\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x14.specdec.v1.Decision\x12\x15\n\rnum_looked_up\x18\x02 \x01(\x05\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x03 \x03(\x05\x12\r\n\x05\x65nded\x18\x04 \x01(\x08\"\"\n\tDiscarded\x12\x15\n\rcommitted_len\x18\x01 \x01(\x05\"\x8b\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05J\x04\x08\x05\x10\x06R\x0cuntil_lookup\"n\n\x0b\x44\x65\x63odeToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12\x12\n\ncompute_ns\x18\x03 \x01(\x03\x12\"\n\x04step\x18\x04 \x01(\x0b\x32\x14.specdec.v1.StepLoad\"\x15\n\x13GetTokenizerRequest\"\x9a\x02\n\x14GetTokenizerResponse\x12\x1b\n\x13tokenizer_json_gzip\x18\x01 \x01(\x0c\x12\x15\n\rchat_template\x18\x02 \x01(\t\x12K\n\x0especial_tokens\x18\x03 \x03(\x0b\x32\x33.specdec.v1.GetTokenizerResponse.SpecialTokensEntry\x12$\n\x1c\x63lean_up_tokenization_spaces\x18\x04 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x10\n\x08model_id\x18\x06 \x01(\t\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xc1\x04\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12?\n\x06\x45xtend\x12\x19.specdec.v1.ExtendRequest\x1a\x1a.specdec.v1.ExtendResponse\x12\x37\n\x06Verify\x12\x14.specdec.v1.Proposal\x1a\x13.specdec.v1.Verdict(\x01\x30\x01\x12>\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x17.specdec.v1.DecodeToken0\x01\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponse\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,36 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._loaded_options = None
   _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._serialized_options = b'8\001'
-  _globals['_OPENSESSIONREQUEST']._serialized_start=64
-  _globals['_OPENSESSIONREQUEST']._serialized_end=176
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=178
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=257
-  _globals['_PROPOSAL']._serialized_start=260
-  _globals['_PROPOSAL']._serialized_end=517
-  _globals['_DRAFT']._serialized_start=519
-  _globals['_DRAFT']._serialized_end=617
-  _globals['_STRETCH']._serialized_start=620
-  _globals['_STRETCH']._serialized_end=758
-  _globals['_LOOKUPROUNDS']._serialized_start=760
-  _globals['_LOOKUPROUNDS']._serialized_end=839
-  _globals['_VERDICT']._serialized_start=842
-  _globals['_VERDICT']._serialized_end=1047
-  _globals['_DECISION']._serialized_start=1050
-  _globals['_DECISION']._serialized_end=1306
-  _globals['_STRETCHPASS']._serialized_start=1308
-  _globals['_STRETCHPASS']._serialized_end=1427
-  _globals['_DISCARDED']._serialized_start=1429
-  _globals['_DISCARDED']._serialized_end=1463
-  _globals['_DECODEREQUEST']._serialized_start=1466
-  _globals['_DECODEREQUEST']._serialized_end=1605
-  _globals['_DECODETOKEN']._serialized_start=1607
-  _globals['_DECODETOKEN']._serialized_end=1717
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1719
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1740
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1743
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2025
-  _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._serialized_start=1973
-  _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._serialized_end=2025
-  _globals['_TARGETSERVICE']._serialized_start=2028
-  _globals['_TARGETSERVICE']._serialized_end=2605
+  _globals['_OPENSESSIONREQUEST']._serialized_start=65
+  _globals['_OPENSESSIONREQUEST']._serialized_end=201
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=203
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=282
+  _globals['_PROPOSAL']._serialized_start=285
+  _globals['_PROPOSAL']._serialized_end=542
+  _globals['_DRAFT']._serialized_start=544
+  _globals['_DRAFT']._serialized_end=642
+  _globals['_STRETCH']._serialized_start=645
+  _globals['_STRETCH']._serialized_end=783
+  _globals['_LOOKUPROUNDS']._serialized_start=785
+  _globals['_LOOKUPROUNDS']._serialized_end=864
+  _globals['_VERDICT']._serialized_start=867
+  _globals['_VERDICT']._serialized_end=1072
+  _globals['_DECISION']._serialized_start=1075
+  _globals['_DECISION']._serialized_end=1331
+  _globals['_STRETCHPASS']._serialized_start=1333
+  _globals['_STRETCHPASS']._serialized_end=1452
+  _globals['_DISCARDED']._serialized_start=1454
+  _globals['_DISCARDED']._serialized_end=1488
+  _globals['_DECODEREQUEST']._serialized_start=1491
+  _globals['_DECODEREQUEST']._serialized_end=1630
+  _globals['_DECODETOKEN']._serialized_start=1632
+  _globals['_DECODETOKEN']._serialized_end=1742
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1744
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1765
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1768
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2050
+  _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._serialized_start=1998
+  _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._serialized_end=2050
+  _globals['_TARGETSERVICE']._serialized_start=2053
+  _globals['_TARGETSERVICE']._serialized_end=2630
 # @@protoc_insertion_point(module_scope)
