@@ -27,6 +27,7 @@ from launcher.cluster import Cluster, layout, parse_args, start_system
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 SPECULATIVE = f"ngram+model adaptive k<={ADAPTIVE_MAX_K}"
+PREFIX, WIDTHS, PASS_REPEATS = 256, (1, 5), 12  # the pass breakdown: cached tokens, new tokens, timed passes
 
 
 def start(pair, ranks: int, threads: int, draft_threads: int) -> tuple[Cluster, orchestrator_pb2_grpc.OrchestratorStub]:
@@ -77,6 +78,90 @@ def _rate(runs: list[Run]) -> float:
     return statistics.median(run.tokens_per_s for run in runs)
 
 
+# --- why: one pass, taken apart ----------------------------------------------------------
+
+def pass_times(model, repeats: int = PASS_REPEATS) -> dict[int, float]:
+    """Median ms of a pass of each width over PREFIX cached tokens (the worker's path)."""
+    from model_runtime.model_session import ModelSession
+
+    session = ModelSession(model, PREFIX + 64)
+    session.append([(7 * i) % 1000 + 10 for i in range(PREFIX + 1)])
+    session.prefill()
+    session.truncate_to(PREFIX)
+    medians = {}
+    for width in WIDTHS:
+        samples = []
+        for repeat in range(repeats + 2):  # 2 untimed
+            session.append([100 + repeat + j for j in range(width)])
+            start = time.perf_counter()
+            session.logits(width)
+            samples.append((time.perf_counter() - start) * 1e3)
+            session.truncate_to(PREFIX)
+        medians[width] = statistics.median(samples[2:])
+    return medians
+
+
+def _sharded_rank(rank: int, ranks: int, port: int, model: str, threads: int, out) -> None:
+    """One rank of the breakdown: an all-reduce of a pass's hidden states, then passes."""
+    import torch
+    import torch.distributed as dist
+
+    from model_runtime import tensor_parallel
+
+    torch.set_num_threads(threads)
+    group = tensor_parallel.join(rank, ranks, port, "cpu")
+    loaded = tensor_parallel.load_shard(model, device="cpu", dtype="float32", world_size=ranks)
+    hidden = torch.zeros(1, WIDTHS[-1], loaded.model.config.hidden_size)
+    samples = []
+    for _ in range(50):
+        start = time.perf_counter()
+        dist.all_reduce(hidden)
+        samples.append((time.perf_counter() - start) * 1e3)
+    if rank:
+        tensor_parallel.follow(loaded.model, group)
+        return
+    tensor_parallel.Leader(group).attach(loaded.model)
+    out.put({"all_reduce_ms": statistics.median(samples[5:]), "layers": loaded.model.config.num_hidden_layers,
+             "passes": pass_times(loaded.model)})
+    dist.broadcast_object_list([None], src=0, group=group)  # the other ranks stop following
+
+
+def breakdown(model: str, ranks: int, threads: int) -> list[str]:
+    """Pass times: one process packed and unpacked, N ranks; the all-reduces' share."""
+    import multiprocessing
+
+    import torch
+
+    from model_runtime.loading import load_model
+    from model_runtime.tensor_parallel import _free_port
+
+    torch.set_num_threads(threads)
+    one = {}
+    for packed in (True, False):
+        loaded = load_model(model, pack_cpu_linears=packed)
+        one[packed] = pass_times(loaded.model)
+        del loaded
+    context = multiprocessing.get_context("spawn")
+    out, port = context.Queue(), _free_port()
+    processes = [context.Process(target=_sharded_rank, args=(rank, ranks, port, model, max(1, threads // ranks), out))
+                 for rank in range(ranks)]
+    for process in processes:
+        process.start()
+    sharded = out.get(timeout=1800)
+    for process in processes:
+        process.join(timeout=60)
+    per_pass = 2 * sharded["layers"] * sharded["all_reduce_ms"]  # after o_proj and down_proj of each layer
+    rows = [("1 process, oneDNN-packed linears (the worker's default)", one[True]),
+            ("1 process, plain linears", one[False]),
+            (f"{ranks} ranks x {max(1, threads // ranks)} thread(s), plain linears", sharded["passes"])]
+    lines = [f"| {name} | " + " | ".join(f"{times[w]:.0f}" for w in WIDTHS) + " |" for name, times in rows]
+    return ["| target pass, ms over {PREFIX} cached tokens | ".replace("{PREFIX}", str(PREFIX))
+            + " | ".join(f"{w} new token{'s' * (w > 1)}" for w in WIDTHS) + " |",
+            "|---" * (len(WIDTHS) + 1) + "|", *lines, "",
+            f"An all-reduce of a {WIDTHS[-1]}-token pass's hidden states between the ranks (gloo, loopback): "
+            f"{sharded['all_reduce_ms']:.2f} ms; {2 * sharded['layers']} of them a pass: {per_pass:.0f} ms."]
+
+
 def report(results: dict, args, ranks: int) -> list[str]:
     methods = list(next(iter(results.values())))
     baseline = methods[0]  # 1 rank, target-only
@@ -111,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompts", default=",".join(PROMPTS))
     parser.add_argument("--out", default="benchmarks/results_tp.md")
+    parser.add_argument("--breakdown-only", action="store_true", help="only the pass breakdown (printed)")
     args = parser.parse_args(argv)
     pair = PAIRS[args.pair]
+    if args.breakdown_only:
+        print("\n".join(breakdown(pair.target, args.ranks, args.threads)))
+        return 0
     clusters = []
     try:
         stubs = {}

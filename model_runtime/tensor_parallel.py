@@ -117,8 +117,8 @@ class _Pass:
 
 
 class Leader:
-    """Rank 0's side: announces each pass before running it (batched_forward calls
-    `announce` through the model's LOCKSTEP_ATTR)."""
+    """Rank 0's side: announces each pass before running it (batched_forward runs every
+    pass inside `announced`, found through the model's LOCKSTEP_ATTR)."""
 
     def __init__(self, group: dist.ProcessGroup):
         self._group = group
@@ -220,10 +220,15 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+# Resolved before any fork: a forked child of a threaded process must not load libraries.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In a child before exec: SIGKILL it when rank 0 exits, however rank 0 ends."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 # --- ranks 1..N-1 ---------------------------------------------------------------------
