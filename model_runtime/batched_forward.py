@@ -41,6 +41,7 @@ from transformers.masking_utils import sdpa_mask
 RAGGED_ATTENTION = "specdec_ragged"
 EXACT_ROWS = 64  # steps up to this wide run as they are: decode steps and proposals
 KV_GROWTH_TOKENS = 256  # a cache grows by at least this many tokens: few reallocations
+WIDTHS_ATTR = "specdec_width_plan"  # on a model: its calibrated small-step widths (width_padding.py)
 LOCKSTEP_ATTR = "specdec_lockstep"  # on rank 0 of a tensor-parallel model: what announces its passes
 # Mask creation sees this 4D "mask" and passes it through untouched; the ragged
 # attention builds each sequence's causal mask itself.
@@ -180,7 +181,7 @@ def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.
     offsets = [0]
     for segment in segments:
         offsets.append(offsets[-1] + segment.num_tokens)
-    padding = padded_rows(offsets[-1]) - offsets[-1] if device.type == "cpu" else 0
+    padding = padded_rows(offsets[-1], getattr(model, WIDTHS_ATTR, None)) - offsets[-1] if device.type == "cpu" else 0
     token_ids = [t for s in segments for t in s.token_ids] + [0] * padding
     input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     positions = torch.cat([s.positions() for s in segments] + [torch.zeros(padding, dtype=torch.long)]).to(device)
@@ -205,12 +206,13 @@ def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.
     return results
 
 
-def padded_rows(rows: int) -> int:
-    """The width a CPU step of `rows` rows runs at: rows up to EXACT_ROWS, else the next
+def padded_rows(rows: int, widths=None) -> int:
+    """The width a CPU step of `rows` rows runs at: up to EXACT_ROWS, rows or the cheaper
+    width a calibrated `widths` (width_padding.WidthPlan) picks; above, the next
     multiple of an eighth of the power of two below it (65..128 rows by 8, 129..256
     by 16, ...): at most 1/8 more rows, 8 widths per doubling."""
     if rows <= EXACT_ROWS:
-        return rows
+        return widths.width(rows) if widths is not None else rows
     grain = 1 << ((rows - 1).bit_length() - 4)
     return -(-rows // grain) * grain
 

@@ -65,6 +65,9 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # Used when a request leaves max_new_tokens at 0: long enough for a paragraph,
     # short enough that a forgotten limit does not hold a worker for minutes.
     default_max_new_tokens: int = _option(256, "max_new_tokens of requests that leave it at 0")
+    # On a CPU a pass over a few more rows can cost less (model_runtime/width_padding.py):
+    # a few seconds at start to time widths 1-12, then small steps run at the cheapest.
+    calibrate_widths: bool = _option(True, "time small step widths at start (CPU) and pad steps to the cheapest")
     # 0 = torch's default (all cores), which suits a worker that owns its host.
     threads: int = _option(0, "torch CPU threads; 0 = torch's default")
     # Kubernetes sends SIGKILL 30 s after SIGTERM by default.

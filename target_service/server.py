@@ -6,7 +6,7 @@ import logging
 import os
 import signal
 
-from model_runtime import tensor_parallel, warmup
+from model_runtime import tensor_parallel, warmup, width_padding
 from model_runtime.host_memory import fix_mmap_threshold
 from model_runtime.loading import LoadedModel, configure_threads, load_model
 from model_runtime.step_scheduler import StepScheduler
@@ -47,6 +47,12 @@ def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None)
             load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None
         )
     compute.model = loaded.model
+    # Its own model on a CPU, one process (ranks would have to agree on every step's padding).
+    if config.calibrate_widths and loaded_model is None and loaded.device.type == "cpu" and ranks is None:
+        costs = compute.run(width_padding.calibrate, loaded.model)
+        log.info("step widths calibrated", extra={"fields": {
+            "ms_by_width": {w: round(c, 1) for w, c in costs.items()},
+            "run_as": width_padding.plan_of(loaded.model).run_as}})
     if warmup.pays_off(loaded):
         log.info("warmed up in %.2f s", compute.run(warmup.warm_up, loaded) * 1e-9)
     servicer = TargetServicer(

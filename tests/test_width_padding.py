@@ -1,0 +1,59 @@
+"""Small CPU steps at the cheapest width (model_runtime/width_padding.py): the plan picks
+a wider step only where timing says it is cheaper by the margin, and padding a step
+changes no output, greedy or sampled, with or without speculation."""
+
+from __future__ import annotations
+
+import pytest
+
+from model_runtime import width_padding
+from model_runtime.batched_forward import padded_rows
+from model_runtime.loading import load_model
+from model_runtime.width_padding import WidthPlan
+from speculative.drafters import ModelDrafter
+from speculative.generator import SpeculativeGenerator
+from speculative.sampling import SamplingParams
+
+
+def test_a_step_runs_at_the_cheapest_width_at_least_as_wide():
+    plan = WidthPlan.from_costs({1: 230.0, 2: 290.0, 3: 190.0, 4: 200.0, 5: 180.0})
+    assert [plan.width(rows) for rows in range(1, 6)] == [3, 3, 3, 4, 5]  # 5 saves 10% on 4 only at the margin
+    assert plan.width(9) == 9  # beyond the calibrated widths: as it is
+    assert padded_rows(1, plan) == 3 and padded_rows(1) == 1 and padded_rows(82, plan) == 88
+
+
+def test_timing_noise_within_the_margin_pads_nothing():
+    plan = WidthPlan.from_costs({1: 100.0, 2: 95.0, 3: 92.0, 4: 120.0})
+    assert plan.run_as == (1, 2, 3, 4)
+
+
+def test_calibration_times_every_width_and_installs_its_plan():
+    loaded = load_model("tiny-random:1")
+    costs = width_padding.calibrate(loaded.model)
+    assert sorted(costs) == list(range(1, width_padding.MAX_WIDTH + 1)) and min(costs.values()) > 0
+    plan = width_padding.plan_of(loaded.model)
+    assert len(plan.run_as) == width_padding.MAX_WIDTH
+    assert all(plan.width(rows) >= rows for rows in range(1, width_padding.MAX_WIDTH + 1))
+
+
+@pytest.fixture(scope="module")
+def padded_and_plain():
+    """The same tiny target twice: one running every small step padded to 12 rows."""
+    padded, plain = load_model("tiny-random:1"), load_model("tiny-random:1")
+    setattr(padded.model, width_padding.WIDTHS_ATTR, WidthPlan((12,) * 12))
+    return padded, plain
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_padded_steps_change_no_output(padded_and_plain, prompt_ids, k):
+    padded, plain = padded_and_plain
+    draft = load_model("tiny-random:2")
+    widths = []  # the rows each pass of the padded target ran
+    hook = padded.model.get_input_embeddings().register_forward_pre_hook(lambda _, args: widths.append(args[0].shape[1]))
+    for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)):
+        for prompt in prompt_ids[:4]:
+            outputs = [SpeculativeGenerator(target, ModelDrafter(draft)).generate(prompt, sampling, k=k).token_ids
+                       for target in (padded, plain)]
+            assert outputs[0] == outputs[1], (k, prompt, sampling.temperature)
+    hook.remove()
+    assert widths and min(widths) >= 12  # every small step ran padded
