@@ -3,6 +3,7 @@ message limits, interceptors, and a graceful stop on SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import gc
@@ -81,6 +82,28 @@ def create_server(
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     return server, port, health_servicer
+
+
+@contextlib.contextmanager
+def port_held(address: str) -> Iterator[None]:
+    """Keeps host:port bound (SO_REUSEPORT, not listening) until the server binds it too,
+    so that sockets opened meanwhile (tensor-parallel ranks' gloo connections take
+    ephemeral ports) cannot take a port chosen before the model loads. Port 0: nothing."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    if not port.isdigit() or int(port) == 0:
+        yield
+        return
+    held = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # gRPC binds with SO_REUSEPORT too
+        held.bind((host, int(port)))
+    except OSError as error:  # taken already: the server's own bind will say so
+        log.debug("could not hold %s: %s", address, error)
+    try:
+        yield
+    finally:
+        held.close()
 
 
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -31,6 +32,12 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None) -> common_server.Service:
     """Builds (does not start) the server; loads config.model unless a model is given.
     With config.redis_url the worker joins the target pool once it serves."""
+    # Ranks open many sockets while the model loads: none may take the port chosen for this worker.
+    with common_server.port_held(config.address) if config.tensor_parallel > 1 else contextlib.nullcontext():
+        return _create_server(config, loaded_model)
+
+
+def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> common_server.Service:
     fix_mmap_threshold()  # steps of ever-changing sizes must not fragment the heap
     # The model is loaded, and every forward pass run, on one thread: the step
     # scheduler, which batches the work of all sessions (model_runtime/step_scheduler.py).
