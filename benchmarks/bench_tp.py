@@ -23,7 +23,7 @@ import grpc
 
 from benchmarks.bench_suite import ADAPTIVE_MAX_K, PAIRS, Run, hardware, paired_ratio, round_order
 from benchmarks.prompts import PROMPTS
-from launcher.cluster import Cluster, layout, parse_args, start_system
+from launcher.cluster import Cluster, free_port, layout, parse_args, start_system
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 SPECULATIVE = f"ngram+model adaptive k<={ADAPTIVE_MAX_K}"
@@ -80,25 +80,11 @@ def _rate(runs: list[Run]) -> float:
 
 # --- why: one pass, taken apart ----------------------------------------------------------
 
-def pass_times(model, repeats: int = PASS_REPEATS) -> dict[int, float]:
+def pass_times(model) -> dict[int, float]:
     """Median ms of a pass of each width over PREFIX cached tokens (the worker's path)."""
-    from model_runtime.model_session import ModelSession
+    from model_runtime.width_padding import pass_times as timed
 
-    session = ModelSession(model, PREFIX + 64)
-    session.append([(7 * i) % 1000 + 10 for i in range(PREFIX + 1)])
-    session.prefill()
-    session.truncate_to(PREFIX)
-    medians = {}
-    for width in WIDTHS:
-        samples = []
-        for repeat in range(repeats + 2):  # 2 untimed
-            session.append([100 + repeat + j for j in range(width)])
-            start = time.perf_counter()
-            session.logits(width)
-            samples.append((time.perf_counter() - start) * 1e3)
-            session.truncate_to(PREFIX)
-        medians[width] = statistics.median(samples[2:])
-    return medians
+    return timed(model, WIDTHS, prefix=PREFIX, repeats=PASS_REPEATS, untimed=2)
 
 
 def _sharded_rank(rank: int, ranks: int, port: int, model: str, threads: int, out) -> None:
@@ -133,7 +119,6 @@ def breakdown(model: str, ranks: int, threads: int) -> list[str]:
     import torch
 
     from model_runtime.loading import load_model
-    from model_runtime.tensor_parallel import _free_port
 
     torch.set_num_threads(threads)
     one = {}
@@ -142,7 +127,7 @@ def breakdown(model: str, ranks: int, threads: int) -> list[str]:
         one[packed] = pass_times(loaded.model)
         del loaded
     context = multiprocessing.get_context("spawn")
-    out, port = context.Queue(), _free_port()
+    out, port = context.Queue(), free_port()
     processes = [context.Process(target=_sharded_rank, args=(rank, ranks, port, model, max(1, threads // ranks), out))
                  for rank in range(ranks)]
     for process in processes:

@@ -52,26 +52,34 @@ class WidthPlan:
         return self.run_as[rows - 1] if rows <= len(self.run_as) else rows
 
 
-def calibrate(model: PreTrainedModel, max_width: int = MAX_WIDTH) -> dict[int, float]:
-    """Times a pass of each width 1..max_width (ms, median) and installs the plan on the model."""
+def pass_times(model: PreTrainedModel, widths, prefix: int = PREFIX, repeats: int = REPEATS,
+               untimed: int = 1) -> dict[int, float]:
+    """Median ms of a pass of each width over `prefix` cached tokens (the worker's path:
+    a ModelSession's pending tokens), after `untimed` passes of that width."""
     from model_runtime.model_session import ModelSession
 
-    setattr(model, WIDTHS_ATTR, None)  # time the widths as they are
-    session = ModelSession(model, PREFIX + max_width + 1)
-    session.append([1 + i % 200 for i in range(PREFIX + 1)])
+    session = ModelSession(model, prefix + max(widths) + 1)
+    session.append([1 + i % 200 for i in range(prefix + 1)])
     session.prefill()
-    session.truncate_to(PREFIX)
+    session.truncate_to(prefix)
     costs = {}
-    for width in range(1, max_width + 1):
+    for width in widths:
         samples = []
-        for repeat in range(REPEATS + 1):
+        for repeat in range(repeats + untimed):
             session.append([2 + (repeat + j) % 200 for j in range(width)])
             start = time.perf_counter()
             session.logits(width)
             samples.append((time.perf_counter() - start) * 1e3)
-            session.truncate_to(PREFIX)
-        costs[width] = statistics.median(samples[1:])
+            session.truncate_to(prefix)
+        costs[width] = statistics.median(samples[untimed:])
     session.release()
+    return costs
+
+
+def calibrate(model: PreTrainedModel, max_width: int = MAX_WIDTH) -> dict[int, float]:
+    """Times a pass of each width 1..max_width (ms, median) and installs the plan on the model."""
+    setattr(model, WIDTHS_ATTR, None)  # time the widths as they are
+    costs = pass_times(model, range(1, max_width + 1))
     setattr(model, WIDTHS_ATTR, WidthPlan.from_costs(costs))
     return costs
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -32,8 +31,8 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 def create_server(config: TargetConfig, loaded_model: LoadedModel | None = None) -> common_server.Service:
     """Builds (does not start) the server; loads config.model unless a model is given.
     With config.redis_url the worker joins the target pool once it serves."""
-    # Ranks open many sockets while the model loads: none may take the port chosen for this worker.
-    with common_server.port_held(config.address) if config.tensor_parallel > 1 else contextlib.nullcontext():
+    # Sockets opened while the model loads (tensor-parallel ranks open many) must not take the worker's port.
+    with common_server.port_held(config.address):
         return _create_server(config, loaded_model)
 
 
