@@ -47,6 +47,7 @@ class TargetInfo:
     model_id: str
     tokenizer_fingerprint: str
     context_length: int | None  # tokens; None = the target did not say
+    step_widths: tuple[int, ...] = ()  # [w - 1] the width a step of w tokens runs at (empty: w)
 
 
 class TargetConnections:
@@ -90,7 +91,8 @@ class TargetConnections:
             self._drop_channel_if_never_reached(address)
             raise as_target_error(address, error) from None
         model = response.model
-        info = TargetInfo(model.model_id, model.tokenizer_fingerprint, model.context_length or None)
+        info = TargetInfo(model.model_id, model.tokenizer_fingerprint, model.context_length or None,
+                          tuple(model.step_widths))
         with self._lock:
             self._infos[address] = info
             self._reached.add(address)

@@ -86,3 +86,10 @@ def calibrate(model: PreTrainedModel, max_width: int = MAX_WIDTH) -> dict[int, f
 
 def plan_of(model: PreTrainedModel) -> WidthPlan | None:
     return getattr(model, WIDTHS_ATTR, None)
+
+
+def step_widths(model: PreTrainedModel) -> tuple[int, ...]:
+    """The width a step of 1..MAX_WIDTH rows runs at (empty: not calibrated, each its own),
+    as the worker tells callers that price its steps (ModelInfo.step_widths)."""
+    plan = plan_of(model)
+    return plan.run_as if plan is not None else ()

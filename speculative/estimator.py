@@ -12,8 +12,10 @@ al. 2023 plus a per-round delay. In nanoseconds where a time:
   target decoded; unbiased under sampling, a looked-up token being proposed with
   certainty).
 - f, the share of the drafter's turns that proposed anything; d, drafting per token.
-- c(w) = c(1) + g (w - 1), the target's pass over w tokens, a line fitted to every pass
-  by decayed least squares; R, the rest of a round (network, queueing, the verdict).
+- c(w) = c(1) + g (w' - 1), the target's pass over w tokens run as w' >= w tokens (a
+  CPU target pads small steps to the cheapest width, `step_widths`; else w' = w), a line
+  fitted to every pass by decayed least squares; R, the rest of a round (network,
+  queueing, the verdict).
 - s, a token decoded alone in a stretch (c(1) until one is measured); o, what starting
   a stretch costs past its tokens (prior 2 R).
 - load: the B sessions sharing the target's steps and its step cost, which cap k
@@ -105,6 +107,7 @@ class Estimates:
     depth_acceptance: tuple[float, ...] = ()
     max_width: int = 1  # the most continuations a round may propose as a token tree
     branch_yield: float = 0.0  # accepted tokens per tree node off the first path
+    step_widths: tuple[int, ...] = ()  # [w - 1] the width the target runs a pass of w tokens at
 
     @property
     def measured(self) -> bool:
@@ -120,7 +123,12 @@ class Estimates:
 
     def compute_ns(self, width: int) -> float:
         """c(width): the target's pass over `width` tokens."""
-        return self.one_token_ns + self.per_token_ns * (width - 1)
+        return self.one_token_ns + self.per_token_ns * (run_width(self.step_widths, width) - 1)
+
+    def widening_ns(self, k: int) -> float:
+        """What each of k draft tokens adds to a round's pass, on average: g, or less
+        where the target runs narrow passes as wider ones anyway."""
+        return (self.compute_ns(k + 1) - self.compute_ns(1)) / k if k else self.per_token_ns
 
     def round_ns(self, k: int) -> float:
         """A round that drafts k tokens (k = 0: the drafter proposed nothing); where the
@@ -169,6 +177,7 @@ class CostEstimator:
     def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None, overlaps: bool = False,
                  max_width: int = 1):
         self.max_k, self.decay, self.overlaps, self.max_width = max_k, decay, overlaps, max_width
+        self.step_widths: tuple[int, ...] = ()  # the target's (ModelInfo.step_widths), when it pads steps
         self.branch_tokens = self.branch_nodes = 0.0  # decayed counts behind branch_yield
         self.target_runs_lookup = self.stretches_measure = self.after_stretch = False
         self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # decayed Bernoulli counts behind a
@@ -200,13 +209,13 @@ class CostEstimator:
         return Estimates(
             self.max_k, self.acceptance(hope), self.proposals / self.turns, self.draft_token_ns,
             self.one_token_ns, per_token, self.overhead_ns,
-            self.solo_token_ns if self.solo_token_ns is not None else self.one_token_ns,
+            self.solo_token_ns if self.solo_token_ns is not None else self._pass_ns(1),
             self.solo_token_ns is not None, self.one_token_measured,
             self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns,
             self.worker_k(), self.stretches_measure, self.after_stretch,
             self.stretches_in_a_row if self.rounds_since_stretch <= 1 else 0, self.empty_turns_in_a_row,
             self.rounds_since_stretch_ns, self.overlaps, self.target_runs_lookup, self.depth_acceptance(hope),
-            self.max_width, self.branch_yield(),
+            self.max_width, self.branch_yield(), self.step_widths,
         )
 
     def branch_yield(self) -> float:
@@ -251,7 +260,7 @@ class CostEstimator:
         if costs.one_token_ns:
             self.one_token_ns, self.per_token_ns = costs.one_token_ns, costs.per_token_ns
             for x in (0, 4):  # the line as two pseudo-passes, outweighed by the first real ones
-                self._add_sample(x, self._line(x + 1), 1.0)
+                self._add_sample(x, self._line(x), 1.0)
             self.overhead_ns, self.solo_token_ns = costs.overhead_ns, costs.solo_token_ns
             self.stream_start_ns, self.draft_token_ns = costs.stream_start_ns, costs.draft_token_ns
             self.overhead_measured, self.one_token_measured = True, costs.one_token_measured
@@ -343,7 +352,7 @@ class CostEstimator:
     def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
         """num_tokens decoded alone, token_ns apart (s; also a bound on c(1)): a stretch's,
         or the call's last stretch's (its start not measured; its s seeds the next call)."""
-        if token_ns < self.one_token_ns:
+        if token_ns < self._pass_ns(1):
             self._observe_compute(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
         self.one_token_measured = True
         # s ages by the rounds since it was measured, as passes do by later passes.
@@ -357,11 +366,12 @@ class CostEstimator:
             self.step_base_ns, self.step_token_ns = step.cost_base_ns, step.cost_per_token_ns
 
     def _observe_compute(self, width: int, compute_ns: float, weight: float = 1.0, age: bool = True) -> None:
-        """Refits c(w) = c(1) + g (w - 1) over all passes, the sample clipped to
+        """Refits c(w) = c(1) + g (w' - 1) over all passes, the sample clipped to
         SLOW_PASS_CLIP times the line (a fast pass is real, a slow one may be a spike)."""
+        x = run_width(self.step_widths, width) - 1
         if self._sums[0]:
-            compute_ns = min(compute_ns, SLOW_PASS_CLIP * self._line(width))
-        self._add_sample(width - 1, compute_ns, weight, age)
+            compute_ns = min(compute_ns, SLOW_PASS_CLIP * self._line(x))
+        self._add_sample(x, compute_ns, weight, age)
         n, sx, sxx, sc, sxc = self._sums
         mean_x, mean_c = sx / n, sc / n
         prior = SLOPE_PRIOR * mean_c / (1.0 + SLOPE_PRIOR * mean_x)  # g where one width tells nothing
@@ -369,14 +379,25 @@ class CostEstimator:
         g = min(max(g, 0.0), mean_c / (1.0 + mean_x))
         self.one_token_ns, self.per_token_ns = mean_c - g * mean_x, g
 
-    def _line(self, width: int) -> float:
+    def _line(self, x: float) -> float:
+        """The fitted line at x = w' - 1."""
         per_token = self.per_token_ns if self.per_token_ns is not None else SLOPE_PRIOR * self.one_token_ns
-        return self.one_token_ns + per_token * (width - 1)
+        return self.one_token_ns + per_token * x
+
+    def _pass_ns(self, width: int) -> float:
+        """c(width), as the target runs it."""
+        return self._line(run_width(self.step_widths, width) - 1)
 
     def _add_sample(self, x: float, compute_ns: float, weight: float, age: bool = True) -> None:
         decayed = [self.decay * total if age else total for total in self._sums]
         self._sums = [decayed[0] + weight, decayed[1] + weight * x, decayed[2] + weight * x * x,
                       decayed[3] + weight * compute_ns, decayed[4] + weight * x * compute_ns]
+
+
+def run_width(step_widths: tuple[int, ...], width: int) -> int:
+    """The width a target that runs steps as `step_widths` runs a pass of `width` tokens at
+    (never narrower: an entry below its width, as a faulty worker might send, is ignored)."""
+    return max(width, step_widths[width - 1]) if width <= len(step_widths) else width
 
 
 def _reach(depth_acceptance: tuple[float, ...], acceptance: float, depth: int) -> float:

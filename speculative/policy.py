@@ -106,18 +106,21 @@ def _round(e: Estimates, k: int) -> Action:
 
 def branch_reach(e: Estimates, k: int) -> float:
     """The tokens a tree's branch node must bring for its place in the pass: it widens the
-    target's pass by g, so at least g times the tokens per ns that rounds of k earn. A
-    tree is proposed while its branches' measured yield per node (`branch_yield`) pays."""
-    return min(1.0, e.per_token_ns * e.tokens_per_ns(k)) if e.measured else 1.0
+    target's pass past the chain's k + 1 tokens, so at least what that costs times the
+    tokens per ns that rounds of k earn. A tree is proposed while its branches' measured
+    yield per node (`branch_yield`) pays."""
+    if not e.measured:
+        return 1.0
+    return min(1.0, max(0.0, e.compute_ns(k + 2) - e.compute_ns(k + 1)) * e.tokens_per_ns(k))
 
 
 def stop_reach(e: Estimates, k: int) -> float:
     """The chance of acceptance below which a model drafter's next token does not pay:
-    drafting it costs d and widens the target's pass by g, so it must bring at least
-    (d + g) times the tokens per ns that rounds of k earn. 0 for a free drafter."""
+    drafting it costs d and widens the target's pass (`widening_ns`), so it must bring at
+    least that much times the tokens per ns that rounds of k earn. 0 for a free drafter."""
     if e.draft_token_ns <= 0.0:
         return 0.0
-    return min(1.0, (e.draft_token_ns + e.per_token_ns) * e.tokens_per_ns(k))
+    return min(1.0, (e.draft_token_ns + e.widening_ns(k)) * e.tokens_per_ns(k))
 
 
 def draft_ahead(e: Estimates, k: int) -> bool:

@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.estimator import HOPE, PRIOR_TRIALS, SLOW_PASS_CLIP, SOLO_TOKEN_WEIGHT, CostEstimator, expected_tokens
+from speculative.estimator import (
+    HOPE,
+    PRIOR_TRIALS,
+    SLOW_PASS_CLIP,
+    SOLO_TOKEN_WEIGHT,
+    CostEstimator,
+    expected_tokens,
+    run_width,
+)
 from speculative.rejection import NextTokenKind
 from speculative.stats import RoundStats, StepLoad
 
@@ -59,6 +67,31 @@ def test_the_target_line_and_the_round_trip_are_fitted_from_rounds():
     assert e.compute_ns(1) == pytest.approx(10 * MS, rel=0.01) and e.compute_ns(5) == pytest.approx(14 * MS, rel=0.01)
     assert e.overhead_ns == pytest.approx(5 * MS, rel=0.01)
     assert e.round_ns(4) == pytest.approx(19 * MS, rel=0.01)
+
+
+PADDED = (6, 6, 6, 6, 6, 6, 7, 8, 9)  # a CPU target running passes of 1-6 tokens as 6
+
+
+def test_a_target_that_pads_small_passes_is_priced_at_the_widths_it_runs():
+    """Passes of 2-6 tokens that all cost a 6-token pass: told the target's step widths,
+    the fit prices them alike and finds the slope past them; a line over the widths as
+    proposed cannot (the control): it underrates the narrow passes."""
+    def cost_ms(width):
+        return 100.0 + 10.0 * run_width(PADDED, width)
+
+    rounds = [round_(k, k // 2, cost_ms(k + 1)) for k in range(1, 9)]
+    told = CostEstimator(8)
+    told.step_widths = PADDED
+    e = settled(told, rounds).estimates()
+    for width in range(1, 10):
+        assert e.compute_ns(width) == pytest.approx(cost_ms(width) * MS, rel=0.01), width
+    assert e.widening_ns(5) == 0.0 and e.widening_ns(8) == pytest.approx(30 * MS / 8, rel=0.05)
+    blind = settled(CostEstimator(8), rounds).estimates()
+    assert blind.compute_ns(2) < 0.95 * cost_ms(2) * MS
+
+
+def test_a_step_width_narrower_than_its_pass_is_ignored():
+    assert [run_width((1, 5, 1), w) for w in (1, 2, 3, 4)] == [1, 5, 3, 4]
 
 
 def test_one_slow_pass_does_not_rule_anything_out():

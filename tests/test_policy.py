@@ -23,8 +23,10 @@ from speculative.policy import (
     SpeculationPolicy,
     StretchRules,
     Turn,
+    branch_reach,
     decide,
     draft_ahead,
+    stop_reach,
 )
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
@@ -806,9 +808,26 @@ def test_a_model_drafter_stops_where_its_next_token_earns_less_than_the_round(e)
     if e.draft_token_ns == 0.0:
         assert action.min_reach == 0.0
     else:
-        earned = (e.draft_token_ns + e.per_token_ns) * e.tokens_per_ns(action.k)
+        earned = (e.draft_token_ns + e.widening_ns(action.k)) * e.tokens_per_ns(action.k)
         assert action.min_reach == pytest.approx(min(1.0, earned))
         assert (action.min_reach > 0.0) == (earned > 0.0) and action.min_reach <= 1.0  # 0 only by underflow
+
+
+def test_draft_tokens_within_a_padded_pass_cost_only_their_drafting():
+    """A target that runs passes of 1-6 tokens as 6 (a CPU's cheapest width): tokens up
+    to k = 5 widen nothing, so a model drafter stops where its next token earns less
+    than d alone, and a tree's branches there are free; past it they cost g again."""
+    plain = Estimates(
+        max_k=8, acceptance=0.7, proposal_rate=1.0, draft_token_ns=30 * MS, one_token_ns=150 * MS, per_token_ns=10 * MS,
+        overhead_ns=5 * MS, solo_token_ns=200 * MS, solo_measured=True, one_token_measured=True, stretch_start_ns=0.0,
+        worker_k=8, stretches_measure=False, after_stretch=False, losing_stretches=0, empty_turns_in_a_row=0,
+        rounds_since_stretch_ns=0.0)
+    padded = dataclasses.replace(plain, step_widths=(6, 6, 6, 6, 6, 6, 7, 8, 9))
+    assert padded.compute_ns(2) == padded.compute_ns(6) == plain.compute_ns(6)
+    assert (padded.widening_ns(4), plain.widening_ns(4)) == (0.0, 10 * MS)
+    assert stop_reach(padded, 4) == pytest.approx(30 * MS * padded.tokens_per_ns(4))
+    assert stop_reach(plain, 4) == pytest.approx(40 * MS * plain.tokens_per_ns(4))
+    assert branch_reach(padded, 2) == 0.0 and branch_reach(padded, 6) > 0.0
 
 
 def test_a_fixed_k_never_stops_a_drafter_early():

@@ -57,3 +57,22 @@ def test_padded_steps_change_no_output(padded_and_plain, prompt_ids, k):
             assert outputs[0] == outputs[1], (k, prompt, sampling.temperature)
     hook.remove()
     assert widths and min(widths) >= 12  # every small step ran padded
+
+
+def test_a_target_worker_tells_drafters_the_widths_it_runs_steps_at():
+    """Through Info over real gRPC: the draft worker's view of the target carries the plan
+    (its adaptive calls price a pass of w tokens as one of that width); none: empty."""
+    from draft_service.target_connections import TargetConnections
+    from target_service.config import TargetConfig
+    from target_service.server import create_server
+
+    for plan in (WidthPlan((3, 3, 3, 4, 6, 6)), None):
+        loaded = load_model("tiny-random:1")
+        setattr(loaded.model, width_padding.WIDTHS_ATTR, plan)
+        service = create_server(TargetConfig(address="127.0.0.1:0"), loaded)
+        service.start()
+        try:
+            info = TargetConnections().info(f"127.0.0.1:{service.port}", timeout_s=10.0)
+        finally:
+            service.server.stop(None)
+        assert info.step_widths == (plan.run_as if plan else ())
