@@ -67,11 +67,12 @@ def lookup_stop_to_proto(stop: LookupStop) -> common_pb2.LookupStop:
 
 def lookup_rounds_from_proto(message: target_pb2.LookupRounds) -> LookupRounds:
     """InvalidArgument for sizes prompt lookup refuses, or a k out of range."""
-    return LookupRounds(lookup_stop_from_proto(message.sizes), message.max_draft_tokens)
+    return LookupRounds(lookup_stop_from_proto(message.sizes), message.max_draft_tokens, message.room)
 
 
 def lookup_rounds_to_proto(lookup: LookupRounds) -> target_pb2.LookupRounds:
-    return target_pb2.LookupRounds(sizes=lookup_stop_to_proto(lookup.sizes), max_draft_tokens=lookup.max_draft_tokens)
+    return target_pb2.LookupRounds(sizes=lookup_stop_to_proto(lookup.sizes), max_draft_tokens=lookup.max_draft_tokens,
+                                   room=lookup.room)
 
 
 def sparse_from_proto(message: common_pb2.SparseDistribution) -> SparseProbs:

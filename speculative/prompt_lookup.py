@@ -48,15 +48,21 @@ class LookupStop:
 class LookupRounds:
     """A prompt-lookup drafter's rounds, run by the target inside a stretch: each pass
     also verifies up to max_draft_tokens looked-up tokens (what the drafter would have
-    proposed there), so a free drafter's rounds cost no round trip each."""
+    proposed there), so a free drafter's rounds cost no round trip each. room: tokens
+    the call may still generate; a pass's lookup fills up to it, past the stretch's own
+    size (the stretch then ends after that pass): a stretch's size is when the drafter
+    decides again, and must not cut the copy a round of k would verify (0: the size)."""
 
     sizes: LookupStop
     max_draft_tokens: int
+    room: int = 0
 
     def __post_init__(self):
         if not 1 <= self.max_draft_tokens <= MAX_SPECULATIVE_TOKENS:
             raise InvalidArgument(f"lookup_rounds.max_draft_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                                   f"got {self.max_draft_tokens}")
+        if self.room < 0:
+            raise InvalidArgument(f"lookup_rounds.room must be >= 0 (0 = the stretch's max_tokens), got {self.room}")
 
     def proposal(self, token_ids: list[int], room: int) -> list[int]:
         """What the pass after token_ids verifies, when `room` tokens may still come."""

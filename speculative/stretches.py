@@ -40,7 +40,7 @@ class Stretches:
         """The target decodes up to num_tokens (ending where prompt lookup with `until`'s sizes finds text to
         copy; verifying up to lookup_k looked-up tokens a pass, where it runs lookup), committed through `call`."""
         stretch_start, intervals, solo = call.start_ns, [], []  # solo: intervals of passes that verified nothing
-        lookup = LookupRounds(self.lookup_sizes, lookup_k) if lookup_k and self.lookup_sizes else None
+        lookup = LookupRounds(self.lookup_sizes, lookup_k, call.room) if lookup_k and self.lookup_sizes else None
         # Only a free drafter is checked; a stretch that ends at its next proposal has none.
         shadow = ShadowRounds(self.draft, self.policy) if self.free_draft and until is None else None
         for stats, result in self._passes(call.base_len, num_tokens, until, lookup, shadow):

@@ -195,14 +195,15 @@ class TargetSession:
         sizes finds text to copy (the n-gram drafter would propose again), or once
         `stop` is set."""
         length, left = base_len, max_tokens
+        room = max(lookup.room, max_tokens) if lookup is not None else max_tokens  # what lookups may fill
         while left > 0 and length < self.context_length and not (stop is not None and stop.is_set()):
-            proposal = self.lookup_proposal(left, lookup)
+            proposal = self.lookup_proposal(room, lookup)
             result = yield from self.verify_steps(length, proposal)
             ends = self.decoding_ends(result, until)
             yield Emit(DecodedPass(result, proposal[: result.verdict.num_accepted], ends, time.time_ns()))
             if ends:
                 return
-            length, left = result.committed_len, left - len(result.token_ids)
+            length, left, room = result.committed_len, left - len(result.token_ids), room - len(result.token_ids)
 
     def lookup_proposal(self, max_tokens: int, lookup: LookupRounds | None) -> list[int]:
         """What the next pass of a stretch that may still decode max_tokens tokens

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -124,7 +125,9 @@ class TargetEngine:
         while decoded < max_tokens:
             size, stop, progressed = min(DECODE_RUN_TOKENS, max_tokens - decoded), threading.Event(), False
             with self.sessions.use(session_id, growth=size + extra, stop=stop) as target:
-                run = target.decode_steps(length, size, until, lookup, stop)
+                # lookups fill up to the call's room, counted from this run's start
+                run_lookup = dataclasses.replace(lookup, room=max(lookup.room - decoded, 0)) if lookup else None
+                run = target.decode_steps(length, size, until, run_lookup, stop)
                 with contextlib.closing(self.sessions.compute.stream(run, key=session_id)) as passes:
                     for one, load in passes:
                         yield Pass(one, load, last_ns)

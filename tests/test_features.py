@@ -26,7 +26,7 @@ SWITCHES = ("draft_ahead", "stretches", "target_lookup", "draft_stop")
 
 
 class EverythingPolicy(SpeculationPolicy):
-    """A round of 3 drafted ahead, then stretches of 4 with lookup, in turn; a stretch
+    """A round of 3 drafted ahead, then two stretches of 4 with lookup, in turn; a stretch
     after a turn that proposed nothing. min_reach above any chance: a model drafter
     that stops early proposes one token a round."""
 
@@ -39,7 +39,7 @@ class EverythingPolicy(SpeculationPolicy):
             return Action(stretch=4)
         self.turns += 1
         # A stretch asked for twice: the first may find a proposal ahead still to settle.
-        return Action(stretch=4, lookup_k=3) if self.turns % 3 else Action(k=3, ahead=True, min_reach=2.0)
+        return Action(stretch=4, lookup_k=3) if self.turns % 3 != 1 else Action(k=3, ahead=True, min_reach=2.0)
 
 
 class WatchingVerifier(LocalVerifier):

@@ -103,10 +103,31 @@ def test_a_stretch_that_verifies_prompt_lookup_decodes_what_the_target_alone_doe
     assert accepted >= 10 and verified > accepted  # passes verified, accepted and rejected looked-up tokens
 
 
+def test_a_stretch_size_does_not_cut_a_looked_up_copy_short(tiny_bigram, prompt_ids):
+    """With the call's room, the pass that crosses the stretch's size verifies all the
+    lookup finds (the stretch ends after it), never past the room; the tokens are the
+    target's own greedy ones."""
+    params = SamplingParams(max_new_tokens=32)
+    crossed = 0
+    for ids in prompt_ids[:8]:
+        reference = SpeculativeGenerator(tiny_bigram).generate(ids, params, k=0).token_ids
+        for size, room in ((3, 20), (5, 9)):
+            target = TargetSession(tiny_bigram, ids, params)
+            list(target.decode(len(ids), 12))  # the bigram's text repeats from here: lookup finds copies
+            results = list(target.decode(len(ids) + 12, size, lookup=LookupRounds(LookupStop(1, 3), 8, room)))
+            tokens = [t for r in results for t in r.token_ids]
+            assert tokens == reference[12 : 12 + len(tokens)] and size <= len(tokens) <= room
+            assert len(tokens) - len(results[-1].token_ids) < size  # it ended after the pass that crossed
+            crossed += len(tokens) > size
+    assert crossed >= 3  # passes really went past the size
+
+
 def test_lookup_rounds_are_bounded():
     for max_draft_tokens in (0, 17):
         with pytest.raises(InvalidArgument, match=r"max_draft_tokens must be in \[1, 16\]"):
             LookupRounds(LookupStop(1, 2), max_draft_tokens)
+    with pytest.raises(InvalidArgument, match=r"room must be >= 0"):
+        LookupRounds(LookupStop(1, 2), 4, room=-1)
 
 
 def test_prompt_lookup_sizes_are_bounded():

@@ -66,12 +66,14 @@ class Stretch(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., until_lookup: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ..., lookup_rounds: _Optional[_Union[LookupRounds, _Mapping]] = ...) -> None: ...
 
 class LookupRounds(_message.Message):
-    __slots__ = ("sizes", "max_draft_tokens")
+    __slots__ = ("sizes", "max_draft_tokens", "room")
     SIZES_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
     sizes: _common_pb2.LookupStop
     max_draft_tokens: int
-    def __init__(self, sizes: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+    room: int
+    def __init__(self, sizes: _Optional[_Union[_common_pb2.LookupStop, _Mapping]] = ..., max_draft_tokens: _Optional[int] = ..., room: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("session_id", "round", "base_len", "decision", "stretch_pass", "discarded")
