@@ -5,6 +5,7 @@ target's errors as the draft's caller should see them."""
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ class TargetInfo:
     model_id: str
     tokenizer_fingerprint: str
     context_length: int | None  # tokens; None = the target did not say
-    step_widths: tuple[int, ...] = ()  # [w - 1] the width a step of w tokens runs at (empty: w)
+    step_ms: tuple[float, ...] = ()  # [w - 1] what the target timed a step of w tokens to cost (empty: not)
 
 
 class TargetConnections:
@@ -92,7 +93,7 @@ class TargetConnections:
             raise as_target_error(address, error) from None
         model = response.model
         info = TargetInfo(model.model_id, model.tokenizer_fingerprint, model.context_length or None,
-                          tuple(model.step_widths))
+                          _step_ms(model.step_ms))
         with self._lock:
             self._infos[address] = info
             self._reached.add(address)
@@ -136,3 +137,9 @@ def as_target_error(address: str, error: grpc.RpcError) -> Exception:
         # UNIMPLEMENTED would claim that this draft lacks Speculate.
         return InvalidArgument(f"target.worker_address {address} serves no TargetService: {error.details()}")
     return TargetRpcError.from_rpc_error(address, error)
+
+
+def _step_ms(reported) -> tuple[float, ...]:
+    """The target's step costs, or none where it sent any that are not a positive time."""
+    costs = tuple(reported)
+    return costs if all(math.isfinite(ms) and ms > 0 for ms in costs) else ()

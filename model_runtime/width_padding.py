@@ -34,6 +34,7 @@ class WidthPlan:
     """The width each step of 1..MAX_WIDTH rows runs at."""
 
     run_as: tuple[int, ...]  # [rows - 1] the width to run
+    costs_ms: tuple[float, ...] = ()  # [rows - 1] what a step of that many rows costs, run so
 
     @classmethod
     def from_costs(cls, costs: dict[int, float]) -> WidthPlan:
@@ -46,7 +47,7 @@ class WidthPlan:
                 if wider > rows and costs[wider] < MARGIN * costs[best]:
                     best = wider
             run_as.append(best)
-        return cls(tuple(run_as))
+        return cls(tuple(run_as), tuple(costs[width] for width in run_as))
 
     def width(self, rows: int) -> int:
         return self.run_as[rows - 1] if rows <= len(self.run_as) else rows
@@ -88,8 +89,8 @@ def plan_of(model: PreTrainedModel) -> WidthPlan | None:
     return getattr(model, WIDTHS_ATTR, None)
 
 
-def step_widths(model: PreTrainedModel) -> tuple[int, ...]:
-    """The width a step of 1..MAX_WIDTH rows runs at (empty: not calibrated, each its own),
-    as the worker tells callers that price its steps (ModelInfo.step_widths)."""
+def step_costs(model: PreTrainedModel) -> tuple[float, ...]:
+    """What a step of 1..MAX_WIDTH rows costs as it runs, in ms (empty: not calibrated),
+    as the worker tells callers that price its steps (ModelInfo.step_ms)."""
     plan = plan_of(model)
-    return plan.run_as if plan is not None else ()
+    return plan.costs_ms if plan is not None else ()

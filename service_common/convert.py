@@ -200,9 +200,9 @@ def generation_stats_to_proto(stats: GenerationStats, orchestrator_ns: int = 0, 
     )
 
 
-def model_info(loaded, device: str, step_widths: Sequence[int] = ()) -> common_pb2.ModelInfo:
+def model_info(loaded, device: str, step_ms: Sequence[float] = ()) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
         model_id=loaded.name, tokenizer_fingerprint=loaded.fingerprint, vocab_size=loaded.vocab_size,
         context_length=loaded.context_length, device=device, dtype=str(loaded.dtype).removeprefix("torch."),
-        step_widths=list(step_widths),
+        step_ms=list(step_ms),
     )

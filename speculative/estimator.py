@@ -12,10 +12,12 @@ al. 2023 plus a per-round delay. In nanoseconds where a time:
   target decoded; unbiased under sampling, a looked-up token being proposed with
   certainty).
 - f, the share of the drafter's turns that proposed anything; d, drafting per token.
-- c(w) = c(1) + g (w' - 1), the target's pass over w tokens run as w' >= w tokens (a
-  CPU target pads small steps to the cheapest width, `step_widths`; else w' = w), a line
-  fitted to every pass by decayed least squares; R, the rest of a round (network,
-  queueing, the verdict).
+- c(w) = c0 + g x(w), the target's pass over w tokens, a line fitted to every pass by
+  decayed least squares: x = w - 1, or where the target reports what it timed a pass
+  of each width to cost (`step_costs`: a CPU's kernels are not monotone in the width,
+  and the worker pads small steps to the cheapest), x = that time over the cheapest
+  one's, less 1, so the fit scales the worker's own curve to what the call measures;
+  R, the rest of a round (network, queueing, the verdict).
 - s, a token decoded alone in a stretch (c(1) until one is measured); o, what starting
   a stretch costs past its tokens (prior 2 R).
 - load: the B sessions sharing the target's steps and its step cost, which cap k
@@ -41,6 +43,8 @@ SOLO_TOKEN_WEIGHT = 0.1
 # g / c(1) before passes of two widths tell it: a memory-bound target, the common case.
 SLOPE_PRIOR = 0.1
 SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
+# g / c0 where the target reported step costs: a pass costs what the worker timed it to.
+STEP_COSTS_SLOPE_PRIOR = 1.0
 # A pass slower than this many times the line counts as this slow: a burst of load must
 # not rule a width out; a lasting slowdown is still learnt, a clipped step at a time.
 SLOW_PASS_CLIP = 1.25
@@ -107,7 +111,7 @@ class Estimates:
     depth_acceptance: tuple[float, ...] = ()
     max_width: int = 1  # the most continuations a round may propose as a token tree
     branch_yield: float = 0.0  # accepted tokens per tree node off the first path
-    step_widths: tuple[int, ...] = ()  # [w - 1] the width the target runs a pass of w tokens at
+    step_costs: tuple[float, ...] = ()  # [w - 1] what the target timed a pass of w tokens to cost
 
     @property
     def measured(self) -> bool:
@@ -123,7 +127,7 @@ class Estimates:
 
     def compute_ns(self, width: int) -> float:
         """c(width): the target's pass over `width` tokens."""
-        return self.one_token_ns + self.per_token_ns * (run_width(self.step_widths, width) - 1)
+        return self.one_token_ns + self.per_token_ns * pass_x(self.step_costs, width)
 
     def widening_ns(self, k: int) -> float:
         """What each of k draft tokens adds to a round's pass, on average: g, or less
@@ -164,10 +168,12 @@ class Estimates:
 
     def best_k(self) -> int:
         """The fastest k in 1..max_k, at most worker_k (when that is above 0); the
-        smaller k on a tie. Before any measurement: relative costs (c(w) = 1 + SLOPE_PRIOR w)."""
+        smaller k on a tie. Before any measurement: relative costs (c = 1 + slope prior x)."""
         largest = max(1, min(self.max_k, self.worker_k))
         if not self.measured:
-            return max(range(1, largest + 1), key=lambda k: (self.expected_tokens(k) / (1 + SLOPE_PRIOR * k), -k))
+            slope = STEP_COSTS_SLOPE_PRIOR if self.step_costs else SLOPE_PRIOR
+            return max(range(1, largest + 1),
+                       key=lambda k: (self.expected_tokens(k) / (1 + slope * pass_x(self.step_costs, k + 1)), -k))
         return max(range(1, largest + 1), key=lambda k: (self.tokens_per_ns(k), -k))
 
 
@@ -177,7 +183,7 @@ class CostEstimator:
     def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None, overlaps: bool = False,
                  max_width: int = 1):
         self.max_k, self.decay, self.overlaps, self.max_width = max_k, decay, overlaps, max_width
-        self.step_widths: tuple[int, ...] = ()  # the target's (ModelInfo.step_widths), when it pads steps
+        self.step_costs: tuple[float, ...] = ()  # the target's (ModelInfo.step_ms), where it timed its steps
         self.branch_tokens = self.branch_nodes = 0.0  # decayed counts behind branch_yield
         self.target_runs_lookup = self.stretches_measure = self.after_stretch = False
         self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # decayed Bernoulli counts behind a
@@ -204,7 +210,7 @@ class CostEstimator:
         return self.one_token_ns > 0
 
     def estimates(self) -> Estimates:
-        per_token = self.per_token_ns if self.per_token_ns is not None else SLOPE_PRIOR * self.one_token_ns
+        per_token = self.per_token_ns if self.per_token_ns is not None else self._slope_prior * self.one_token_ns
         hope = HOPE if self.one_token_ns else 0.0
         return Estimates(
             self.max_k, self.acceptance(hope), self.proposals / self.turns, self.draft_token_ns,
@@ -215,7 +221,7 @@ class CostEstimator:
             self.worker_k(), self.stretches_measure, self.after_stretch,
             self.stretches_in_a_row if self.rounds_since_stretch <= 1 else 0, self.empty_turns_in_a_row,
             self.rounds_since_stretch_ns, self.overlaps, self.target_runs_lookup, self.depth_acceptance(hope),
-            self.max_width, self.branch_yield(), self.step_widths,
+            self.max_width, self.branch_yield(), self.step_costs,
         )
 
     def branch_yield(self) -> float:
@@ -368,25 +374,29 @@ class CostEstimator:
     def _observe_compute(self, width: int, compute_ns: float, weight: float = 1.0, age: bool = True) -> None:
         """Refits c(w) = c(1) + g (w' - 1) over all passes, the sample clipped to
         SLOW_PASS_CLIP times the line (a fast pass is real, a slow one may be a spike)."""
-        x = run_width(self.step_widths, width) - 1
+        x = pass_x(self.step_costs, width)
         if self._sums[0]:
             compute_ns = min(compute_ns, SLOW_PASS_CLIP * self._line(x))
         self._add_sample(x, compute_ns, weight, age)
         n, sx, sxx, sc, sxc = self._sums
         mean_x, mean_c = sx / n, sc / n
-        prior = SLOPE_PRIOR * mean_c / (1.0 + SLOPE_PRIOR * mean_x)  # g where one width tells nothing
+        slope = self._slope_prior
+        prior = slope * mean_c / (1.0 + slope * mean_x)  # g where one width tells nothing
         g = (sxc / n - mean_x * mean_c + SLOPE_PRIOR_WEIGHT * prior) / (sxx / n - mean_x**2 + SLOPE_PRIOR_WEIGHT)
         g = min(max(g, 0.0), mean_c / (1.0 + mean_x))
         self.one_token_ns, self.per_token_ns = mean_c - g * mean_x, g
 
+    @property
+    def _slope_prior(self) -> float:
+        return STEP_COSTS_SLOPE_PRIOR if self.step_costs else SLOPE_PRIOR
+
     def _line(self, x: float) -> float:
-        """The fitted line at x = w' - 1."""
-        per_token = self.per_token_ns if self.per_token_ns is not None else SLOPE_PRIOR * self.one_token_ns
+        """The fitted line at x."""
+        per_token = self.per_token_ns if self.per_token_ns is not None else self._slope_prior * self.one_token_ns
         return self.one_token_ns + per_token * x
 
     def _pass_ns(self, width: int) -> float:
-        """c(width), as the target runs it."""
-        return self._line(run_width(self.step_widths, width) - 1)
+        return self._line(pass_x(self.step_costs, width))
 
     def _add_sample(self, x: float, compute_ns: float, weight: float, age: bool = True) -> None:
         decayed = [self.decay * total if age else total for total in self._sums]
@@ -394,10 +404,16 @@ class CostEstimator:
                       decayed[3] + weight * compute_ns, decayed[4] + weight * x * compute_ns]
 
 
-def run_width(step_widths: tuple[int, ...], width: int) -> int:
-    """The width a target that runs steps as `step_widths` runs a pass of `width` tokens at
-    (never narrower: an entry below its width, as a faulty worker might send, is ignored)."""
-    return max(width, step_widths[width - 1]) if width <= len(step_widths) else width
+def pass_x(step_costs: tuple[float, ...], width: int) -> float:
+    """Where a pass of `width` tokens sits on the line c0 + g x: w - 1, or with the target's
+    timed `step_costs`, its cost over the cheapest width's, less 1 (past the timed widths,
+    on at their mean slope)."""
+    if not step_costs:
+        return width - 1.0
+    cost = step_costs[min(width, len(step_costs)) - 1]
+    if width > len(step_costs):
+        cost += (width - len(step_costs)) * max(0.0, (step_costs[-1] - step_costs[0]) / max(len(step_costs) - 1, 1))
+    return cost / min(step_costs) - 1.0
 
 
 def _reach(depth_acceptance: tuple[float, ...], acceptance: float, depth: int) -> float:

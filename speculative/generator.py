@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from model_runtime.fingerprint import check_compatible
 from model_runtime.loading import LoadedModel
-from model_runtime.width_padding import step_widths
+from model_runtime.width_padding import step_costs
 from speculative.drafter_base import Drafter, DraftSession
 from speculative.errors import StaleProposal
 from speculative.estimator import MeasuredCosts
@@ -111,7 +111,7 @@ class SpeculativeGenerator:
         adaptive = isinstance(policy, AdaptiveK)
         if adaptive and not policy.estimator.measured and self.measured_costs is not None:
             policy.estimator.seed(self.measured_costs)
-        policy.estimator.step_widths = step_widths(self.target.model)  # where it pads its passes
+        policy.estimator.step_costs = step_costs(self.target.model)  # where it timed its passes
         target = TargetSession(self.target, prompt_token_ids, params)
         draft = self._open_draft(prompt_token_ids, params, policy)
         stats = GenerationStats(prefill_ns=time.perf_counter_ns() - start)

@@ -64,7 +64,7 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
     servicer = TargetServicer(
         SessionCache(loaded, config.max_sessions, config.max_cached_tokens, compute),
         worker_id=config.resolved_worker_id(),
-        model_info=model_info(loaded, describe_device(loaded, config.tensor_parallel), width_padding.step_widths(loaded.model)),
+        model_info=model_info(loaded, describe_device(loaded, config.tensor_parallel), width_padding.step_costs(loaded.model)),
         default_max_new_tokens=config.default_max_new_tokens,
         admission=admission,
     )

@@ -16,7 +16,7 @@ from speculative.estimator import (
     SOLO_TOKEN_WEIGHT,
     CostEstimator,
     expected_tokens,
-    run_width,
+    pass_x,
 )
 from speculative.rejection import NextTokenKind
 from speculative.stats import RoundStats, StepLoad
@@ -69,29 +69,30 @@ def test_the_target_line_and_the_round_trip_are_fitted_from_rounds():
     assert e.round_ns(4) == pytest.approx(19 * MS, rel=0.01)
 
 
-PADDED = (6, 6, 6, 6, 6, 6, 7, 8, 9)  # a CPU target running passes of 1-6 tokens as 6
+# What a CPU target timed its passes of 1-9 tokens to cost, as it runs them (ms; passes
+# of 1-4 tokens padded to 6, a 5-token pass dearer than a 6-token one).
+STEP_MS = (181.0, 181.0, 181.0, 181.0, 189.0, 181.0, 228.0, 230.0, 231.0)
 
 
-def test_a_target_that_pads_small_passes_is_priced_at_the_widths_it_runs():
-    """Passes of 2-6 tokens that all cost a 6-token pass: told the target's step widths,
-    the fit prices them alike and finds the slope past them; a line over the widths as
-    proposed cannot (the control): it underrates the narrow passes."""
-    def cost_ms(width):
-        return 100.0 + 10.0 * run_width(PADDED, width)
-
-    rounds = [round_(k, k // 2, cost_ms(k + 1)) for k in range(1, 9)]
+def test_a_target_that_reports_its_step_costs_is_priced_by_them():
+    """Passes that cost 1.1 times what the worker timed (a longer context): told the
+    worker's curve, the fit scales it to what the call measures, a 5-token pass dearer
+    than a 6-token one and a token in a padded pass free; a line over the widths cannot
+    (the control)."""
+    rounds = [round_(k, k // 2, 1.1 * STEP_MS[k]) for k in range(1, 9)]
     told = CostEstimator(8)
-    told.step_widths = PADDED
+    told.step_costs = STEP_MS
     e = settled(told, rounds).estimates()
     for width in range(1, 10):
-        assert e.compute_ns(width) == pytest.approx(cost_ms(width) * MS, rel=0.01), width
-    assert e.widening_ns(5) == 0.0 and e.widening_ns(8) == pytest.approx(30 * MS / 8, rel=0.05)
+        assert e.compute_ns(width) == pytest.approx(1.1 * STEP_MS[width - 1] * MS, rel=0.01), width
+    assert e.compute_ns(5) > e.compute_ns(6) and e.widening_ns(5) == pytest.approx(0.0, abs=0.01 * MS)
     blind = settled(CostEstimator(8), rounds).estimates()
-    assert blind.compute_ns(2) < 0.95 * cost_ms(2) * MS
+    assert blind.compute_ns(5) <= blind.compute_ns(6) and blind.widening_ns(5) > 0.02 * 1.1 * STEP_MS[0] * MS / 5
 
 
-def test_a_step_width_narrower_than_its_pass_is_ignored():
-    assert [run_width((1, 5, 1), w) for w in (1, 2, 3, 4)] == [1, 5, 3, 4]
+def test_a_pass_is_placed_on_the_line_by_its_timed_cost():
+    assert [pass_x((), w) for w in (1, 3)] == [0.0, 2.0]  # nothing timed: w - 1
+    assert [pass_x((100.0, 50.0, 150.0), w) for w in (1, 2, 3, 4)] == [1.0, 0.0, 2.0, 2.5]  # on at the mean slope
 
 
 def test_one_slow_pass_does_not_rule_anything_out():

@@ -814,16 +814,17 @@ def test_a_model_drafter_stops_where_its_next_token_earns_less_than_the_round(e)
 
 
 def test_draft_tokens_within_a_padded_pass_cost_only_their_drafting():
-    """A target that runs passes of 1-6 tokens as 6 (a CPU's cheapest width): tokens up
-    to k = 5 widen nothing, so a model drafter stops where its next token earns less
-    than d alone, and a tree's branches there are free; past it they cost g again."""
+    """A target whose passes of 1-6 tokens all cost one of 6 (a CPU's cheapest width, as
+    its step costs say): tokens up to k = 5 widen nothing, so a model drafter stops where
+    its next token earns less than d alone, and a tree's branches there are free; past
+    it they cost again."""
     plain = Estimates(
         max_k=8, acceptance=0.7, proposal_rate=1.0, draft_token_ns=30 * MS, one_token_ns=150 * MS, per_token_ns=10 * MS,
         overhead_ns=5 * MS, solo_token_ns=200 * MS, solo_measured=True, one_token_measured=True, stretch_start_ns=0.0,
         worker_k=8, stretches_measure=False, after_stretch=False, losing_stretches=0, empty_turns_in_a_row=0,
         rounds_since_stretch_ns=0.0)
-    padded = dataclasses.replace(plain, step_widths=(6, 6, 6, 6, 6, 6, 7, 8, 9))
-    assert padded.compute_ns(2) == padded.compute_ns(6) == plain.compute_ns(6)
+    padded = dataclasses.replace(plain, per_token_ns=150 * MS, step_costs=(200.0,) * 6 + (250.0, 260.0, 270.0))
+    assert padded.compute_ns(2) == padded.compute_ns(6) == 150 * MS < padded.compute_ns(7)
     assert (padded.widening_ns(4), plain.widening_ns(4)) == (0.0, 10 * MS)
     assert stop_reach(padded, 4) == pytest.approx(30 * MS * padded.tokens_per_ns(4))
     assert stop_reach(plain, 4) == pytest.approx(40 * MS * plain.tokens_per_ns(4))

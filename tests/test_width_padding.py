@@ -18,6 +18,7 @@ from speculative.sampling import SamplingParams
 def test_a_step_runs_at_the_cheapest_width_at_least_as_wide():
     plan = WidthPlan.from_costs({1: 230.0, 2: 290.0, 3: 190.0, 4: 200.0, 5: 180.0})
     assert [plan.width(rows) for rows in range(1, 6)] == [3, 3, 3, 4, 5]  # 5 saves 10% on 4 only at the margin
+    assert plan.costs_ms == (190.0, 190.0, 190.0, 200.0, 180.0)  # what each runs at costs
     assert plan.width(9) == 9  # beyond the calibrated widths: as it is
     assert padded_rows(1, plan) == 3 and padded_rows(1) == 1 and padded_rows(82, plan) == 88
 
@@ -59,14 +60,14 @@ def test_padded_steps_change_no_output(padded_and_plain, prompt_ids, k):
     assert widths and min(widths) >= 12  # every small step ran padded
 
 
-def test_a_target_worker_tells_drafters_the_widths_it_runs_steps_at():
-    """Through Info over real gRPC: the draft worker's view of the target carries the plan
-    (its adaptive calls price a pass of w tokens as one of that width); none: empty."""
+def test_a_target_worker_tells_drafters_what_its_steps_cost():
+    """Through Info over real gRPC: the draft worker's view of the target carries what
+    its steps cost as they run (adaptive calls price passes by it); none: empty."""
     from draft_service.target_connections import TargetConnections
     from target_service.config import TargetConfig
     from target_service.server import create_server
 
-    for plan in (WidthPlan((3, 3, 3, 4, 6, 6)), None):
+    for plan in (WidthPlan((3, 3, 3, 4, 6, 6), (5.0, 5.0, 5.0, 6.5, 7.0, 7.0)), None):
         loaded = load_model("tiny-random:1")
         setattr(loaded.model, width_padding.WIDTHS_ATTR, plan)
         service = create_server(TargetConfig(address="127.0.0.1:0"), loaded)
@@ -75,4 +76,13 @@ def test_a_target_worker_tells_drafters_the_widths_it_runs_steps_at():
             info = TargetConnections().info(f"127.0.0.1:{service.port}", timeout_s=10.0)
         finally:
             service.server.stop(None)
-        assert info.step_widths == (plan.run_as if plan else ())
+        assert info.step_ms == (plan.costs_ms if plan else ())
+
+
+def test_step_costs_that_are_not_times_are_ignored():
+    """A faulty worker's step costs (zero, negative, not a number) price nothing."""
+    from draft_service.target_connections import _step_ms
+
+    assert _step_ms([5.0, 6.5]) == (5.0, 6.5)
+    for bad in ([5.0, 0.0], [-1.0], [float("nan")], [float("inf")]):
+        assert _step_ms(bad) == ()

@@ -1,0 +1,333 @@
+"""Adaptive k against every fixed k, replayed without timing noise: the real round loop
+(speculative.speculation_loop, its policy, estimator and stretches) over recorded greedy
+traces, in virtual time, at pass costs given as numbers. Where adaptive loses to a fixed k
+here, its rule is at fault, not the machine's noise.
+
+    .venv/bin/python -m benchmarks.replay_policy record --pair smollm2   # traces (minutes)
+    .venv/bin/python -m benchmarks.replay_policy --pair smollm2          # the replay (seconds)
+
+`record` decodes each prompt kind greedily with the pair's target (chat template) and,
+for a pair with a draft model, at every position the draft's greedy continuation of
+MAX_K tokens from the target's own prefix (the draft quantized as the pair's). The replay
+then knows every verdict: a proposal is accepted up to its first token off the target's
+path. The drafters are the real ones where they cost nothing to run (prompt lookup, and
+the cascade's lookup half); the model draft is its recorded continuation.
+
+Virtual time: a draft token costs d, a target pass over w tokens the calibrated cost of
+the width the worker runs it at (model_runtime/width_padding), times a seeded log-normal
+jitter (`--jitter`); a round adds the round trip R, a stretch R once. Draft and target
+take turns (no drafting ahead), as the launcher runs a model draft on a shared host.
+Each adaptive call is seeded with what the call before it (another prompt) measured, as
+a draft worker seeds it. Costs default to the pair's as measured on the development
+machine (benchmarks/results_width_padding.md, results_drafts.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from model_runtime.fingerprint import ANY_VOCABULARY
+from model_runtime.width_padding import WidthPlan
+from speculative.drafter_base import Drafter, DraftSession, Proposal
+from speculative.policy import AdaptiveK, FixedK
+from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
+from speculative.sampling import SamplingParams
+from speculative.speculation_loop import speculation_rounds
+from speculative.types import NextTokenKind, Verdict, VerifyResult
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_K = 8
+FIXED_KS = (1, 2, 3, 4, 5, 6, 8)
+MAX_NEW_TOKENS = 64
+MS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Virtual costs in ms: a target pass over 1..len(target_ms) new tokens as timed (wider:
+    the line through the last two), a draft token, a round trip."""
+
+    target_ms: tuple[float, ...]
+    draft_ms: float
+    round_trip_ms: float
+    pad: bool = True  # the worker runs each width at its cheapest (width_padding.WidthPlan)
+
+    @property
+    def plan(self) -> WidthPlan:
+        return WidthPlan.from_costs(dict(enumerate(self.target_ms, start=1)))
+
+    def pass_ns(self, width: int) -> float:
+        run = self.plan.width(width) if self.pad else width
+        last = len(self.target_ms)
+        if run <= last:
+            return self.target_ms[run - 1] * MS
+        return (self.target_ms[-1] + (run - last) * (self.target_ms[-1] - self.target_ms[-2])) * MS
+
+
+# Calibrated pass costs of each target (ms, widths 1-12, 64 cached tokens, 2 threads;
+# results_width_padding.md), the int8 0.5B draft's token (results_drafts.md), loopback R.
+COSTS = {
+    "smollm2": Costs((40, 45, 37, 36, 38, 38, 42, 42, 44, 46, 50, 48), draft_ms=0.0, round_trip_ms=2.0),
+    "qwen": Costs((237, 287, 203, 203, 189, 181, 228, 230, 231, 260, 272, 292), draft_ms=39.0, round_trip_ms=3.0),
+}
+DRAFTERS = {"smollm2": ("ngram",), "qwen": ("model", "ngram+model")}
+
+
+def traces_path(pair: str) -> Path:
+    return REPO / "benchmarks" / f"traces_policy_{pair}.json"
+
+
+# --- virtual time ---------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self, jitter: float, seed: int):
+        self.now_ns, self.jitter, self.random = 0, jitter, random.Random(seed)
+
+    def spend(self, ns: float) -> int:
+        """Advances by ns, jittered; returns what it spent."""
+        spent = int(ns * math.exp(self.random.gauss(0.0, self.jitter))) if self.jitter else int(ns)
+        self.now_ns += spent
+        return spent
+
+
+@contextlib.contextmanager
+def virtual_time(clock: Clock):
+    """time.perf_counter_ns reads the clock (the loop times everything with it)."""
+    real = time.perf_counter_ns
+    time.perf_counter_ns = lambda: clock.now_ns
+    try:
+        yield
+    finally:
+        time.perf_counter_ns = real
+
+
+class ReplayTarget:
+    """The loop's Verifier over a recorded greedy path: `reference` is prompt + path."""
+
+    overlaps = False
+    runs_lookup = True
+
+    def __init__(self, reference: list[int], stop_ids: set[int], clock: Clock, costs: Costs):
+        self.reference, self.stop_ids, self.clock, self.costs = reference, stop_ids, clock, costs
+        self._sent: list[tuple[int, list[int]]] = []
+
+    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None) -> None:
+        assert parents is None, "the replay verifies chains"
+        self._sent.append((base_len, list(draft_token_ids)))
+
+    def receive(self) -> VerifyResult:
+        base_len, proposed = self._sent.pop(0)
+        self.clock.spend(self.costs.round_trip_ms * MS)
+        return self._pass(base_len, proposed)
+
+    def verdict_came(self) -> bool:
+        return False
+
+    def abandon_last(self) -> None:
+        raise AssertionError("nothing is drafted ahead in the replay")
+
+    def decode(self, base_len, max_tokens, until=None, lookup=None):
+        self.clock.spend(self.costs.round_trip_ms * MS)
+        length, left = base_len, max_tokens
+        room = max(lookup.room, max_tokens) if lookup is not None else max_tokens  # as TargetSession.decode_steps
+        while left > 0:
+            proposal = lookup.proposal(self.reference[:length], room) if lookup is not None else []
+            result = self._pass(length, proposal)
+            yield result
+            if result.stopped or (until is not None and until.matches(self.reference[: result.committed_len])):
+                return
+            length, left, room = result.committed_len, left - len(result.token_ids), room - len(result.token_ids)
+
+    def _pass(self, base_len: int, proposed: list[int]) -> VerifyResult:
+        truth = self.reference[base_len:]
+        accepted = 0
+        while accepted < min(len(proposed), len(truth) - 1) and proposed[accepted] == truth[accepted]:
+            accepted += 1
+        committed = truth[: accepted + 1]
+        stop = next((i for i, token in enumerate(committed) if token in self.stop_ids), None)
+        if stop is not None:
+            committed = committed[: stop + 1]
+        compute = self.clock.spend(self.costs.pass_ns(len(proposed) + 1))
+        kind = NextTokenKind.BONUS if accepted == len(proposed) else NextTokenKind.RECOVERED
+        return VerifyResult(Verdict(accepted, truth[accepted], kind), committed, base_len + len(committed),
+                            stopped=stop is not None, target_compute_ns=compute, received_ns=self.clock.now_ns,
+                            num_drafted=len(proposed))
+
+
+class ReplayDrafter(Drafter):
+    """The draft model's recorded continuations: at prefix length p, drafts[p - prompt length]."""
+
+    name, fingerprint = "replay", ANY_VOCABULARY
+
+    def __init__(self, drafts: list[list[int]], clock: Clock, costs: Costs):
+        self.drafts, self.clock, self.costs = drafts, clock, costs
+
+    def open(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> DraftSession:
+        return ReplayDraftSession(self, list(prompt_token_ids))
+
+
+class ReplayDraftSession(DraftSession):
+    def __init__(self, drafter: ReplayDrafter, token_ids: list[int]):
+        self.drafter, self.token_ids, self.prompt_len = drafter, token_ids, len(token_ids)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
+        position = self.length - self.prompt_len
+        proposal = self.drafter.drafts[position][:k] if position < len(self.drafter.drafts) else []
+        self.drafter.clock.spend(len(proposal) * self.drafter.costs.draft_ms * MS)
+        self.token_ids += proposal
+        return Proposal(proposal)
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        self.token_ids += token_ids
+
+    def truncate_to(self, length: int) -> None:
+        del self.token_ids[length:]
+
+
+# --- the replay -------------------------------------------------------------------------------
+
+
+def replay_call(trace: dict, drafter_name: str, k: int | None, costs: Costs, clock: Clock,
+                seed_from: AdaptiveK | None = None, widths_known: bool = True) -> tuple[float, AdaptiveK | None]:
+    """One call (k None: adaptive); its tokens per virtual second. Checks the output."""
+    prompt, path = trace["prompt"], trace["path"]
+    drafter = {"ngram": lambda: NgramDrafter(),
+               "model": lambda: ReplayDrafter(trace["drafts"], clock, costs),
+               "ngram+model": lambda: LookupThenModelDrafter(ReplayDrafter(trace["drafts"], clock, costs),
+                                                            NgramDrafter())}[drafter_name]()
+    params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=tuple(trace["stop_ids"]))
+    policy = FixedK(k) if k is not None else AdaptiveK(MAX_K)
+    if seed_from is not None:
+        policy.estimator.seed(seed_from.estimator.costs())
+    if widths_known and costs.pad:
+        policy.estimator.step_costs = costs.plan.costs_ms
+    target = ReplayTarget(prompt + path, set(trace["stop_ids"]), clock, costs)
+    start, out = clock.now_ns, []
+    with virtual_time(clock):
+        for result in speculation_rounds(target, drafter.open(prompt, params), len(prompt), params, policy, 1 << 20):
+            out += result.token_ids
+    assert out == path[: len(out)], "the replay diverged from the target's path"
+    return len(out) / ((clock.now_ns - start) / 1e9), (policy if k is None else None)
+
+
+def target_only_rate(trace: dict, costs: Costs) -> float:
+    """Tokens per second decoding alone (a Decode stream: a pass a token, R once)."""
+    tokens = min(MAX_NEW_TOKENS, len(trace["path"]))
+    return tokens / ((tokens * costs.pass_ns(1) + costs.round_trip_ms * MS) / 1e9)
+
+
+def replay(traces: dict, drafter_name: str, costs: Costs, jitter: float, repeats: int,
+           widths_known: bool = True) -> dict[str, dict[str, float]]:
+    """{prompt: {method: median tokens/s over the repeats}}; methods k=1.. and adaptive."""
+    rates: dict[str, dict[str, list[float]]] = {name: {} for name in traces}
+    for repeat in range(repeats):
+        clock, seeded = Clock(jitter, seed=repeat), None
+        for _ in range(2):  # the second pass is reported: every call seeded by the one before
+            for name, trace in traces.items():
+                rate, seeded = replay_call(trace, drafter_name, None, costs, clock, seeded, widths_known)
+                if _ == 1:
+                    rates[name].setdefault("adaptive", []).append(rate)
+        for name, trace in traces.items():
+            for k in FIXED_KS:
+                rates[name].setdefault(f"k={k}", []).append(replay_call(trace, drafter_name, k, costs, clock)[0])
+    return {name: {method: statistics.median(values) for method, values in by_method.items()}
+            for name, by_method in rates.items()}
+
+
+def report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int) -> str:
+    lines = [f"Costs (ms): target pass by width {list(costs.target_ms)}, run as {list(costs.plan.run_as)}"
+             f"{'' if costs.pad else ' (padding off)'}; draft token {costs.draft_ms}; round trip {costs.round_trip_ms}. "
+             f"Jitter {jitter:g} (log-normal sigma), median of {repeats} seeded repeats.", ""]
+    for drafter_name in DRAFTERS[pair]:
+        for widths_known in (True, False) if costs.pad else (True,):
+            table = replay(traces, drafter_name, costs, jitter, repeats, widths_known)
+            title = f"### {drafter_name}" + ("" if not costs.pad else
+                                             ", step costs told" if widths_known else ", step costs not told")
+            methods = [f"k={k}" for k in FIXED_KS] + ["adaptive"]
+            lines += [title, "", "| prompt | " + " | ".join(methods) + " | best fixed k | adaptive / best |",
+                      "|---" * (len(methods) + 3) + "|"]
+            ratios = []
+            for name, rates in table.items():
+                base = target_only_rate(traces[name], costs)
+                best = max((m for m in methods if m != "adaptive"), key=rates.get)
+                ratios.append(rates["adaptive"] / rates[best])
+                cells = " | ".join(f"{rates[m] / base:.2f}x" for m in methods)
+                lines.append(f"| {name} | {cells} | {best} | {ratios[-1]:.3f} |")
+            geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
+            lines += ["", f"Adaptive over the best fixed k: geometric mean {geo:.3f}, lowest {min(ratios):.3f}.", ""]
+    return "\n".join(lines)
+
+
+# --- recording --------------------------------------------------------------------------------
+
+
+def record(pair_name: str, tokens: int) -> None:
+    from benchmarks.bench_core import chat_ids
+    from benchmarks.bench_suite import PAIRS
+    from benchmarks.prompts import PROMPTS
+    from model_runtime.loading import load_model
+    from speculative.drafters import ModelDrafter
+    from speculative.generator import SpeculativeGenerator
+
+    pair = PAIRS[pair_name]
+    target = load_model(pair.target)
+    draft = load_model(pair.draft, quantize=pair.quantization) if pair.draft else None
+    stop_ids = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
+    traces = {}
+    for name in pair.prompts:
+        prompt = list(chat_ids(target.tokenizer, PROMPTS[name]))
+        # MAX_K + 1 past the replayed tokens: every proposal's verdict is known
+        params = SamplingParams(max_new_tokens=tokens + MAX_K + 1, stop_token_ids=tuple(stop_ids))
+        path = SpeculativeGenerator(target).generate(prompt, params, k=0).token_ids
+        trace = {"prompt": prompt, "path": path, "stop_ids": stop_ids}
+        if draft is not None:
+            session = ModelDrafter(draft).open(prompt, SamplingParams())
+            trace["drafts"] = []
+            for token in path:
+                length = session.length
+                trace["drafts"].append(session.propose(MAX_K).token_ids)
+                session.truncate_to(length)
+                session.append([token])
+        traces[name] = trace
+        print(f"{name}: {len(prompt)} prompt tokens, {len(path)} decoded", file=sys.stderr, flush=True)
+    traces_path(pair_name).write_text(json.dumps({"pair": [pair.target, pair.draft, pair.quantization],
+                                                  "traces": traces}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", nargs="?", choices=["record", "replay"], default="replay")
+    parser.add_argument("--pair", choices=sorted(COSTS), default="smollm2")
+    parser.add_argument("--tokens", type=int, default=MAX_NEW_TOKENS, help="record: tokens to decode")
+    parser.add_argument("--jitter", type=float, default=0.05, help="log-normal sigma of every cost")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-padding", action="store_true", help="the target runs each width as it is")
+    args = parser.parse_args(argv)
+    if args.command == "record":
+        record(args.pair, args.tokens)
+        return 0
+    costs = COSTS[args.pair]
+    if args.no_padding:
+        costs = Costs(costs.target_ms, costs.draft_ms, costs.round_trip_ms, pad=False)
+    traces = json.loads(traces_path(args.pair).read_text())["traces"]
+    print(report(args.pair, traces, costs, args.jitter, args.repeats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

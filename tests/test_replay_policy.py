@@ -1,0 +1,64 @@
+"""The policy replay (benchmarks/replay_policy.py): the real round loop over synthetic
+traces in virtual time, its arithmetic checked by hand."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from benchmarks.replay_policy import MAX_K, MAX_NEW_TOKENS, Clock, Costs, replay, replay_call
+
+PROMPT = list(range(10, 30))
+PATH = list(range(100, 100 + MAX_NEW_TOKENS + MAX_K + 1))
+FLAT = Costs((10.0,) * 12, draft_ms=1.0, round_trip_ms=0.0)  # every pass 10 ms
+
+
+def _trace(right_for: int) -> dict:
+    """A draft right for its first `right_for` tokens at every position, then wrong."""
+    drafts = [[PATH[i + j] if j < right_for and i + j < len(PATH) else 0 for j in range(MAX_K)]
+              for i in range(len(PATH))]
+    return {"prompt": PROMPT, "path": PATH, "stop_ids": [], "drafts": drafts}
+
+
+def test_a_fixed_k_costs_its_drafting_and_one_pass_a_round():
+    """Always right: a round of k = 2 commits 3 tokens for 2 ms of drafting and a 10 ms pass."""
+    rate, _ = replay_call(_trace(right_for=MAX_K), "model", 2, FLAT, Clock(0.0, 0))
+    assert rate == pytest.approx(3 / 0.012, rel=0.03)  # the last round is cut to the 64th token
+
+
+def test_a_draft_wrong_from_its_third_token_makes_k2_the_best_fixed_k():
+    rates = {k: replay_call(_trace(right_for=2), "model", k, FLAT, Clock(0.0, 0))[0] for k in (1, 2, 3, 4)}
+    assert max(rates, key=rates.get) == 2
+    assert rates[4] == pytest.approx(3 / 0.014, rel=0.03)  # 4 drafted, 2 accepted and the target's token
+
+
+def _random_trace(acceptance: float, seed: int) -> dict:
+    """A draft whose every token is right with `acceptance` once the ones before it were."""
+    rng, drafts = random.Random(seed), []
+    for i in range(len(PATH)):
+        row, right = [], True
+        for j in range(MAX_K):
+            right = right and rng.random() < acceptance
+            row.append(PATH[i + j] if right and i + j < len(PATH) else 0)
+        drafts.append(row)
+    return {"prompt": PROMPT, "path": PATH, "stop_ids": [], "drafts": drafts}
+
+
+def test_adaptive_is_within_5_percent_of_the_best_fixed_k_on_average():
+    """Over 20 drafts of one acceptance (one call's best k in hindsight is mostly luck:
+    the mean over calls is the fair bar), a draft token a fifth of a pass."""
+    costs = Costs((10.0,) * 12, draft_ms=2.0, round_trip_ms=0.5)
+    table = replay({seed: _random_trace(0.8, 100 + seed) for seed in range(20)}, "model", costs, jitter=0.0, repeats=1)
+    means = {method: statistics.fmean(rates[method] for rates in table.values()) for method in table[0]}
+    best = max(rate for method, rate in means.items() if method != "adaptive")
+    assert means["adaptive"] >= 0.95 * best
+
+
+def test_a_stop_token_on_the_path_ends_the_call():
+    trace = dict(_trace(right_for=MAX_K), stop_ids=[PATH[10]])
+    clock = Clock(0.0, 0)
+    rate, _ = replay_call(trace, "model", 4, FLAT, clock)
+    assert rate == pytest.approx(11 / (clock.now_ns / 1e9))  # 11 tokens, the stop token last
+    assert clock.now_ns == pytest.approx(3 * 14e6, rel=0.01)  # 5 + 5 + the stop in the third round
