@@ -82,6 +82,9 @@ class MeasuredCosts:
     step_base_ns: float = 0.0
     step_token_ns: float = 0.0
     stretches_measure: bool = False  # the drafter's acceptance is measured during stretches
+    # a_i by draft depth: how a pair's runs of agreement go on (a copy runs on, a model's
+    # guesses thin out) holds from call to call; the next call's prior, as light as a's.
+    depth_acceptance: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,8 @@ class CostEstimator:
         if costs.acceptance is not None:
             self.accepted, self.trials = PRIOR_TRIALS * costs.acceptance, PRIOR_TRIALS
             self.prior_counts = [self.accepted, self.trials]
+        for counts, rate in zip(self.depth_counts, costs.depth_acceptance):
+            counts[:] = [PRIOR_TRIALS * rate, PRIOR_TRIALS]
         self.batch_sessions, self.step_base_ns, self.step_token_ns = \
             costs.batch_sessions, costs.step_base_ns, costs.step_token_ns
         self.stretches_measure = costs.stretches_measure
@@ -280,7 +285,8 @@ class CostEstimator:
     def costs(self) -> MeasuredCosts:
         return MeasuredCosts(self.one_token_ns, self.per_token_ns, self.overhead_ns, self.solo_token_ns,
                              self.stream_start_ns, self.draft_token_ns, self.acceptance(), self.one_token_measured,
-                             self.batch_sessions, self.step_base_ns, self.step_token_ns, self.stretches_measure)
+                             self.batch_sessions, self.step_base_ns, self.step_token_ns, self.stretches_measure,
+                             self.depth_acceptance())
 
     # Observations.
 

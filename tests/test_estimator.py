@@ -154,6 +154,18 @@ def test_costs_carry_to_the_next_call():
     assert seeded.measured and not CostEstimator(4).measured
 
 
+def test_the_depth_profile_carries_to_the_next_call_as_a_light_prior():
+    """A draft right for 2 tokens and wrong at the third: the next call starts knowing
+    the third is rarely accepted (as lightly as its pooled prior), and its own rounds
+    outweigh that soon."""
+    earlier = settled(CostEstimator(4), [round_(4, 2, 14.0)])
+    seeded = CostEstimator(4, costs=earlier.costs())
+    assert seeded.depth_acceptance()[2] < 0.5 < seeded.depth_acceptance()[0]
+    assert CostEstimator(4, costs=dataclasses.replace(earlier.costs(), depth_acceptance=())).depth_acceptance()[2] > 0.6
+    later = settled(seeded, [round_(4, 4, 14.0)], times=10)
+    assert later.depth_acceptance()[2] > 0.8
+
+
 # Under load: the target batches B sessions per step, a step of T tokens costing about
 # base + per_token * T (what SmolLM2-135M fp32 on 2 cores measured: 40 ms + 0.9 ms a token).
 

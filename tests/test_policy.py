@@ -304,7 +304,7 @@ def test_an_earlier_calls_acceptance_carries_a_first_rejection():
     seeded = AdaptiveK(8, costs=earlier.estimator.costs())
     seeded.estimator.observe(*first_round)
     assert seeded.estimator.estimates().acceptance == pytest.approx(0.666, abs=0.01) and _is_round(seeded.next_action())
-    unseeded = AdaptiveK(8, costs=dataclasses.replace(earlier.estimator.costs(), acceptance=None))
+    unseeded = AdaptiveK(8, costs=dataclasses.replace(earlier.estimator.costs(), acceptance=None, depth_acceptance=()))
     unseeded.estimator.observe(*first_round)
     assert unseeded.next_action().stretch > 0
 
