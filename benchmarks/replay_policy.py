@@ -42,6 +42,7 @@ from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.policy import AdaptiveK, FixedK
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
+from speculative.sequence import TokenSequence
 from speculative.speculation_loop import speculation_rounds
 from speculative.types import NextTokenKind, Verdict, VerifyResult
 
@@ -179,24 +180,24 @@ class ReplayDrafter(Drafter):
 
 class ReplayDraftSession(DraftSession):
     def __init__(self, drafter: ReplayDrafter, token_ids: list[int]):
-        self.drafter, self.token_ids, self.prompt_len = drafter, token_ids, len(token_ids)
+        self.drafter, self.tokens, self.prompt_len = drafter, TokenSequence(token_ids), len(token_ids)
 
     @property
     def length(self) -> int:
-        return len(self.token_ids)
+        return len(self.tokens)
 
     def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
         position = self.length - self.prompt_len
         proposal = self.drafter.drafts[position][:k] if position < len(self.drafter.drafts) else []
         self.drafter.clock.spend(len(proposal) * self.drafter.costs.draft_ms * MS)
-        self.token_ids += proposal
+        self.tokens.append(proposal)
         return Proposal(proposal)
 
     def append(self, token_ids: Sequence[int]) -> None:
-        self.token_ids += token_ids
+        self.tokens.append(token_ids)
 
     def truncate_to(self, length: int) -> None:
-        del self.token_ids[length:]
+        self.tokens.truncate_to(length)
 
 
 # --- the replay -------------------------------------------------------------------------------
