@@ -378,7 +378,7 @@ class CostEstimator:
             self.step_base_ns, self.step_token_ns = step.cost_base_ns, step.cost_per_token_ns
 
     def _observe_compute(self, width: int, compute_ns: float, weight: float = 1.0, age: bool = True) -> None:
-        """Refits c(w) = c(1) + g (w' - 1) over all passes, the sample clipped to
+        """Refits c(w) = c0 + g x(w) over all passes, the sample clipped to
         SLOW_PASS_CLIP times the line (a fast pass is real, a slow one may be a spike)."""
         x = pass_x(self.step_costs, width)
         if self._sums[0]:

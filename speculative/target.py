@@ -190,7 +190,8 @@ class TargetSession:
         """Target-only decoding as a streaming job: up to max_tokens tokens from
         base_len, a pass each, or, with `lookup`, passes that also verify the tokens
         prompt lookup finds to copy (a prompt-lookup drafter's rounds, run by the
-        target); each pass emitted as a DecodedPass once decided. Ends after a stop
+        target; the pass that reaches max_tokens verifies up to `lookup.room`, so it
+        may end past it); each pass emitted as a DecodedPass once decided. Ends after a stop
         token, a full context, the first token at which prompt lookup with `until`'s
         sizes finds text to copy (the n-gram drafter would propose again), or once
         `stop` is set."""
