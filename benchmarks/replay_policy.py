@@ -216,7 +216,7 @@ def replay_call(trace: dict, drafter_name: str, k: int | None, costs: Costs, clo
     if seed_from is not None:
         policy.estimator.seed(seed_from.estimator.costs())
     if widths_known and costs.pad:
-        policy.estimator.step_costs = costs.plan.costs_ms
+        policy.estimator.passes.step_costs = costs.plan.costs_ms
     target = ReplayTarget(prompt + path, set(trace["stop_ids"]), clock, costs)
     start, out = clock.now_ns, []
     with virtual_time(clock):

@@ -124,7 +124,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             context_length = check_start(entry, request, plan, self.drafters, target)
             apply_settings(entry.draft, plan.settings)
             adaptive = self._adaptive_policy(entry, plan)
-            plan.policy.estimator.step_costs = target.step_ms  # its passes priced by its own timing
+            plan.policy.estimator.passes.step_costs = target.step_ms  # its passes priced by its own timing
             # The rounds run as long as the caller waits for them (no cap on the whole
             # call: under load, a long generation is slow, not hung).
             verifier = RemoteVerifier(

@@ -12,11 +12,7 @@ al. 2023 plus a per-round delay. In nanoseconds where a time:
   target decoded; unbiased under sampling, a looked-up token being proposed with
   certainty).
 - f, the share of the drafter's turns that proposed anything; d, drafting per token.
-- c(w) = c0 + g x(w), the target's pass over w tokens, a line fitted to every pass by
-  decayed least squares: x = w - 1, or where the target reports what it timed a pass
-  of each width to cost (`step_costs`: a CPU's kernels are not monotone in the width,
-  and the worker pads small steps to the cheapest), x = that time over the cheapest
-  one's, less 1, so the fit scales the worker's own curve to what the call measures;
+- c(w) = c0 + g x(w), the target's pass over w tokens (`pass_costs.PassCostFit`);
   R, the rest of a round (network, queueing, the verdict).
 - s, a token decoded alone in a stretch (c(1) until one is measured); o, what starting
   a stretch costs past its tokens (prior 2 R).
@@ -32,6 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from speculative.pass_costs import PassCostFit, pass_x, slope_prior
+
 if TYPE_CHECKING:
     from speculative.stats import RoundStats, StepLoad
 
@@ -40,14 +38,6 @@ HOPE = 1.0  # accepted draft tokens added to the evidence when deciding
 # A token decoded alone weighs this much of a pass in the fit of c(w), and does not age
 # the passes: a long stretch refines c(1) without erasing what wider passes cost.
 SOLO_TOKEN_WEIGHT = 0.1
-# g / c(1) before passes of two widths tell it: a memory-bound target, the common case.
-SLOPE_PRIOR = 0.1
-SLOPE_PRIOR_WEIGHT = 0.25  # of the prior slope against the widths' variance
-# g / c0 where the target reported step costs: a pass costs what the worker timed it to.
-STEP_COSTS_SLOPE_PRIOR = 1.0
-# A pass slower than this many times the line counts as this slow: a burst of load must
-# not rule a width out; a lasting slowdown is still learnt, a clipped step at a time.
-SLOW_PASS_CLIP = 1.25
 # A tree's branch nodes yield this many accepted tokens each before measured, weighing as
 # many nodes: where a node costs the pass less (policy.branch_reach), trees are tried, and
 # tried again once what they measured has aged.
@@ -174,10 +164,56 @@ class Estimates:
         smaller k on a tie. Before any measurement: relative costs (c = 1 + slope prior x)."""
         largest = max(1, min(self.max_k, self.worker_k))
         if not self.measured:
-            slope = STEP_COSTS_SLOPE_PRIOR if self.step_costs else SLOPE_PRIOR
+            slope = slope_prior(self.step_costs)
             return max(range(1, largest + 1),
                        key=lambda k: (self.expected_tokens(k) / (1 + slope * pass_x(self.step_costs, k + 1)), -k))
         return max(range(1, largest + 1), key=lambda k: (self.tokens_per_ns(k), -k))
+
+
+class AcceptanceCounts:
+    """Decayed Bernoulli counts behind a and a_i: draft tokens until the first rejection,
+    the accepted ones and the rejected one if any; a's prior is 0.5 over PRIOR_TRIALS."""
+
+    def __init__(self, max_k: int, decay: float):
+        self.decay = decay
+        self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # behind a
+        # [max_k] (accepted, reached) behind a_i, per draft token depth; a's counts are
+        # these summed over the depths, plus the prior's
+        self.depth_counts = [[0.0, 0.0] for _ in range(max_k)]
+        self.prior_counts = [0.5 * PRIOR_TRIALS, PRIOR_TRIALS]
+
+    def rate(self, hope: float = 0.0) -> float:
+        """a, read with `hope` more accepted tokens (decisions read it hopeful)."""
+        return (self.accepted + hope) / (self.trials + hope)
+
+    def depth_rates(self, hope: float = 0.0) -> tuple[float, ...]:
+        """a_i for depths 1..max_k, read with `hope` more accepted tokens; a depth no
+        round reached takes the deepest reached one's (a, before any)."""
+        prior_accepted, prior_trials = self.prior_counts
+        last = self.rate(hope)
+        rates = []
+        for accepted, reached in self.depth_counts:
+            if reached > 0:
+                last = (prior_accepted + accepted + hope) / (prior_trials + reached + hope)
+            rates.append(last)
+        return tuple(rates)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        rejected = num_accepted < num_drafted
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.trials = self.decay * self.trials + num_accepted + rejected
+        self.prior_counts = [self.decay * count for count in self.prior_counts]
+        for depth, counts in enumerate(self.depth_counts):  # depth 0: the first draft token
+            counts[0] = self.decay * counts[0] + (depth < num_accepted)
+            counts[1] = self.decay * counts[1] + (depth <= num_accepted and depth < num_drafted)
+
+    def seed(self, acceptance: float | None, depth_acceptance: tuple[float, ...]) -> None:
+        """An earlier call's rates, as priors as light as the default one."""
+        if acceptance is not None:
+            self.accepted, self.trials = PRIOR_TRIALS * acceptance, PRIOR_TRIALS
+            self.prior_counts = [self.accepted, self.trials]
+        for counts, rate in zip(self.depth_counts, depth_acceptance):
+            counts[:] = [PRIOR_TRIALS * rate, PRIOR_TRIALS]
 
 
 class CostEstimator:
@@ -186,17 +222,11 @@ class CostEstimator:
     def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None, overlaps: bool = False,
                  max_width: int = 1):
         self.max_k, self.decay, self.overlaps, self.max_width = max_k, decay, overlaps, max_width
-        self.step_costs: tuple[float, ...] = ()  # the target's (ModelInfo.step_ms), where it timed its steps
+        self.passes = PassCostFit(decay)  # c(w)
+        self.acceptances = AcceptanceCounts(max_k, decay)  # a and a_i
         self.branch_tokens = self.branch_nodes = 0.0  # decayed counts behind branch_yield
         self.target_runs_lookup = self.stretches_measure = self.after_stretch = False
-        self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # decayed Bernoulli counts behind a
-        # [max_k] decayed (accepted, reached) counts behind a_i, per draft token depth;
-        # a's counts are these summed over the depths, plus the prior's
-        self.depth_counts = [[0.0, 0.0] for _ in range(max_k)]
-        self.prior_counts = [0.5 * PRIOR_TRIALS, PRIOR_TRIALS]
         self.proposals, self.turns = 1.0, 2.0  # decayed counts behind f (prior 0.5)
-        self.one_token_ns, self.per_token_ns = 0.0, None  # the line c(w), once fitted
-        self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum c, sum x c over passes (x = w - 1)
         self.draft_token_ns = self.overhead_ns = 0.0
         self.solo_token_ns: float | None = None
         self.stream_start_ns: float | None = None
@@ -210,42 +240,25 @@ class CostEstimator:
     @property
     def measured(self) -> bool:
         """The target's passes were measured (rounds, a stretch's passes, or an earlier call)."""
-        return self.one_token_ns > 0
+        return self.passes.one_token_ns > 0
 
     def estimates(self) -> Estimates:
-        per_token = self.per_token_ns if self.per_token_ns is not None else self._slope_prior * self.one_token_ns
-        hope = HOPE if self.one_token_ns else 0.0
+        passes, hope = self.passes, HOPE if self.measured else 0.0
         return Estimates(
-            self.max_k, self.acceptance(hope), self.proposals / self.turns, self.draft_token_ns,
-            self.one_token_ns, per_token, self.overhead_ns,
-            self.solo_token_ns if self.solo_token_ns is not None else self._pass_ns(1),
+            self.max_k, self.acceptances.rate(hope), self.proposals / self.turns, self.draft_token_ns,
+            passes.one_token_ns, passes.slope, self.overhead_ns,
+            self.solo_token_ns if self.solo_token_ns is not None else passes.pass_ns(1),
             self.solo_token_ns is not None, self.one_token_measured,
             self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns,
             self.worker_k(), self.stretches_measure, self.after_stretch,
             self.stretches_in_a_row if self.rounds_since_stretch <= 1 else 0, self.empty_turns_in_a_row,
-            self.rounds_since_stretch_ns, self.overlaps, self.target_runs_lookup, self.depth_acceptance(hope),
-            self.max_width, self.branch_yield(), self.step_costs,
+            self.rounds_since_stretch_ns, self.overlaps, self.target_runs_lookup, self.acceptances.depth_rates(hope),
+            self.max_width, self.branch_yield(), passes.step_costs,
         )
 
     def branch_yield(self) -> float:
         return ((BRANCH_PRIOR_YIELD * BRANCH_PRIOR_NODES + self.branch_tokens)
                 / (BRANCH_PRIOR_NODES + self.branch_nodes))
-
-    def depth_acceptance(self, hope: float = 0.0) -> tuple[float, ...]:
-        """a_i for depths 1..max_k, read with `hope` more accepted tokens; a depth no
-        round reached takes the deepest reached one's (a, before any)."""
-        prior_accepted, prior_trials = self.prior_counts
-        last = self.acceptance(hope)
-        rates = []
-        for accepted, reached in self.depth_counts:
-            if reached > 0:
-                last = (prior_accepted + accepted + hope) / (prior_trials + reached + hope)
-            rates.append(last)
-        return tuple(rates)
-
-    def acceptance(self, hope: float = 0.0) -> float:
-        """a, read with `hope` more accepted tokens (decisions read it hopeful)."""
-        return (self.accepted + hope) / (self.trials + hope)
 
     def worker_k(self) -> int:
         """The k (0 = none) at which the target's B sessions, all drafting k, commit the
@@ -255,7 +268,7 @@ class CostEstimator:
         if not self.step_base_ns and not self.step_token_ns:
             return self.max_k
         sessions = max(self.batch_sessions, 1.0)
-        acceptance, depths = self.acceptance(HOPE / sessions), self.depth_acceptance(HOPE / sessions)
+        acceptance, depths = self.acceptances.rate(HOPE / sessions), self.acceptances.depth_rates(HOPE / sessions)
 
         def rate(k: int) -> float:
             step_ns = self.step_base_ns + self.step_token_ns * sessions * (k + 1)
@@ -267,26 +280,20 @@ class CostEstimator:
 
     def seed(self, costs: MeasuredCosts) -> None:
         if costs.one_token_ns:
-            self.one_token_ns, self.per_token_ns = costs.one_token_ns, costs.per_token_ns
-            for x in (0, 4):  # the line as two pseudo-passes, outweighed by the first real ones
-                self._add_sample(x, self._line(x), 1.0)
+            self.passes.seed(costs.one_token_ns, costs.per_token_ns)
             self.overhead_ns, self.solo_token_ns = costs.overhead_ns, costs.solo_token_ns
             self.stream_start_ns, self.draft_token_ns = costs.stream_start_ns, costs.draft_token_ns
             self.overhead_measured, self.one_token_measured = True, costs.one_token_measured
-        if costs.acceptance is not None:
-            self.accepted, self.trials = PRIOR_TRIALS * costs.acceptance, PRIOR_TRIALS
-            self.prior_counts = [self.accepted, self.trials]
-        for counts, rate in zip(self.depth_counts, costs.depth_acceptance):
-            counts[:] = [PRIOR_TRIALS * rate, PRIOR_TRIALS]
+        self.acceptances.seed(costs.acceptance, costs.depth_acceptance)
         self.batch_sessions, self.step_base_ns, self.step_token_ns = \
             costs.batch_sessions, costs.step_base_ns, costs.step_token_ns
         self.stretches_measure = costs.stretches_measure
 
     def costs(self) -> MeasuredCosts:
-        return MeasuredCosts(self.one_token_ns, self.per_token_ns, self.overhead_ns, self.solo_token_ns,
-                             self.stream_start_ns, self.draft_token_ns, self.acceptance(), self.one_token_measured,
-                             self.batch_sessions, self.step_base_ns, self.step_token_ns, self.stretches_measure,
-                             self.depth_acceptance())
+        return MeasuredCosts(self.passes.one_token_ns, self.passes.per_token_ns, self.overhead_ns, self.solo_token_ns,
+                             self.stream_start_ns, self.draft_token_ns, self.acceptances.rate(),
+                             self.one_token_measured, self.batch_sessions, self.step_base_ns, self.step_token_ns,
+                             self.stretches_measure, self.acceptances.depth_rates())
 
     # Observations.
 
@@ -297,13 +304,13 @@ class CostEstimator:
         ran_pass = stats.target_compute_ns > 0  # else the logits were kept from the prefill
         if stats.streamed:  # a pass of a stretch: one token, or verifying looked-up ones as a round's
             if ran_pass and stats.num_drafted:
-                self._observe_compute(stats.num_drafted + 1, stats.target_compute_ns)
+                self.passes.observe(stats.num_drafted + 1, stats.target_compute_ns)
             elif ran_pass:
-                self._observe_compute(1, stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
+                self.passes.observe(1, stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
                 self.one_token_measured = True
             return
         if ran_pass:
-            self._observe_compute(stats.num_drafted + 1, stats.target_compute_ns)
+            self.passes.observe(stats.num_drafted + 1, stats.target_compute_ns)
         self.after_stretch = False
         self.rounds_since_stretch += 1
         self.rounds_since_stretch_ns += elapsed_ns
@@ -316,10 +323,10 @@ class CostEstimator:
         self.branch_tokens = self.decay * self.branch_tokens + stats.branch_tokens  # aged by every round
         self.branch_nodes = self.decay * self.branch_nodes + stats.branch_nodes
         if stats.num_drafted:  # a tree's first path: what a chain would have proposed
-            self._observe_acceptance(stats.num_drafted - stats.branch_nodes, stats.num_accepted - stats.branch_tokens)
-            passes = stats.num_drafted - stats.branch_nodes - stats.draft_warm
-            if passes:
-                self.draft_token_ns = _blend(self.draft_token_ns or None, stats.draft_ns / passes, self.decay)
+            self.acceptances.observe(stats.num_drafted - stats.branch_nodes, stats.num_accepted - stats.branch_tokens)
+            drafting_passes = stats.num_drafted - stats.branch_nodes - stats.draft_warm
+            if drafting_passes:
+                self.draft_token_ns = _blend(self.draft_token_ns or None, stats.draft_ns / drafting_passes, self.decay)
 
     def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
         """During a stretch: the drafter would have proposed num_drafted tokens (0:
@@ -327,18 +334,7 @@ class CostEstimator:
         self.stretches_measure = True
         self.observe_turn(proposed=num_drafted > 0)
         if num_drafted:
-            self._observe_acceptance(num_drafted, num_accepted)
-
-    def _observe_acceptance(self, num_drafted: int, num_accepted: int) -> None:
-        """Bernoulli trials until the first rejection: the accepted ones, and the
-        rejected one if any."""
-        rejected = num_accepted < num_drafted
-        self.accepted = self.decay * self.accepted + num_accepted
-        self.trials = self.decay * self.trials + num_accepted + rejected
-        self.prior_counts = [self.decay * count for count in self.prior_counts]
-        for depth, counts in enumerate(self.depth_counts):  # depth 0: the first draft token
-            counts[0] = self.decay * counts[0] + (depth < num_accepted)
-            counts[1] = self.decay * counts[1] + (depth <= num_accepted and depth < num_drafted)
+            self.acceptances.observe(num_drafted, num_accepted)
 
     def observe_turn(self, proposed: bool) -> None:
         """The drafter was asked for tokens and proposed some, or nothing."""
@@ -364,8 +360,8 @@ class CostEstimator:
     def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
         """num_tokens decoded alone, token_ns apart (s; also a bound on c(1)): a stretch's,
         or the call's last stretch's (its start not measured; its s seeds the next call)."""
-        if token_ns < self._pass_ns(1):
-            self._observe_compute(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
+        if token_ns < self.passes.pass_ns(1):
+            self.passes.observe(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
         self.one_token_measured = True
         # s ages by the rounds since it was measured, as passes do by later passes.
         self.solo_token_ns = _blend(self.solo_token_ns, token_ns, self.decay ** (1 + self.rounds_since_stretch))
@@ -376,50 +372,6 @@ class CostEstimator:
         self.batch_sessions = _blend(self.batch_sessions, step.batch_sessions, self.decay)
         if step.cost_base_ns or step.cost_per_token_ns:  # already averaged over the target's recent steps
             self.step_base_ns, self.step_token_ns = step.cost_base_ns, step.cost_per_token_ns
-
-    def _observe_compute(self, width: int, compute_ns: float, weight: float = 1.0, age: bool = True) -> None:
-        """Refits c(w) = c0 + g x(w) over all passes, the sample clipped to
-        SLOW_PASS_CLIP times the line (a fast pass is real, a slow one may be a spike)."""
-        x = pass_x(self.step_costs, width)
-        if self._sums[0]:
-            compute_ns = min(compute_ns, SLOW_PASS_CLIP * self._line(x))
-        self._add_sample(x, compute_ns, weight, age)
-        n, sx, sxx, sc, sxc = self._sums
-        mean_x, mean_c = sx / n, sc / n
-        slope = self._slope_prior
-        prior = slope * mean_c / (1.0 + slope * mean_x)  # g where one width tells nothing
-        g = (sxc / n - mean_x * mean_c + SLOPE_PRIOR_WEIGHT * prior) / (sxx / n - mean_x**2 + SLOPE_PRIOR_WEIGHT)
-        g = min(max(g, 0.0), mean_c / (1.0 + mean_x))
-        self.one_token_ns, self.per_token_ns = mean_c - g * mean_x, g
-
-    @property
-    def _slope_prior(self) -> float:
-        return STEP_COSTS_SLOPE_PRIOR if self.step_costs else SLOPE_PRIOR
-
-    def _line(self, x: float) -> float:
-        """The fitted line at x."""
-        per_token = self.per_token_ns if self.per_token_ns is not None else self._slope_prior * self.one_token_ns
-        return self.one_token_ns + per_token * x
-
-    def _pass_ns(self, width: int) -> float:
-        return self._line(pass_x(self.step_costs, width))
-
-    def _add_sample(self, x: float, compute_ns: float, weight: float, age: bool = True) -> None:
-        decayed = [self.decay * total if age else total for total in self._sums]
-        self._sums = [decayed[0] + weight, decayed[1] + weight * x, decayed[2] + weight * x * x,
-                      decayed[3] + weight * compute_ns, decayed[4] + weight * x * compute_ns]
-
-
-def pass_x(step_costs: tuple[float, ...], width: int) -> float:
-    """Where a pass of `width` tokens sits on the line c0 + g x: w - 1, or with the target's
-    timed `step_costs`, its cost over the cheapest width's, less 1 (past the timed widths,
-    on at their mean slope)."""
-    if not step_costs:
-        return width - 1.0
-    cost = step_costs[min(width, len(step_costs)) - 1]
-    if width > len(step_costs):
-        cost += (width - len(step_costs)) * max(0.0, (step_costs[-1] - step_costs[0]) / max(len(step_costs) - 1, 1))
-    return cost / min(step_costs) - 1.0
 
 
 def _reach(depth_acceptance: tuple[float, ...], acceptance: float, depth: int) -> float:

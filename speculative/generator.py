@@ -111,7 +111,7 @@ class SpeculativeGenerator:
         adaptive = isinstance(policy, AdaptiveK)
         if adaptive and not policy.estimator.measured and self.measured_costs is not None:
             policy.estimator.seed(self.measured_costs)
-        policy.estimator.step_costs = step_costs(self.target.model)  # where it timed its passes
+        policy.estimator.passes.step_costs = step_costs(self.target.model)  # where it timed its passes
         target = TargetSession(self.target, prompt_token_ids, params)
         draft = self._open_draft(prompt_token_ids, params, policy)
         stats = GenerationStats(prefill_ns=time.perf_counter_ns() - start)

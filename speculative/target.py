@@ -90,8 +90,7 @@ class TargetSession:
             self.prefill_ns = time.perf_counter_ns() - start
 
     def prefill_steps(self) -> ForwardSteps[None]:
-        """Caches every token but the last, in as many passes as the scheduler cuts it
-        into."""
+        """Caches every token but the last, in as many passes as the scheduler cuts it into."""
         return self.session.prefill_steps()
 
     @property
@@ -99,12 +98,8 @@ class TargetSession:
         """Committed tokens: every verdict ends with all of them decided."""
         return self.session.length
 
-    def verify(
-        self,
-        base_len: int,
-        draft_token_ids: Sequence[int],
-        draft_probs: Sequence[SparseProbs] | None = None,
-    ) -> VerifyResult:
+    def verify(self, base_len: int, draft_token_ids: Sequence[int],
+               draft_probs: Sequence[SparseProbs] | None = None) -> VerifyResult:
         """Scores the proposal, commits its accepted prefix and one more token.
 
         base_len must equal the committed length: a stale or repeated proposal raises
@@ -112,18 +107,10 @@ class TargetSession:
         """
         return run_alone(self.model, self.verify_steps(base_len, draft_token_ids, draft_probs))
 
-    def verify_steps(
-        self,
-        base_len: int,
-        draft_token_ids: Sequence[int],
-        draft_probs: Sequence[SparseProbs] | None = None,
-    ) -> ForwardSteps[VerifyResult]:
+    def verify_steps(self, base_len: int, draft_token_ids: Sequence[int],
+                     draft_probs: Sequence[SparseProbs] | None = None) -> ForwardSteps[VerifyResult]:
         """`verify` as one forward pass for a scheduler to run."""
-        if base_len != self.length:
-            raise StaleProposal(
-                f"proposal extends length {base_len} but the session has {self.length} "
-                "committed tokens"
-            )
+        self._check_base(base_len)
         self._check_proposal(draft_token_ids, draft_probs)
         self.session.append(draft_token_ids)
         segment = self.session.pending_segment(len(draft_token_ids) + 1)
@@ -135,9 +122,7 @@ class TargetSession:
         start = time.perf_counter_ns()
         self.session.segment_done(segment)
         verdict = self._decide(draft_token_ids, draft_probs, logits)
-        token_ids, stopped = self._cut_at_stop(verdict.committed_tokens(draft_token_ids))
-        self.session.truncate_to(base_len + min(verdict.num_accepted, len(token_ids)))
-        self.session.append(token_ids[verdict.num_accepted :])
+        token_ids, stopped = self._commit(base_len, verdict.committed_tokens(draft_token_ids), verdict.num_accepted)
         # 0 where no pass ran (the logits kept from the prompt's prefill): such a
         # round says nothing of what a pass costs.
         compute_ns = 0 if segment.ready_logits is not None else forward_ns + time.perf_counter_ns() - start
@@ -153,16 +138,10 @@ class TargetSession:
                           draft_probs: Sequence[SparseProbs | None] | None = None) -> ForwardSteps[VerifyResult]:
         """`verify_tree` as one forward pass over every node for a scheduler to run;
         VerifyResult.token_ids holds the kept path's tokens, then the next token."""
-        if base_len != self.length:
-            raise StaleProposal(f"proposal extends length {base_len} but the session has {self.length} "
-                                "committed tokens")
+        self._check_base(base_len)
         if len(tree) > MAX_TREE_NODES:
             raise InvalidArgument(f"a token tree of {len(tree)} tokens is over the limit of {MAX_TREE_NODES}")
-        self._check_proposal(tree.token_ids, None)
-        if draft_probs is not None:
-            check_tree_probs(tree, draft_probs)
-            for probs in filter(None, draft_probs):
-                check_draft_tokens(probs.token_ids.tolist(), self.vocab_size)
+        self._check_proposal(tree.token_ids, draft_probs, tree)
         segment = self.session.tree_segment(tree.token_ids, tree.parents)
         logits, forward_ns = yield segment  # nothing is applied before the pass ran
         start = time.perf_counter_ns()
@@ -172,9 +151,7 @@ class TargetSession:
             path, verdict = verify_tree_sampled(tree, draft_probs, logits_to_probs(logits, self.params),
                                                 self.generator)
         self.session.tree_done(segment, path)
-        token_ids, stopped = self._cut_at_stop([*tree.path_tokens(path), verdict.next_token_id])
-        self.session.truncate_to(base_len + min(len(path), len(token_ids)))
-        self.session.append(token_ids[len(path) :])
+        token_ids, stopped = self._commit(base_len, [*tree.path_tokens(path), verdict.next_token_id], len(path))
         compute_ns = forward_ns + time.perf_counter_ns() - start
         return VerifyResult(verdict, token_ids, self.length, stopped, compute_ns, num_drafted=len(tree),
                             path=tuple(path))
@@ -228,22 +205,32 @@ class TargetSession:
         probs = logits_to_probs(logits, self.params)
         return verify_sampled(draft_token_ids, draft_probs, probs, self.generator)
 
-    def _cut_at_stop(self, token_ids: list[int]) -> tuple[list[int], bool]:
-        for position, token_id in enumerate(token_ids):
-            if token_id in self.params.stop_token_ids:
-                return token_ids[: position + 1], True
-        return token_ids, False
+    def _commit(self, base_len: int, token_ids: list[int], num_cached: int) -> tuple[list[int], bool]:
+        """Commits token_ids after base_len, cut after a stop token (then True), of which the
+        first num_cached are in the KV cache already (the rest of the pass is rolled back)."""
+        stopped = next((i for i, token_id in enumerate(token_ids) if token_id in self.params.stop_token_ids), None)
+        if stopped is not None:
+            token_ids = token_ids[: stopped + 1]
+        self.session.truncate_to(base_len + min(num_cached, len(token_ids)))
+        self.session.append(token_ids[num_cached:])
+        return token_ids, stopped is not None
 
-    def _check_proposal(self, draft_token_ids, draft_probs) -> None:
+    def _check_base(self, base_len: int, request: str = "proposal extends length") -> None:
+        """A stale or repeated request raises StaleProposal before it changes anything."""
+        if base_len != self.length:
+            raise StaleProposal(f"{request} {base_len} but the session has {self.length} committed tokens")
+
+    def _check_proposal(self, draft_token_ids, draft_probs, tree: TokenTree | None = None) -> None:
         check_draft_tokens(draft_token_ids, self.vocab_size)
         if self.length + len(draft_token_ids) + 1 > self.context_length:
-            raise InvalidArgument(
-                f"proposal of {len(draft_token_ids)} tokens after {self.length} would pass the "
-                f"context length of {self.context_length} tokens"
-            )
+            raise InvalidArgument(f"proposal of {len(draft_token_ids)} tokens after {self.length} would pass the "
+                                  f"context length of {self.context_length} tokens")
         if draft_probs is not None:
-            check_draft_probs(draft_token_ids, draft_probs)
-            for probs in draft_probs:
+            if tree is None:
+                check_draft_probs(draft_token_ids, draft_probs)
+            else:  # one per node, None where the node is deterministic
+                check_tree_probs(tree, draft_probs)
+            for probs in filter(None, draft_probs):
                 check_draft_tokens(probs.token_ids.tolist(), self.vocab_size)
 
     @property
@@ -261,10 +248,7 @@ class TargetSession:
 
     def extend_steps(self, base_len: int, token_ids: Sequence[int]) -> ForwardSteps[None]:
         """`extend` as forward passes for a scheduler to run."""
-        if base_len != self.length:
-            raise StaleProposal(
-                f"extend at length {base_len} but the session has {self.length} committed tokens"
-            )
+        self._check_base(base_len, "extend at length")
         check_room(self.length + len(token_ids), self.context_length)
         check_vocabulary(token_ids, self.vocab_size)  # the committed tokens were checked
         self.session.append(token_ids)

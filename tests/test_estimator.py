@@ -9,15 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.estimator import (
-    HOPE,
-    PRIOR_TRIALS,
-    SLOW_PASS_CLIP,
-    SOLO_TOKEN_WEIGHT,
-    CostEstimator,
-    expected_tokens,
-    pass_x,
-)
+from speculative.estimator import HOPE, PRIOR_TRIALS, SOLO_TOKEN_WEIGHT, CostEstimator, expected_tokens
+from speculative.pass_costs import SLOW_PASS_CLIP, pass_x
 from speculative.rejection import NextTokenKind
 from speculative.stats import RoundStats, StepLoad
 
@@ -54,10 +47,11 @@ def test_acceptance_counts_accepted_tokens_and_the_first_rejection():
     """2 of 4 accepted each round: 2 accepted and 1 rejected trial, settling at 2/3; the
     decision reads it with one more accepted (HOPE)."""
     fresh = CostEstimator(4)
-    assert (fresh.acceptance(), fresh.trials) == (0.5, PRIOR_TRIALS)  # a prior as light as two draft tokens
+    # a prior as light as two draft tokens
+    assert (fresh.acceptances.rate(), fresh.acceptances.trials) == (0.5, PRIOR_TRIALS)
     estimator = settled(fresh, [round_(4, 2, 14.0)])
-    assert estimator.acceptance() == pytest.approx(2 / 3, abs=1e-4)
-    hopeful = (estimator.accepted + HOPE) / (estimator.trials + HOPE)
+    assert estimator.acceptances.rate() == pytest.approx(2 / 3, abs=1e-4)
+    hopeful = (estimator.acceptances.accepted + HOPE) / (estimator.acceptances.trials + HOPE)
     assert estimator.estimates().acceptance == pytest.approx(hopeful) == pytest.approx(21 / 31, abs=1e-4)
 
 
@@ -81,7 +75,7 @@ def test_a_target_that_reports_its_step_costs_is_priced_by_them():
     (the control)."""
     rounds = [round_(k, k // 2, 1.1 * STEP_MS[k]) for k in range(1, 9)]
     told = CostEstimator(8)
-    told.step_costs = STEP_MS
+    told.passes.step_costs = STEP_MS
     e = settled(told, rounds).estimates()
     for width in range(1, 10):
         assert e.compute_ns(width) == pytest.approx(1.1 * STEP_MS[width - 1] * MS, rel=0.01), width
@@ -149,7 +143,8 @@ def test_a_stretch_measures_decoding_alone_and_its_start():
 def test_costs_carry_to_the_next_call():
     earlier = settled(CostEstimator(4), [round_(4, 2, 14.0, overhead_ms=20.0), streamed(10.0)])
     seeded = CostEstimator(4, costs=earlier.costs())
-    assert seeded.acceptance() == pytest.approx(2 / 3, abs=1e-3) and seeded.trials == 2.0  # a light prior
+    assert seeded.acceptances.rate() == pytest.approx(2 / 3, abs=1e-3)
+    assert seeded.acceptances.trials == 2.0  # a light prior
     assert seeded.estimates().round_ns(4) == pytest.approx(earlier.estimates().round_ns(4), rel=0.01)
     assert seeded.measured and not CostEstimator(4).measured
 
@@ -160,10 +155,11 @@ def test_the_depth_profile_carries_to_the_next_call_as_a_light_prior():
     outweigh that soon."""
     earlier = settled(CostEstimator(4), [round_(4, 2, 14.0)])
     seeded = CostEstimator(4, costs=earlier.costs())
-    assert seeded.depth_acceptance()[2] < 0.5 < seeded.depth_acceptance()[0]
-    assert CostEstimator(4, costs=dataclasses.replace(earlier.costs(), depth_acceptance=())).depth_acceptance()[2] > 0.6
+    assert seeded.acceptances.depth_rates()[2] < 0.5 < seeded.acceptances.depth_rates()[0]
+    pooled_only = CostEstimator(4, costs=dataclasses.replace(earlier.costs(), depth_acceptance=()))
+    assert pooled_only.acceptances.depth_rates()[2] > 0.6
     later = settled(seeded, [round_(4, 4, 14.0)], times=10)
-    assert later.depth_acceptance()[2] > 0.8
+    assert later.acceptances.depth_rates()[2] > 0.8
 
 
 # Under load: the target batches B sessions per step, a step of T tokens costing about
@@ -223,7 +219,7 @@ def test_shadow_proposals_during_stretches_count_as_rounds_would():
         rounds.observe_turn(proposed=drafted > 0)
         if drafted:
             rounds.observe(*round_(drafted, accepted, 10.0))
-    assert shadowed.acceptance() == pytest.approx(rounds.acceptance())
+    assert shadowed.acceptances.rate() == pytest.approx(rounds.acceptances.rate())
     assert shadowed.estimates().proposal_rate == pytest.approx(rounds.estimates().proposal_rate)
     assert shadowed.estimates().stretches_measure and not rounds.estimates().stretches_measure
 
@@ -235,7 +231,7 @@ def test_the_load_cap_reads_the_measured_acceptance():
     (which reads 0.393)."""
     step = StepLoad(0, 50 * MS, 24, 24, 24, 40.0 * MS, 0.9 * MS)
     estimator = settled(CostEstimator(4), [round_(1, accepted, 50.0, step=step) for accepted in (0, 1, 0)])
-    assert estimator.acceptance() == pytest.approx(0.332, abs=0.01)
+    assert estimator.acceptances.rate() == pytest.approx(0.332, abs=0.01)
     assert estimator.estimates().acceptance > 0.38
     assert estimator.worker_k() == 0
 
@@ -305,7 +301,7 @@ def test_a_copy_that_runs_on_or_stops_is_worth_long_proposals():
     time and every later one once the first was, so 8 drafts yield 5 tokens."""
     estimator = settled(CostEstimator(8), [round_(4, 4, 14.0), round_(4, 0, 14.0)])
     e = estimator.estimates()
-    assert estimator.acceptance() == pytest.approx(0.8, abs=0.03)
+    assert estimator.acceptances.rate() == pytest.approx(0.8, abs=0.03)
     assert e.depth_acceptance[0] == pytest.approx(0.5, abs=0.06)
     assert min(e.depth_acceptance[1:]) > 0.9  # depths 5-8, never reached, read at depth 4
     assert e.expected_tokens(8) > 4.5 > expected_tokens(e.acceptance, 8)
@@ -337,6 +333,7 @@ def test_pooled_acceptance_is_the_depth_counts_summed(rounds):
     estimator = CostEstimator(6)
     for drafted, accepted in rounds:
         estimator.observe(*round_(drafted, min(accepted, drafted), 14.0))
-    accepted = estimator.prior_counts[0] + sum(a for a, _ in estimator.depth_counts)
-    trials = estimator.prior_counts[1] + sum(n for _, n in estimator.depth_counts)
-    assert (estimator.accepted, estimator.trials) == (pytest.approx(accepted), pytest.approx(trials))
+    accepted = estimator.acceptances.prior_counts[0] + sum(a for a, _ in estimator.acceptances.depth_counts)
+    trials = estimator.acceptances.prior_counts[1] + sum(n for _, n in estimator.acceptances.depth_counts)
+    counts = estimator.acceptances
+    assert (counts.accepted, counts.trials) == (pytest.approx(accepted), pytest.approx(trials))

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from speculative.drafter_base import DraftSession
 from speculative.drafters import ModelDrafter
-from speculative.estimator import SLOPE_PRIOR, CostEstimator, Estimates, MeasuredCosts
+from speculative.estimator import CostEstimator, Estimates, MeasuredCosts
 from speculative.generator import LocalVerifier, SpeculativeGenerator
+from speculative.pass_costs import SLOPE_PRIOR
 from speculative.policy import (
     TAKE_ROUND,
     Action,
@@ -287,7 +288,7 @@ def test_one_rejected_first_round_does_not_stop_speculation():
     policy = AdaptiveK(8)
     policy.estimator.observe(*streamed(265.0))
     policy.estimator.observe(*round_(2, 0, 318.0, overhead_ms=0.2, draft_ms=204.0))
-    assert policy.estimator.acceptance() == pytest.approx(0.9 / 2.8)
+    assert policy.estimator.acceptances.rate() == pytest.approx(0.9 / 2.8)
     assert _k(policy.next_action()) == 1
 
 
@@ -299,7 +300,7 @@ def test_an_earlier_calls_acceptance_carries_a_first_rejection():
              round_(0, 0, 265.0, overhead_ms=7.0)]
     earlier = AdaptiveK(8)
     settled(earlier.estimator, calls, times=50)
-    assert earlier.estimator.acceptance() == pytest.approx(0.85, abs=0.01)
+    assert earlier.estimator.acceptances.rate() == pytest.approx(0.85, abs=0.01)
     first_round = round_(1, 0, 292.0, overhead_ms=7.0, draft_ms=110.0)
     seeded = AdaptiveK(8, costs=earlier.estimator.costs())
     seeded.estimator.observe(*first_round)

@@ -495,7 +495,7 @@ def test_a_trees_first_path_is_what_acceptance_learns():
     chains, trees = CostEstimator(8, max_width=4), CostEstimator(8, max_width=4)
     settled(chains, [round_(4, 2, 100.0)])
     settled(trees, [_tree_round(4, 2, 6, 1, 100.0)])
-    assert trees.acceptance() == pytest.approx(chains.acceptance())
+    assert trees.acceptances.rate() == pytest.approx(chains.acceptances.rate())
     nodes, tokens = 6 / 0.1, 1 / 0.1  # the settled decayed counts (decay 0.9)
     prior = BRANCH_PRIOR_YIELD * BRANCH_PRIOR_NODES
     assert trees.branch_yield() == pytest.approx((prior + tokens) / (BRANCH_PRIOR_NODES + nodes), rel=1e-3)
