@@ -14,10 +14,11 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 
-from specdec.v1 import common_pb2, orchestrator_pb2
+from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2_grpc
 from speculative.generator import SpeculativeGenerator
 from speculative.sampling import SamplingParams
 from tests.system import LocalSystem
@@ -247,9 +248,14 @@ def test_errors_have_the_status_and_class_of_openai(client, kwargs, error_class,
 
 
 def test_a_client_that_disconnects_frees_its_session(system):
+    # Asked of the target itself: the orchestrator's view of its load is a snapshot that
+    # lags by up to its refresh period (a stale "before" made this test flaky under load).
+    workers = system.stub.ListWorkers(orchestrator_pb2.ListWorkersRequest()).workers
+    targets = [target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(w.address))
+               for w in workers if w.pool == common_pb2.WORKER_POOL_TARGET]
+
     def target_sessions() -> int:
-        workers = system.stub.ListWorkers(orchestrator_pb2.ListWorkersRequest()).workers
-        return sum(w.load.active_sessions for w in workers if w.pool == common_pb2.WORKER_POOL_TARGET)
+        return sum(t.Info(common_pb2.InfoRequest(), timeout=10).load.active_sessions for t in targets)
 
     before = target_sessions()
     body = json.dumps({"model": MODEL, "messages": USER, "max_tokens": 900, "temperature": 0, "stream": True,
