@@ -318,13 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jitter", type=float, default=0.05, help="log-normal sigma of every cost")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-padding", action="store_true", help="the target runs each width as it is")
+    parser.add_argument("--target-ms", default="", help="another machine's target pass by width 1, 2, ... "
+                        "(comma-separated ms; default: the pair's calibration)")
+    parser.add_argument("--draft-ms", type=float, default=None, help="another machine's draft token, ms")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.pair, args.tokens)
         return 0
     costs = COSTS[args.pair]
-    if args.no_padding:
-        costs = Costs(costs.target_ms, costs.draft_ms, costs.round_trip_ms, pad=False)
+    target_ms = tuple(float(ms) for ms in args.target_ms.split(",")) if args.target_ms else costs.target_ms
+    draft_ms = costs.draft_ms if args.draft_ms is None else args.draft_ms
+    costs = Costs(target_ms, draft_ms, costs.round_trip_ms, pad=not args.no_padding)
     traces = json.loads(traces_path(args.pair).read_text())["traces"]
     print(report(args.pair, traces, costs, args.jitter, args.repeats))
     return 0
