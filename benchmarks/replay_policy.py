@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -325,10 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "record":
         record(args.pair, args.tokens)
         return 0
-    costs = COSTS[args.pair]
-    target_ms = tuple(float(ms) for ms in args.target_ms.split(",")) if args.target_ms else costs.target_ms
-    draft_ms = costs.draft_ms if args.draft_ms is None else args.draft_ms
-    costs = Costs(target_ms, draft_ms, costs.round_trip_ms, pad=not args.no_padding)
+    costs = dataclasses.replace(COSTS[args.pair], pad=not args.no_padding)
+    if args.target_ms:
+        costs = dataclasses.replace(costs, target_ms=tuple(float(ms) for ms in args.target_ms.split(",")))
+    if args.draft_ms is not None:
+        costs = dataclasses.replace(costs, draft_ms=args.draft_ms)
     traces = json.loads(traces_path(args.pair).read_text())["traces"]
     print(report(args.pair, traces, costs, args.jitter, args.repeats))
     return 0
