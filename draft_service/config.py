@@ -83,10 +83,6 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # not pay for its pass (speculative.policy.stop_reach; adaptive calls only). Off by
     # default: it has not shown a gain over adaptive k (benchmarks/results_features_qwen.md).
     draft_stop: bool = False
-    # An ngram+model session proposes a looked-up continuation only where copying pays
-    # against the model's tokens at what drafting them costs (speculative/cascade_choice.py;
-    # adaptive calls only); off: lookup wherever it finds one.
-    cascade_choice: bool = True
     # Continuations a round may propose at once as a token tree, verified in one target
     # pass (prompt lookup's distinct matches, a model's second choices;
     # speculative/token_tree.py): fixed-k rounds always, adaptive ones where the policy

@@ -73,8 +73,7 @@ def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> Specu
         target_address=request.target.worker_address,
         target_session_id=request.target.session_id,
         features=Features(draft_ahead=config.pipeline, stretches=config.stretches,
-                          target_lookup=config.target_lookup, draft_stop=config.draft_stop,
-                          cascade_choice=config.cascade_choice),
+                          target_lookup=config.target_lookup, draft_stop=config.draft_stop),
     )
 
 

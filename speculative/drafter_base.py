@@ -118,13 +118,6 @@ class DraftSession(abc.ABC):
         (prompt lookup); None where proposing costs a model pass."""
         return None
 
-    def price_drafting(self, share: float | None) -> None:
-        """The share of a round that drafting its k tokens with a model takes (None: not
-        known): a cascade weighs a free lookup against it (speculative.cascade_choice)."""
-
-    def observe_commit(self, base_len: int, token_ids: Sequence[int]) -> None:
-        """A verdict committed token_ids after base_len (what a cascade scores its halves by)."""
-
     def lookup_stop(self) -> LookupStop | None:
         """Where this drafter proposes only what prompt lookup finds (the n-gram drafter),
         the lookup's sizes: a stretch the target decodes alone can end at the first

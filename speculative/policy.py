@@ -39,9 +39,6 @@ class Action:
     # In a tree, a model drafter's branch must have at least this chance of being the
     # target's token (DraftSession.propose_tree): see `branch_reach`.
     min_branch: float = 0.0
-    # The share of the round that a model drafting its k tokens takes (None: not priced): a
-    # cascade proposes a free lookup's continuation where its tokens pay at that discount.
-    drafting_share: float | None = None
 
 
 TAKE_ROUND = Action()  # after a turn that proposed nothing: the plain step, one round trip
@@ -104,9 +101,7 @@ def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) ->
 def _round(e: Estimates, k: int) -> Action:
     min_branch = branch_reach(e, k)
     width = e.max_width if e.branch_yield >= min_branch else 1
-    drafting_share = max(0.0, 1.0 - (e.compute_ns(k + 1) + e.overhead_ns) / e.round_ns(k))
-    return Action(k=k, ahead=draft_ahead(e, k), min_reach=stop_reach(e, k), width=width, min_branch=min_branch,
-                  drafting_share=drafting_share)
+    return Action(k=k, ahead=draft_ahead(e, k), min_reach=stop_reach(e, k), width=width, min_branch=min_branch)
 
 
 def branch_reach(e: Estimates, k: int) -> float:

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from model_runtime.fingerprint import ANY_VOCABULARY
-from speculative.cascade_choice import LOOKUP, MODEL, CascadeChoice
 from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.errors import InvalidArgument
 from speculative.limits import MAX_SPECULATIVE_TOKENS
@@ -181,15 +180,15 @@ def _earliest_occurrence(token_ids: list[int], ngram: list[int], end: int, begin
 
 
 class LookupThenModelDrafter(Drafter):
-    """Prompt lookup where the context has a continuation to copy and copying pays
-    (speculative.cascade_choice: against what the model's tokens would bring at their
-    cost), the draft model elsewhere. Lookup is free and, on text that copies its input,
-    right for long runs; on new text its matches are chance and the model's guesses win.
+    """Prompt lookup where the context has a continuation to copy, the draft model where
+    it has none. Lookup is free and, on text that copies its input, right for long runs
+    (Qwen2.5-Coder 1.5B: Hugging Face prompt lookup 1.68x on a code edit and a summary,
+    where the 0.5B draft model gave 1.20-1.46x); the model drafts everything else.
 
-    Exact under sampling as well: which of the two proposes depends on earlier verdicts
-    and costs only, never on this round's draws, and a looked-up token is proposed with
-    certainty (a one-hot draft distribution), so the target's rejection sampling sees
-    the distribution each token was really drawn from."""
+    Exact under sampling as well: which of the two proposes depends on the context
+    only, and a looked-up token is proposed with certainty (a one-hot draft
+    distribution), so the target's rejection sampling sees the distribution each token
+    was really drawn from."""
 
     def __init__(self, model: Drafter, lookup: NgramDrafter):
         """model: the small model (speculative.drafters.ModelDrafter)."""
@@ -208,42 +207,30 @@ class LookupThenModelSession(DraftSession):
 
     def __init__(self, lookup: DraftSession, model: DraftSession):
         self.lookup, self.model = lookup, model
-        self.choice = CascadeChoice()  # lookup where it finds a continuation that pays against the model's
 
     @property
     def length(self) -> int:
         return self.model.length
 
     def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
-        position, guess = self.length, self.lookup.peek(k) or []
-        self.choice.guessed(LOOKUP, position, guess)
-        if guess and self.choice.takes_lookup():  # deterministic: draft_probs None, one-hot distributions
-            self.lookup.append(guess)
-            self.model.append(guess)
-            return Proposal(guess)
+        proposal = self.lookup.propose(k)
+        if proposal:  # deterministic: draft_probs None, one-hot distributions
+            self.model.append(proposal.token_ids)
+            return proposal
         proposal = self.model.propose(k, min_reach)
-        self.choice.guessed(MODEL, position, proposal.token_ids)
         self.lookup.append(proposal.token_ids)
         return proposal
 
     def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
-        position, guess = self.length, self.lookup.peek(k) or []
-        self.choice.guessed(LOOKUP, position, guess)
-        if guess and self.choice.takes_lookup():
-            proposal = self.lookup.propose_tree(k, width)
-            if proposal.parents is None:
-                self.model.append(proposal.token_ids)
+        proposal = self.lookup.propose_tree(k, width)
+        if proposal.parents is not None:
+            return proposal
+        if proposal:
+            self.model.append(proposal.token_ids)
             return proposal
         proposal = self.model.propose_tree(k, width, min_reach, min_branch)
-        self.choice.guessed(MODEL, position, proposal.appended())
         self.lookup.append(proposal.appended())
         return proposal
-
-    def price_drafting(self, share: float | None) -> None:
-        self.choice.drafting_share = share
-
-    def observe_commit(self, base_len: int, token_ids: Sequence[int]) -> None:
-        self.choice.committed(base_len, token_ids)
 
     def append(self, token_ids: Sequence[int]) -> None:
         self.lookup.append(token_ids)

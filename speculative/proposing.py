@@ -33,10 +33,8 @@ class Sent:
 class Proposer:
     idle = True  # nothing sent beyond the proposal being verified (a stretch may start)
 
-    def __init__(self, verifier: Verifier, draft: DraftSession | None, params: SamplingParams,
-                 cascade_choice: bool = True):
+    def __init__(self, verifier: Verifier, draft: DraftSession | None, params: SamplingParams):
         self.verifier, self.draft, self.params = verifier, draft, params
-        self.cascade_choice = cascade_choice  # off: a cascade proposes lookup's continuation wherever there is one
         self.draft_read_prompt = draft is None
         self.draft_warm = False  # the draft's prefill left the logits for its next token
         self.free_draft = draft is not None and draft.peek(0) is not None  # proposing costs no pass (lookup)
@@ -63,10 +61,10 @@ class Proposer:
         min_reach = action.min_reach if draft_stop else 0.0
         if k <= 0:
             proposal = EMPTY_PROPOSAL
+        elif action.width > 1:
+            proposal = self.draft.propose_tree(k, action.width, min_reach, action.min_branch)
         else:
-            self.draft.price_drafting(action.drafting_share if self.cascade_choice else None)
-            proposal = self.draft.propose_tree(k, action.width, min_reach, action.min_branch) if action.width > 1 \
-                else self.draft.propose(k, min_reach)
+            proposal = self.draft.propose(k, min_reach)
         chain_of_k = proposal.parents is None and len(proposal) == k  # drafting may go on past it
         sent = Sent(base_len, proposal, time.perf_counter_ns() - start, open_ended=k > 0 and chain_of_k,
                     warm=self.draft_warm and k > 0)
@@ -87,8 +85,6 @@ class Proposer:
         """The verdict on `sent`, and its round's stats."""
         result = self.verifier.receive()
         now = time.perf_counter_ns()
-        if self.draft is not None:
-            self.draft.observe_commit(sent.base_len, result.token_ids)
         received = min(result.received_ns or now, now)
         return result, RoundStats(
             index=sent.index, base_len=sent.base_len, num_drafted=len(sent.proposal),

@@ -31,8 +31,6 @@ class Features:
     # A model drafter stops where its next token would not pay (policy.stop_reach). Off:
     # on the Qwen pair it bought nothing over adaptive k (benchmarks/results_features_qwen.md).
     draft_stop: bool = False
-    # A lookup-then-model cascade copies only where copying pays against the model (cascade_choice.py).
-    cascade_choice: bool = True
 
 
 @dataclass(frozen=True)
@@ -48,8 +46,7 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
     """Rounds until a stop token, max_new_tokens or the context length. On entry verifier and draft hold `base_len`
     committed tokens; after each result, the new committed length (the draft also any proposal sent ahead)."""
     call = Call(base_len, params, context_length, policy)
-    proposer = (AheadProposer if features.draft_ahead and verifier.overlaps else Proposer)(
-        verifier, draft, params, features.cascade_choice)
+    proposer = (AheadProposer if features.draft_ahead and verifier.overlaps else Proposer)(verifier, draft, params)
     stretches = Stretches(verifier, proposer, policy, features.target_lookup) \
         if features.stretches and draft is not None else None
     while not call.finished:

@@ -22,7 +22,7 @@ from speculative.target import TargetSession
 from tests.system import LocalSystem
 
 GREEDY = SamplingParams(max_new_tokens=24)
-SWITCHES = ("draft_ahead", "stretches", "target_lookup", "draft_stop", "cascade_choice")
+SWITCHES = ("draft_ahead", "stretches", "target_lookup", "draft_stop")
 
 
 class EverythingPolicy(SpeculationPolicy):
@@ -39,8 +39,7 @@ class EverythingPolicy(SpeculationPolicy):
             return Action(stretch=4)
         self.turns += 1
         # A stretch asked for twice: the first may find a proposal ahead still to settle.
-        return Action(stretch=4, lookup_k=3) if self.turns % 3 != 1 else Action(k=3, ahead=True, min_reach=2.0,
-                                                                                   drafting_share=0.0)
+        return Action(stretch=4, lookup_k=3) if self.turns % 3 != 1 else Action(k=3, ahead=True, min_reach=2.0)
 
 
 class WatchingVerifier(LocalVerifier):
@@ -98,7 +97,7 @@ def test_each_optimisation_off_and_on_keeps_greedy_output(off, drafter_name, tin
     # A proposal cut short is never drafted ahead of (the draft could not go on).
     stopped_short = features.draft_stop and drafter_name == "model"
     shows = {"draft_ahead": not stopped_short, "stretches": True, "target_lookup": drafter_name == "ngram",
-             "draft_stop": drafter_name == "model", "cascade_choice": False}
+             "draft_stop": drafter_name == "model"}
     for name in SWITCHES:
         if (name == "draft_stop" and not shows[name]) or (name == "draft_ahead" and stopped_short):
             continue
