@@ -5,6 +5,7 @@ here, its rule is at fault, not the machine's noise.
 
     .venv/bin/python -m benchmarks.replay_policy record --pair smollm2   # traces (minutes)
     .venv/bin/python -m benchmarks.replay_policy --pair smollm2          # the replay (seconds)
+    .venv/bin/python -m benchmarks.replay_policy --pair qwen --shifts 8  # each call started 0-7 tokens later
 
 `record` decodes each prompt kind greedily with the pair's target (chat template) and,
 for a pair with a draft model, at every position the draft's greedy continuation of
@@ -275,6 +276,37 @@ def report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int) -
     return "\n".join(lines)
 
 
+def shifted(trace: dict, offset: int) -> dict:
+    """The same call started `offset` tokens later (those tokens joined to the prompt): where rounds fall moves."""
+    return {**trace, "prompt": trace["prompt"] + trace["path"][:offset], "path": trace["path"][offset:],
+            **({"drafts": trace["drafts"][offset:]} if "drafts" in trace else {})}
+
+
+def shifts_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int, shifts: int) -> str:
+    """Per prompt, `shifts` calls each started a token later: the fixed k fastest over all of them, adaptive
+    against it and against each call's own fastest fixed k, and what that hindsight pick gains over it."""
+    lines = [f"Each trace started 0-{shifts - 1} tokens later ({shifts} calls a prompt), median of {repeats} "
+             f"seeded repeats each; geometric means over the calls.", ""]
+    for drafter_name in DRAFTERS[pair]:
+        lines += [f"### {drafter_name}", "", "| prompt | fixed k best over the calls | adaptive / it | "
+                  "adaptive / each call's best fixed k | each call's best / the calls' best |", "|---|---|---|---|---|"]
+        for name, trace in traces.items():
+            calls = [replay({name: shifted(trace, offset)}, drafter_name, costs, jitter, repeats)[name]
+                     for offset in range(shifts)]
+            fixed = [method for method in calls[0] if method != "adaptive"]
+            best = max(fixed, key=lambda method: _geomean([call[method] for call in calls]))
+            hindsight = [max(call[method] for method in fixed) for call in calls]
+            lines.append(f"| {name} | {best} | {_geomean([call['adaptive'] / call[best] for call in calls]):.3f} | "
+                         f"{_geomean([call['adaptive'] / top for call, top in zip(calls, hindsight)]):.3f} | "
+                         f"{_geomean([top / call[best] for call, top in zip(calls, hindsight)]):.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _geomean(values: Sequence[float]) -> float:
+    return math.exp(statistics.fmean(math.log(value) for value in values))
+
+
 # --- recording --------------------------------------------------------------------------------
 
 
@@ -322,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-ms", default="", help="another machine's target pass by width 1, 2, ... "
                         "(comma-separated ms; default: the pair's calibration)")
     parser.add_argument("--draft-ms", type=float, default=None, help="another machine's draft token, ms")
+    parser.add_argument("--shifts", type=int, default=0, help="instead: each trace started 0..N-1 tokens later, "
+                        "adaptive against the fixed k best over those calls and against each call's own best")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.pair, args.tokens)
@@ -332,7 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft_ms is not None:
         costs = dataclasses.replace(costs, draft_ms=args.draft_ms)
     traces = json.loads(traces_path(args.pair).read_text())["traces"]
-    print(report(args.pair, traces, costs, args.jitter, args.repeats))
+    if args.shifts:
+        print(shifts_report(args.pair, traces, costs, args.jitter, args.repeats, args.shifts))
+    else:
+        print(report(args.pair, traces, costs, args.jitter, args.repeats))
     return 0
 
 

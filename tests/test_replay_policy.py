@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from benchmarks.replay_policy import MAX_K, MAX_NEW_TOKENS, Clock, Costs, replay, replay_call
+from benchmarks.replay_policy import MAX_K, MAX_NEW_TOKENS, Clock, Costs, replay, replay_call, shifted, shifts_report
 
 PROMPT = list(range(10, 30))
 PATH = list(range(100, 100 + MAX_NEW_TOKENS + MAX_K + 1))
@@ -62,3 +62,20 @@ def test_a_stop_token_on_the_path_ends_the_call():
     rate, _ = replay_call(trace, "model", 4, FLAT, clock)
     assert rate == pytest.approx(11 / (clock.now_ns / 1e9))  # 11 tokens, the stop token last
     assert clock.now_ns == pytest.approx(3 * 14e6, rel=0.01)  # 5 + 5 + the stop in the third round
+
+
+def test_a_shifted_call_starts_later_on_the_same_path():
+    trace = _trace(right_for=2)
+    later = shifted(trace, 3)
+    assert later["prompt"] + later["path"] == trace["prompt"] + trace["path"]
+    assert later["drafts"] == trace["drafts"][3:] and len(later["prompt"]) == len(PROMPT) + 3
+
+
+def test_the_shifts_report_finds_the_fixed_k_every_shifted_call_prefers():
+    """A draft right for 2 tokens everywhere: k=2 is the best fixed k in every shifted call,
+    so a hindsight pick per call gains nothing over it."""
+    report = shifts_report("qwen", {"right2": _trace(right_for=2)}, FLAT, jitter=0.0, repeats=1, shifts=3)
+    row = next(line for line in report.splitlines() if line.startswith("| right2"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[1] == "k=2" and cells[4] == "1.000"
+    assert 0.8 < float(cells[2]) <= 1.01
