@@ -271,7 +271,7 @@ def report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int) -
                 ratios.append(rates["adaptive"] / rates[best])
                 cells = " | ".join(f"{rates[m] / base:.2f}x" for m in methods)
                 lines.append(f"| {name} | {cells} | {best} | {ratios[-1]:.3f} |")
-            geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
+            geo = statistics.geometric_mean(ratios)
             lines += ["", f"Adaptive over the best fixed k: geometric mean {geo:.3f}, lowest {min(ratios):.3f}.", ""]
     return "\n".join(lines)
 
@@ -294,17 +294,13 @@ def shifts_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats:
             calls = [replay({name: shifted(trace, offset)}, drafter_name, costs, jitter, repeats)[name]
                      for offset in range(shifts)]
             fixed = [method for method in calls[0] if method != "adaptive"]
-            best = max(fixed, key=lambda method: _geomean([call[method] for call in calls]))
+            best = max(fixed, key=lambda method: statistics.geometric_mean([call[method] for call in calls]))
             hindsight = [max(call[method] for method in fixed) for call in calls]
-            lines.append(f"| {name} | {best} | {_geomean([call['adaptive'] / call[best] for call in calls]):.3f} | "
-                         f"{_geomean([call['adaptive'] / top for call, top in zip(calls, hindsight)]):.3f} | "
-                         f"{_geomean([top / call[best] for call, top in zip(calls, hindsight)]):.3f} |")
+            lines.append(f"| {name} | {best} | {statistics.geometric_mean([call['adaptive'] / call[best] for call in calls]):.3f} | "
+                         f"{statistics.geometric_mean([call['adaptive'] / top for call, top in zip(calls, hindsight)]):.3f} | "
+                         f"{statistics.geometric_mean([top / call[best] for call, top in zip(calls, hindsight)]):.3f} |")
         lines.append("")
     return "\n".join(lines)
-
-
-def _geomean(values: Sequence[float]) -> float:
-    return math.exp(statistics.fmean(math.log(value) for value in values))
 
 
 # --- recording --------------------------------------------------------------------------------
