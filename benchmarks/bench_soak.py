@@ -415,7 +415,7 @@ def growth(result: dict, warmup_s: float) -> list[dict]:
 
 
 def markdown(result: dict, warmup_s: float) -> str:
-    lines = [f"| process | pid | RSS after warm-up (MiB) | RSS at end (MiB) | peak (MiB) | growth | fds after warm-up | fds at end | fds max |",
+    lines = ["| process | pid | RSS after warm-up (MiB) | RSS at end (MiB) | peak (MiB) | growth | fds after warm-up | fds at end | fds max |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in growth(result, warmup_s):
         if "note" in row:

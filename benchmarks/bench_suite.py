@@ -48,7 +48,7 @@ import grpc
 import torch
 
 from benchmarks.bench_core import chat_ids
-from benchmarks.prompts import PROMPTS
+from benchmarks.prompts import PROMPT_SETS, PROMPTS, kind_of, prompt_texts
 from launcher.cluster import Cluster, parse_args, start_system
 from model_runtime.loading import load_model
 from service_common.server import freeze_startup_heap
@@ -207,7 +207,8 @@ def run_in_process(pair: Pair, dtype: str, args) -> dict:
     freeze_startup_heap()  # as the services do: no method pays for walking the models in a collection
     try:
         methods = in_process_methods(target, draft, args.k, args.max_new_tokens)
-        inputs = {name: chat_ids(target.tokenizer, PROMPTS[name]) for name in pair.prompts}
+        texts = prompt_texts(pair.prompts, args.prompt_set)
+        inputs = {name: chat_ids(target.tokenizer, text) for name, text in texts.items()}
         _warm_up(methods, next(iter(inputs.values())))
         return measure(methods, inputs, args.repeats)
     finally:
@@ -230,7 +231,7 @@ def run_services(pair: Pair, delay_ms: float, trace_dir: Path, args) -> dict:
             channel = grpc.insecure_channel(start_system(system_args, cluster))
             methods = service_methods(orchestrator_pb2_grpc.OrchestratorStub(channel), pair.drafter, args.k,
                                       args.max_new_tokens, fixed_ks(args.fixed_ks))
-            inputs = {name: PROMPTS[name] for name in pair.prompts}
+            inputs = prompt_texts(pair.prompts, args.prompt_set)
             _warm_up(methods, next(iter(inputs.values())))
             results = measure(methods, inputs, args.repeats)
             channel.close()
@@ -326,7 +327,26 @@ def against_hindsight(title: str, results: dict) -> list[str]:
     lines += [f"- {name} over the hindsight-best fixed k: geometric mean {statistics.geometric_mean(values):.2f}x, "
               f"lowest {min(values):.2f}x" for name, values in ratios.items()]
     lines.append("")
-    return lines
+    return lines + against_kind_best(results, fixed, adaptive)
+
+
+def against_kind_best(results: dict, fixed: list[str], adaptive: list[str]) -> list[str]:
+    """Where there are several prompts of a kind (kind/i): per kind, the fixed k fastest over
+    its prompts (geometric mean of their median tok/s) and each adaptive method over it. One
+    prompt's hindsight pick also gains from where that path's rejections fall."""
+    kinds: dict[str, list[dict]] = {}
+    for prompt, runs in results.items():
+        kinds.setdefault(kind_of(prompt), []).append(runs)
+    if all(len(prompts) == 1 for prompts in kinds.values()):
+        return []
+    lines = ["| kind (prompts) | fixed k fastest for the kind | " + " | ".join(f"{m} / it" for m in adaptive) + " |",
+             "|---" * (len(adaptive) + 2) + "|"]
+    for kind, prompts in kinds.items():
+        best = max(fixed, key=lambda m: statistics.geometric_mean([_rate(runs[m]) for runs in prompts]))
+        cells = [f"{statistics.geometric_mean([_rate(runs[m]) / _rate(runs[best]) for runs in prompts]):.2f}x "
+                 f"(lowest {min(_rate(runs[m]) / _rate(runs[best]) for runs in prompts):.2f}x)" for m in adaptive]
+        lines.append(f"| {kind} ({len(prompts)}) | {best} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def against_reference(title: str, reference: dict, reference_baseline: str, services: dict,
@@ -471,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-loopback", action="store_true",
                         help="services at the added delays only (loopback measured in an earlier run)")
     parser.add_argument("--prompts", default="", help="comma-separated prompt kinds (default: every kind)")
+    parser.add_argument("--prompt-set", choices=PROMPT_SETS, default="",
+                        help="more: six other prompts of each kind (benchmarks/prompts.py); all: those and the "
+                             "default ones; also compared by kind")
     parser.add_argument("--out", default=None, help="directory for results and plots (default: benchmarks/; "
                                                    "a temporary directory with --quick)")
     args = parser.parse_args(argv)
@@ -523,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"tok/s (its speedup over HF generate); the services' tok/s over it, and their speedup over Decode "
                 f"over its speedup)", in_process, "target-only (HF generate)", results, "target-only (Decode)")
     if sections:
-        plot_ratios(plots / "speedups.png", sections, list(pair.prompts))
+        plot_ratios(plots / "speedups.png", sections, list(prompt_texts(pair.prompts, args.prompt_set)))
 
     traces = sorted(str(p) for p in trace_dir.rglob("*.jsonl"))
     if traces:

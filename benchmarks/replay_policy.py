@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.prompts import PROMPT_SETS, kind_of, prompt_texts
 from model_runtime.fingerprint import ANY_VOCABULARY
 from model_runtime.width_padding import WidthPlan
 from speculative.drafter_base import Drafter, DraftSession, Proposal
@@ -86,8 +87,16 @@ COSTS = {
 DRAFTERS = {"smollm2": ("ngram",), "qwen": ("model", "ngram+model")}
 
 
-def traces_path(pair: str) -> Path:
-    return REPO / "benchmarks" / f"traces_policy_{pair}.json"
+def traces_path(pair: str, prompt_set: str = "") -> Path:
+    return REPO / "benchmarks" / f"traces_policy_{pair}{'_' + prompt_set if prompt_set else ''}.json"
+
+
+def load_traces(pair: str, prompt_set: str = "") -> dict:
+    """The recorded traces of a prompt set; "all": the suite's (named kind/0) and "more"'s."""
+    if prompt_set == "all":
+        return {f"{name}/0": trace for name, trace in load_traces(pair).items()} | load_traces(pair, "more")
+    return json.loads(traces_path(pair, prompt_set).read_text())["traces"]
+
 
 
 # --- virtual time ---------------------------------------------------------------------------
@@ -303,13 +312,37 @@ def shifts_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats:
     return "\n".join(lines)
 
 
+def kinds_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int) -> str:
+    """Several prompts a kind (named kind/i): adaptive against the fixed k best for the kind (over its prompts)
+    and against each prompt's own best fixed k, and what that hindsight pick gains over the kind's k."""
+    # Kinds interleaved: each adaptive call is seeded by a call of another kind, as in the suite.
+    order = sorted(traces, key=lambda name: (int(name.split("/")[1]), list(traces).index(name)))
+    lines = [f"{len(traces)} prompts, median of {repeats} seeded repeats each; geometric means over a kind's prompts.",
+             ""]
+    for drafter_name in DRAFTERS[pair]:
+        table = replay({name: traces[name] for name in order}, drafter_name, costs, jitter, repeats)
+        lines += [f"### {drafter_name}", "", "| kind | fixed k best for the kind | adaptive / it | lowest prompt | "
+                  "adaptive / each prompt's best fixed k | each prompt's best / the kind's |", "|---" * 6 + "|"]
+        for kind in dict.fromkeys(kind_of(name) for name in order):
+            calls = [rates for name, rates in table.items() if kind_of(name) == kind]
+            fixed = [method for method in calls[0] if method != "adaptive"]
+            best = max(fixed, key=lambda method: statistics.geometric_mean([call[method] for call in calls]))
+            tops = [max(call[method] for method in fixed) for call in calls]
+            ratios = [call["adaptive"] / call[best] for call in calls]
+            own = statistics.geometric_mean([call["adaptive"] / top for call, top in zip(calls, tops)])
+            gain = statistics.geometric_mean([top / call[best] for call, top in zip(calls, tops)])
+            lines.append(f"| {kind} | {best} | {statistics.geometric_mean(ratios):.3f} | {min(ratios):.3f} | "
+                         f"{own:.3f} | {gain:.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 # --- recording --------------------------------------------------------------------------------
 
 
-def record(pair_name: str, tokens: int) -> None:
+def record(pair_name: str, tokens: int, prompt_set: str = "") -> None:
     from benchmarks.bench_core import chat_ids
     from benchmarks.bench_suite import PAIRS
-    from benchmarks.prompts import PROMPTS
     from model_runtime.loading import load_model
     from speculative.drafters import ModelDrafter
     from speculative.generator import SpeculativeGenerator
@@ -319,8 +352,8 @@ def record(pair_name: str, tokens: int) -> None:
     draft = load_model(pair.draft, quantize=pair.quantization) if pair.draft else None
     stop_ids = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
     traces = {}
-    for name in pair.prompts:
-        prompt = list(chat_ids(target.tokenizer, PROMPTS[name]))
+    for name, text in prompt_texts(pair.prompts, prompt_set).items():
+        prompt = list(chat_ids(target.tokenizer, text))
         # MAX_K + 1 past the replayed tokens: every proposal's verdict is known
         params = SamplingParams(max_new_tokens=tokens + MAX_K + 1, stop_token_ids=tuple(stop_ids))
         path = SpeculativeGenerator(target).generate(prompt, params, k=0).token_ids
@@ -335,7 +368,7 @@ def record(pair_name: str, tokens: int) -> None:
                 session.append([token])
         traces[name] = trace
         print(f"{name}: {len(prompt)} prompt tokens, {len(path)} decoded", file=sys.stderr, flush=True)
-    traces_path(pair_name).write_text(json.dumps({"pair": [pair.target, pair.draft, pair.quantization],
+    traces_path(pair_name, prompt_set).write_text(json.dumps({"pair": [pair.target, pair.draft, pair.quantization],
                                                   "traces": traces}))
 
 
@@ -352,17 +385,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-ms", type=float, default=None, help="another machine's draft token, ms")
     parser.add_argument("--shifts", type=int, default=0, help="instead: each trace started 0..N-1 tokens later, "
                         "adaptive against the fixed k best over those calls and against each call's own best")
+    parser.add_argument("--prompt-set", choices=PROMPT_SETS, default="",
+                        help="more: six other prompts of each kind (record them first); all: those and the "
+                             "suite's; reported by kind")
     args = parser.parse_args(argv)
+    if args.command == "record" and args.prompt_set == "all":
+        parser.error("record the sets one at a time ('' and more)")
     if args.command == "record":
-        record(args.pair, args.tokens)
+        record(args.pair, args.tokens, args.prompt_set)
         return 0
     costs = dataclasses.replace(COSTS[args.pair], pad=not args.no_padding)
     if args.target_ms:
         costs = dataclasses.replace(costs, target_ms=tuple(float(ms) for ms in args.target_ms.split(",")))
     if args.draft_ms is not None:
         costs = dataclasses.replace(costs, draft_ms=args.draft_ms)
-    traces = json.loads(traces_path(args.pair).read_text())["traces"]
-    if args.shifts:
+    traces = load_traces(args.pair, args.prompt_set)
+    if args.prompt_set:
+        print(kinds_report(args.pair, traces, costs, args.jitter, args.repeats))
+    elif args.shifts:
         print(shifts_report(args.pair, traces, costs, args.jitter, args.repeats, args.shifts))
     else:
         print(report(args.pair, traces, costs, args.jitter, args.repeats))

@@ -115,6 +115,19 @@ def test_adaptive_is_set_against_the_fixed_k_fastest_on_each_prompt():
     assert lines[-2].endswith("lowest 0.82x")
 
 
+def test_with_several_prompts_a_kind_adaptive_is_also_set_against_the_kinds_fixed_k():
+    """k=2 wins one edit prompt and k=8 the other; over both, k=8 is the kind's k."""
+    def runs(seconds):
+        return [Run([1] * 10, s) for s in seconds]
+
+    results = {
+        "edit/1": {"k=2": runs([1.0]), "k=8": runs([1.1]), "adaptive k<=8": runs([1.0])},
+        "edit/2": {"k=2": runs([2.0]), "k=8": runs([1.0]), "adaptive k<=8": runs([1.0])},
+    }
+    lines = against_hindsight("t", results)
+    assert "| edit (2) | k=8 | 1.05x (lowest 1.00x) |" in lines, lines
+
+
 def test_no_hindsight_table_without_two_fixed_k():
     assert against_hindsight("t", {"p": {"k=4": [Run([1], 1.0)], "adaptive k<=8": [Run([1], 1.0)]}}) == []
 

@@ -8,7 +8,18 @@ import statistics
 
 import pytest
 
-from benchmarks.replay_policy import MAX_K, MAX_NEW_TOKENS, Clock, Costs, replay, replay_call, shifted, shifts_report
+from benchmarks.prompts import PROMPTS, prompt_texts
+from benchmarks.replay_policy import (
+    MAX_K,
+    MAX_NEW_TOKENS,
+    Clock,
+    Costs,
+    kinds_report,
+    replay,
+    replay_call,
+    shifted,
+    shifts_report,
+)
 
 PROMPT = list(range(10, 30))
 PATH = list(range(100, 100 + MAX_NEW_TOKENS + MAX_K + 1))
@@ -79,3 +90,21 @@ def test_the_shifts_report_finds_the_fixed_k_every_shifted_call_prefers():
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[1] == "k=2" and cells[4] == "1.000"
     assert 0.8 < float(cells[2]) <= 1.01
+
+
+def test_the_kinds_report_picks_one_fixed_k_for_all_prompts_of_a_kind():
+    """Two prompts of one kind, the draft right for 2 and for 3 tokens: one k is the kind's
+    best, and each prompt's own best gains over it on the other prompt only."""
+    traces = {"edit/1": _trace(right_for=2), "edit/2": _trace(right_for=3)}
+    report = kinds_report("qwen", traces, FLAT, jitter=0.0, repeats=1)
+    row = next(line for line in report.splitlines() if line.startswith("| edit"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[1] in ("k=2", "k=3") and float(cells[5]) > 1.0
+    assert 0.8 < float(cells[2]) <= 1.05
+
+
+def test_the_more_prompt_set_names_six_prompts_of_each_kind_and_all_adds_the_suites():
+    texts = prompt_texts(("chat", "explain"), "more")
+    assert len(texts) == 12 and "chat/1" in texts and "explain/6" in texts
+    assert prompt_texts(("chat",), "") == {"chat": PROMPTS["chat"]} and PROMPTS["chat"] not in texts.values()
+    assert prompt_texts(("chat", "explain"), "all") == {"chat/0": PROMPTS["chat"], "explain/0": PROMPTS["explain"]} | texts
