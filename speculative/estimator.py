@@ -4,10 +4,10 @@
 call saw; `Estimates` is a frozen snapshot of them with the cost model of Leviathan et
 al. 2023 plus a per-round delay. In nanoseconds where a time:
 
-- a, acceptance per draft token (prior 0.5 over PRIOR_TRIALS tokens), and a_i, by depth:
-  a copied run of text goes on or stops, so its deep tokens are accepted more often than
-  its first. Decisions read both with HOPE more accepted token, so one rejected first
-  round does not stop speculation. Also measured during stretches where drafting is
+- a, acceptance per draft token (prior 0.5 over PRIOR_TRIALS tokens), and a_i, by depth
+  (each with the depth above as its prior): a copied run of text goes on or stops, so
+  its deep tokens are accepted more often than its first. Decisions read a with HOPE more accepted token, so one
+  rejected first round does not stop speculation. Also measured during stretches where drafting is
   free (`observe_shadow`: what prompt lookup would have proposed against the tokens the
   target decoded; unbiased under sampling, a looked-up token being proposed with
   certainty).
@@ -33,7 +33,7 @@ from speculative.pass_costs import PassCostFit, pass_x, slope_prior
 if TYPE_CHECKING:
     from speculative.stats import RoundStats, StepLoad
 
-PRIOR_TRIALS = 2.0  # the weight of a's prior, in draft tokens
+PRIOR_TRIALS = 2.0  # the weight of a's prior, and of each a_i's, in draft tokens
 HOPE = 1.0  # accepted draft tokens added to the evidence when deciding
 # A token decoded alone weighs this much of a pass in the fit of c(w), and does not age
 # the passes: a long stretch refines c(1) without erasing what wider passes cost.
@@ -177,32 +177,29 @@ class AcceptanceCounts:
     def __init__(self, max_k: int, decay: float):
         self.decay = decay
         self.accepted, self.trials = 0.5 * PRIOR_TRIALS, PRIOR_TRIALS  # behind a
-        # [max_k] (accepted, reached) behind a_i, per draft token depth; a's counts are
-        # these summed over the depths, plus the prior's
+        # [max_k] (accepted, reached) behind a_i, per draft token depth
         self.depth_counts = [[0.0, 0.0] for _ in range(max_k)]
-        self.prior_counts = [0.5 * PRIOR_TRIALS, PRIOR_TRIALS]
 
     def rate(self, hope: float = 0.0) -> float:
         """a, read with `hope` more accepted tokens (decisions read it hopeful)."""
         return (self.accepted + hope) / (self.trials + hope)
 
     def depth_rates(self, hope: float = 0.0) -> tuple[float, ...]:
-        """a_i for depths 1..max_k, read with `hope` more accepted tokens; a depth no
-        round reached takes the deepest reached one's (a, before any)."""
-        prior_accepted, prior_trials = self.prior_counts
-        last = self.rate(hope)
-        rates = []
+        """a_i for depths 1..max_k, each with the one before as its prior (a before the
+        first), as light as a's: a depth few rounds reach reads near the one above it, not
+        its few draws, and one never reached as the deepest reached. `hope` more accepted
+        tokens are read in a and the first depth only: at every depth it would compound with k."""
+        rates, rate = [], self.rate(hope)
         for accepted, reached in self.depth_counts:
-            if reached > 0:
-                last = (prior_accepted + accepted + hope) / (prior_trials + reached + hope)
-            rates.append(last)
+            rate = (accepted + hope + PRIOR_TRIALS * rate) / (reached + hope + PRIOR_TRIALS)
+            rates.append(rate)
+            hope = 0.0
         return tuple(rates)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         rejected = num_accepted < num_drafted
         self.accepted = self.decay * self.accepted + num_accepted
         self.trials = self.decay * self.trials + num_accepted + rejected
-        self.prior_counts = [self.decay * count for count in self.prior_counts]
         for depth, counts in enumerate(self.depth_counts):  # depth 0: the first draft token
             counts[0] = self.decay * counts[0] + (depth < num_accepted)
             counts[1] = self.decay * counts[1] + (depth <= num_accepted and depth < num_drafted)
@@ -211,7 +208,6 @@ class AcceptanceCounts:
         """An earlier call's rates, as priors as light as the default one."""
         if acceptance is not None:
             self.accepted, self.trials = PRIOR_TRIALS * acceptance, PRIOR_TRIALS
-            self.prior_counts = [self.accepted, self.trials]
         for counts, rate in zip(self.depth_counts, depth_acceptance):
             counts[:] = [PRIOR_TRIALS * rate, PRIOR_TRIALS]
 

@@ -151,13 +151,13 @@ def test_costs_carry_to_the_next_call():
 
 def test_the_depth_profile_carries_to_the_next_call_as_a_light_prior():
     """A draft right for 2 tokens and wrong at the third: the next call starts knowing
-    the third is rarely accepted (as lightly as its pooled prior), and its own rounds
-    outweigh that soon."""
+    the third is accepted less often than the first (as lightly as its pooled prior), and
+    its own rounds outweigh that soon."""
     earlier = settled(CostEstimator(4), [round_(4, 2, 14.0)])
     seeded = CostEstimator(4, costs=earlier.costs())
-    assert seeded.acceptances.depth_rates()[2] < 0.5 < seeded.acceptances.depth_rates()[0]
+    assert seeded.acceptances.depth_rates()[2] < 0.55 < 0.7 < seeded.acceptances.depth_rates()[0]
     pooled_only = CostEstimator(4, costs=dataclasses.replace(earlier.costs(), depth_acceptance=()))
-    assert pooled_only.acceptances.depth_rates()[2] > 0.6
+    assert pooled_only.acceptances.depth_rates()[2] == pytest.approx(pooled_only.acceptances.rate())
     later = settled(seeded, [round_(4, 4, 14.0)], times=10)
     assert later.acceptances.depth_rates()[2] > 0.8
 
@@ -297,27 +297,36 @@ def test_a_draft_token_that_came_with_the_prefill_is_not_counted_as_a_pass():
 
 def test_a_copy_that_runs_on_or_stops_is_worth_long_proposals():
     """Half the rounds accept all 4 drafts, half reject the first: one pooled rate reads
-    a = 4/5 and E[tokens] of 8 drafts as 4.3; by depth the first is accepted half the
-    time and every later one once the first was, so 8 drafts yield 5 tokens."""
+    a = 4/5 and E[tokens] of 8 drafts as 4.2; by depth the first is accepted half the
+    time and every later one once the first was, so 8 drafts yield nearly 5 tokens."""
     estimator = settled(CostEstimator(8), [round_(4, 4, 14.0), round_(4, 0, 14.0)])
     e = estimator.estimates()
     assert estimator.acceptances.rate() == pytest.approx(0.8, abs=0.03)
-    assert e.depth_acceptance[0] == pytest.approx(0.5, abs=0.06)
-    assert min(e.depth_acceptance[1:]) > 0.9  # depths 5-8, never reached, read at depth 4
+    assert e.depth_acceptance[0] == pytest.approx(0.5, abs=0.07)
+    assert min(e.depth_acceptance[1:]) > 0.85  # depths 5-8, never reached, read at depth 4
     assert e.expected_tokens(8) > 4.5 > expected_tokens(e.acceptance, 8)
 
 
 def test_a_draft_always_wrong_at_the_same_depth_is_read_so():
+    """Settled (about 10 rounds' weight against the prior's 2 tokens, the depth above's)."""
     e = settled(CostEstimator(4), [round_(4, 2, 14.0)]).estimates()
-    assert e.depth_acceptance[:2] == pytest.approx((1.0, 1.0), abs=1e-4)
-    assert e.depth_acceptance[2] == e.depth_acceptance[3] < 0.1
-    assert e.reach(2) == pytest.approx(1.0, abs=1e-4) and e.reach(3) < 0.1
+    assert e.depth_acceptance[:2] == pytest.approx((1.0, 1.0), abs=0.06)
+    assert e.depth_acceptance[2] == e.depth_acceptance[3] < 0.2
+    assert e.reach(2) > 0.9 and e.reach(3) < 0.2
 
 
 def test_depths_never_reached_are_read_at_the_deepest_reached():
     e = settled(CostEstimator(8), [round_(2, 2, 14.0), round_(2, 1, 14.0)]).estimates()
     assert e.depth_acceptance[2:] == (e.depth_acceptance[1],) * 6
     assert e.depth_acceptance[1] == pytest.approx(0.5, abs=0.06)
+
+
+def test_a_depth_few_rounds_reach_reads_near_the_one_above():
+    """One round in ten reaches the third draft token and has it rejected: its rate stays
+    near the second's, not the 0 of its one draw, so k = 3 is not written off."""
+    rounds = [round_(2, 2, 14.0)] * 9 + [round_(3, 2, 14.0)]
+    e = settled(CostEstimator(4), rounds, times=1).estimates()
+    assert e.depth_acceptance[2] > 0.5 * e.depth_acceptance[1]
 
 
 def test_by_depth_and_pooled_agree_before_any_round():
@@ -333,7 +342,8 @@ def test_pooled_acceptance_is_the_depth_counts_summed(rounds):
     estimator = CostEstimator(6)
     for drafted, accepted in rounds:
         estimator.observe(*round_(drafted, min(accepted, drafted), 14.0))
-    accepted = estimator.acceptances.prior_counts[0] + sum(a for a, _ in estimator.acceptances.depth_counts)
-    trials = estimator.acceptances.prior_counts[1] + sum(n for _, n in estimator.acceptances.depth_counts)
+    prior = estimator.decay ** len(rounds) * PRIOR_TRIALS  # the prior's weight, aged by every round
+    accepted = 0.5 * prior + sum(a for a, _ in estimator.acceptances.depth_counts)
+    trials = prior + sum(n for _, n in estimator.acceptances.depth_counts)
     counts = estimator.acceptances
     assert (counts.accepted, counts.trials) == (pytest.approx(accepted), pytest.approx(trials))
