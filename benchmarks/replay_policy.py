@@ -98,7 +98,6 @@ def load_traces(pair: str, prompt_set: str = "") -> dict:
     return json.loads(traces_path(pair, prompt_set).read_text())["traces"]
 
 
-
 # --- virtual time ---------------------------------------------------------------------------
 
 
@@ -291,6 +290,18 @@ def shifted(trace: dict, offset: int) -> dict:
             **({"drafts": trace["drafts"][offset:]} if "drafts" in trace else {})}
 
 
+def against_fixed(calls: list[dict[str, float]]) -> tuple[str, list[float], float, float]:
+    """Over a group of calls ({method: tokens/s}): the fixed k fastest over all of them (geometric mean),
+    adaptive over it in each call, adaptive over each call's own fastest fixed k, and what that hindsight
+    pick gains over the group's k (geometric means over the calls)."""
+    fixed = [method for method in calls[0] if method != "adaptive"]
+    best = max(fixed, key=lambda method: statistics.geometric_mean([call[method] for call in calls]))
+    tops = [max(call[method] for method in fixed) for call in calls]
+    return (best, [call["adaptive"] / call[best] for call in calls],
+            statistics.geometric_mean([call["adaptive"] / top for call, top in zip(calls, tops)]),
+            statistics.geometric_mean([top / call[best] for call, top in zip(calls, tops)]))
+
+
 def shifts_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int, shifts: int) -> str:
     """Per prompt, `shifts` calls each started a token later: the fixed k fastest over all of them, adaptive
     against it and against each call's own fastest fixed k, and what that hindsight pick gains over it."""
@@ -302,12 +313,8 @@ def shifts_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats:
         for name, trace in traces.items():
             calls = [replay({name: shifted(trace, offset)}, drafter_name, costs, jitter, repeats)[name]
                      for offset in range(shifts)]
-            fixed = [method for method in calls[0] if method != "adaptive"]
-            best = max(fixed, key=lambda method: statistics.geometric_mean([call[method] for call in calls]))
-            hindsight = [max(call[method] for method in fixed) for call in calls]
-            lines.append(f"| {name} | {best} | {statistics.geometric_mean([call['adaptive'] / call[best] for call in calls]):.3f} | "
-                         f"{statistics.geometric_mean([call['adaptive'] / top for call, top in zip(calls, hindsight)]):.3f} | "
-                         f"{statistics.geometric_mean([top / call[best] for call, top in zip(calls, hindsight)]):.3f} |")
+            best, ratios, own, gain = against_fixed(calls)
+            lines.append(f"| {name} | {best} | {statistics.geometric_mean(ratios):.3f} | {own:.3f} | {gain:.3f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -315,8 +322,8 @@ def shifts_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats:
 def kinds_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int) -> str:
     """Several prompts a kind (named kind/i): adaptive against the fixed k best for the kind (over its prompts)
     and against each prompt's own best fixed k, and what that hindsight pick gains over the kind's k."""
-    # Kinds interleaved: each adaptive call is seeded by a call of another kind, as in the suite.
-    order = sorted(traces, key=lambda name: (int(name.split("/")[1]), list(traces).index(name)))
+    # Kinds interleaved (a stable sort by index): each adaptive call is seeded by one of another kind, as in the suite.
+    order = sorted(traces, key=lambda name: int(name.split("/")[1]))
     lines = [f"{len(traces)} prompts, median of {repeats} seeded repeats each; geometric means over a kind's prompts.",
              ""]
     for drafter_name in DRAFTERS[pair]:
@@ -324,13 +331,7 @@ def kinds_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: 
         lines += [f"### {drafter_name}", "", "| kind | fixed k best for the kind | adaptive / it | lowest prompt | "
                   "adaptive / each prompt's best fixed k | each prompt's best / the kind's |", "|---" * 6 + "|"]
         for kind in dict.fromkeys(kind_of(name) for name in order):
-            calls = [rates for name, rates in table.items() if kind_of(name) == kind]
-            fixed = [method for method in calls[0] if method != "adaptive"]
-            best = max(fixed, key=lambda method: statistics.geometric_mean([call[method] for call in calls]))
-            tops = [max(call[method] for method in fixed) for call in calls]
-            ratios = [call["adaptive"] / call[best] for call in calls]
-            own = statistics.geometric_mean([call["adaptive"] / top for call, top in zip(calls, tops)])
-            gain = statistics.geometric_mean([top / call[best] for call, top in zip(calls, tops)])
+            best, ratios, own, gain = against_fixed([rates for name, rates in table.items() if kind_of(name) == kind])
             lines.append(f"| {kind} | {best} | {statistics.geometric_mean(ratios):.3f} | {min(ratios):.3f} | "
                          f"{own:.3f} | {gain:.3f} |")
         lines.append("")
@@ -368,8 +369,8 @@ def record(pair_name: str, tokens: int, prompt_set: str = "") -> None:
                 session.append([token])
         traces[name] = trace
         print(f"{name}: {len(prompt)} prompt tokens, {len(path)} decoded", file=sys.stderr, flush=True)
-    traces_path(pair_name, prompt_set).write_text(json.dumps({"pair": [pair.target, pair.draft, pair.quantization],
-                                                  "traces": traces}))
+    traces_path(pair_name, prompt_set).write_text(
+        json.dumps({"pair": [pair.target, pair.draft, pair.quantization], "traces": traces}))
 
 
 def main(argv: list[str] | None = None) -> int:

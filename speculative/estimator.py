@@ -6,11 +6,11 @@ al. 2023 plus a per-round delay. In nanoseconds where a time:
 
 - a, acceptance per draft token (prior 0.5 over PRIOR_TRIALS tokens), and a_i, by depth
   (each with the depth above as its prior): a copied run of text goes on or stops, so
-  its deep tokens are accepted more often than its first. Decisions read a with HOPE more accepted token, so one
-  rejected first round does not stop speculation. Also measured during stretches where drafting is
-  free (`observe_shadow`: what prompt lookup would have proposed against the tokens the
-  target decoded; unbiased under sampling, a looked-up token being proposed with
-  certainty).
+  its deep tokens are accepted more often than its first. Decisions read a with HOPE
+  more accepted token, so one rejected first round does not stop speculation. Also
+  measured during stretches where drafting is free (`observe_shadow`: what prompt
+  lookup would have proposed against the tokens the target decoded; unbiased under
+  sampling, a looked-up token being proposed with certainty).
 - f, the share of the drafter's turns that proposed anything; d, drafting per token.
 - c(w) = c0 + g x(w), the target's pass over w tokens (`pass_costs.PassCostFit`);
   R, the rest of a round (network, queueing, the verdict).
