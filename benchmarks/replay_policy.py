@@ -59,7 +59,7 @@ MS = 1_000_000
 @dataclass(frozen=True)
 class Costs:
     """Virtual costs in ms: a target pass over 1..len(target_ms) new tokens as timed (wider:
-    the line through the last two), a draft token, a round trip."""
+    on from the last at the timed widths' mean slope), a draft token, a round trip."""
 
     target_ms: tuple[float, ...]
     draft_ms: float
@@ -75,7 +75,8 @@ class Costs:
         last = len(self.target_ms)
         if run <= last:
             return self.target_ms[run - 1] * MS
-        return (self.target_ms[-1] + (run - last) * (self.target_ms[-1] - self.target_ms[-2])) * MS
+        slope = max(0.0, (self.target_ms[-1] - self.target_ms[0]) / (last - 1))
+        return (self.target_ms[-1] + (run - last) * slope) * MS
 
 
 # Calibrated pass costs of each target (ms, widths 1-12, 64 cached tokens, 2 threads;

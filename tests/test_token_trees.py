@@ -348,7 +348,7 @@ def _branch_round_outcomes(world, context, depth, accept, recover) -> dict[tuple
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def testsecond_choice_branches_enumerate_to_the_target_distribution(depth, seed):
+def test_second_choice_branches_enumerate_to_the_target_distribution(depth, seed):
     world = _World(seed, VOCAB, 3)
     enumerated = _enumerate_rounds(
         lambda context: _branch_round_outcomes(world, context, depth, acceptance_probability, recovered_probs), LENGTH)
@@ -356,7 +356,7 @@ def testsecond_choice_branches_enumerate_to_the_target_distribution(depth, seed)
     assert _max_error(world, enumerated, LENGTH) < 1e-6
 
 
-def test_asecond_choice_judged_without_the_residual_fails_the_enumeration():
+def test_a_second_choice_judged_without_the_residual_fails_the_enumeration():
     """Negative control: the branch tried against the target's distribution, not what the
     rejected first choice left."""
     world = _World(0, VOCAB, 3)
@@ -365,7 +365,7 @@ def test_asecond_choice_judged_without_the_residual_fails_the_enumeration():
     assert _max_error(world, enumerated, LENGTH) > 1e-3
 
 
-def testsecond_choice_branches_follow_the_target_by_chi_square():
+def test_second_choice_branches_follow_the_target_by_chi_square():
     """The real sampler on the trees the model drafter builds: a sampled chain of 2 and
     its second choices (`with_branches`), the draft's q for the chain, one-hot below."""
     world, generator, pairs = STAT_WORLD, make_generator(7), Counter()
@@ -392,7 +392,7 @@ def testsecond_choice_branches_follow_the_target_by_chi_square():
     assert _chisquare_pvalue(pairs, expected) >= ALPHA
 
 
-def test_with_branches_hangs_the_likeliestsecond_choices_under_the_chain():
+def test_with_branches_hangs_the_likeliest_second_choices_under_the_chain():
     chain = Proposal([10, 11, 12])
     branches = [Branch(0.30, 0, 20), Branch(0.05, 1, 21), Branch(0.20, 2, 22)]
     tree = with_branches(chain, branches, 2)
