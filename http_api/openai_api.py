@@ -100,7 +100,8 @@ def _number(body: dict, name: str, low: float, high: float, *, integer: bool = F
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise bad_request(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
     if value < low or value > high or (low_open and value == low):
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        bounds = (f"{bound:d}" if integer else f"{bound:g}" for bound in (low, high))  # 2147483647, not 2.14748e+09
+        interval = f"{'(' if low_open else '['}{', '.join(bounds)}]"
         raise bad_request(f"'{name}' must be in {interval}, got {value!r}", name, "invalid_value")
     return value
 
