@@ -12,17 +12,19 @@ target pass with a tree attention mask, the kept path's KV cache moved into plac
 from __future__ import annotations
 
 import dataclasses
+import queue
 import random
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model_runtime.batched_forward import Segment, SequenceKV, forward_segments
-from specdec.v1 import common_pb2, orchestrator_pb2
+from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2, target_pb2_grpc
 from speculative import rejection
 from speculative.drafter_base import Branch, Proposal, with_branches
 from speculative.drafters import ModelDrafter, second_choice
@@ -42,6 +44,8 @@ from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, m
 from speculative.target import TargetSession
 from speculative.token_tree import ROOT, TokenTree
 from speculative.types import NextTokenKind, Verdict
+from target_service.config import TargetConfig
+from target_service.server import create_server
 from tests.system import LocalSystem
 from tests.test_estimator import round_, settled, streamed
 from tests.test_rejection import ALPHA, _chisquare_pvalue, _enumerate_rounds, _max_error, _World
@@ -108,6 +112,17 @@ def test_one_pass_scores_each_node_as_the_chain_through_its_ancestors(tiny_targe
     torch.testing.assert_close(logits[0], _chain_logits(tiny_target.model, prefix)[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def target_stub(tiny_target):
+    """A target worker serving the tiny target on a real socket."""
+    service = create_server(TargetConfig(address="127.0.0.1:0", worker_id="target-trees"), tiny_target)
+    service.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    yield target_pb2_grpc.TargetServiceStub(channel)
+    channel.close()
+    service.server.stop(None)
+
+
 # --- greedy trees in process ------------------------------------------------------------
 
 
@@ -141,6 +156,50 @@ def test_greedy_trees_equal_target_only_round_after_round(tiny_target, prompt_id
         out += result.token_ids
         assert result.committed_len == len(prompt) + len(out) and target.length == result.committed_len
     assert out[: len(expected)] == expected
+
+
+def _tree_rounds_over_grpc(stub, session_id: str, prompt: list[int], expected: list[int], seed: int,
+                           vocab_size: int) -> list[int]:
+    """Random trees on one Verify stream, each proposed once the last verdict came; the
+    tokens the verdicts commit (the kept path's and the target's own)."""
+    rng, out = random.Random(seed), []
+    proposals: queue.SimpleQueue = queue.SimpleQueue()
+    verdicts = stub.Verify(iter(proposals.get, None), timeout=60)
+    while len(out) < len(expected):
+        tree = _random_tree(rng, expected[len(out):], vocab_size)
+        draft = target_pb2.Draft(token_ids=tree.token_ids, parents=tree.parents)
+        proposals.put(target_pb2.Proposal(session_id=session_id, base_len=len(prompt) + len(out), draft=draft))
+        decision = next(verdicts).decision
+        assert all(tree.parents[node] == parent for parent, node in zip([ROOT, *decision.path], decision.path))
+        out += [tree.token_ids[node] for node in decision.path] + [decision.next_token_id]
+        assert decision.committed_len == len(prompt) + len(out)
+    proposals.put(None)
+    return out
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_trees_over_the_verify_stream_equal_target_only(target_stub, tiny_target, prompt_ids, seed):
+    """Through the target worker's gRPC service, four sessions at once (their trees and
+    chains batched into shared steps): every round's verdict keeps a path of its tree,
+    and the tokens committed are the target's greedy ones."""
+    params = SamplingParams(max_new_tokens=20)
+    generator = SpeculativeGenerator(tiny_target)
+
+    def one(index: int) -> bool:
+        prompt = prompt_ids[index]
+        expected = generator.generate(prompt, params, k=0).token_ids
+        handle = target_stub.OpenSession(target_pb2.OpenSessionRequest(
+            prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=20)), timeout=60).handle
+        try:
+            out = _tree_rounds_over_grpc(target_stub, handle.session_id, prompt, expected, seed + index,
+                                         tiny_target.vocab_size)
+        finally:
+            target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=60)
+        return out[: len(expected)] == expected
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(one, range(4)))
 
 
 def test_a_chain_as_a_tree_decides_what_verify_decides(tiny_target, tiny_perturbed, prompt_ids):
