@@ -16,11 +16,10 @@ from orchestrator.generation import Generation
 from orchestrator.planning import Plan
 from orchestrator.store import SessionRecord, WorkerHandle
 from orchestrator.workers import DRAFT, TARGET, Worker, WorkerPool
-from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2
 from speculative.generator import SpeculativeGenerator
 from speculative.sampling import SamplingParams
-from target_service.config import TargetConfig
-from target_service.server import create_server
+from tests.target_worker import serving_target
 
 MS = 1_000_000
 DEADLINE_S = 30
@@ -60,12 +59,8 @@ def test_a_resumed_streams_prefill_takes_the_budget_left_not_the_prefill_share()
 @pytest.fixture(scope="module")
 def target(tiny_target):
     """A target worker over real gRPC whose scheduler records each job's `resumes`."""
-    service = create_server(TargetConfig(address="127.0.0.1:0", worker_id="target-resume"), tiny_target)
-    service.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
-    yield target_pb2_grpc.TargetServiceStub(channel)
-    channel.close()
-    service.server.stop(None)
+    with serving_target(tiny_target, "target-resume") as stub:
+        yield stub
 
 
 def test_the_target_runs_a_prefill_marked_as_resuming_a_stream_as_such(target, tiny_target, monkeypatch):

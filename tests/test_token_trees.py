@@ -17,14 +17,13 @@ import random
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model_runtime.batched_forward import Segment, SequenceKV, forward_segments
-from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2
 from speculative import rejection
 from speculative.drafter_base import Branch, Proposal, with_branches
 from speculative.drafters import ModelDrafter, second_choice
@@ -44,9 +43,8 @@ from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, m
 from speculative.target import TargetSession
 from speculative.token_tree import ROOT, TokenTree
 from speculative.types import NextTokenKind, Verdict
-from target_service.config import TargetConfig
-from target_service.server import create_server
 from tests.system import LocalSystem
+from tests.target_worker import serving_target
 from tests.test_estimator import round_, settled, streamed
 from tests.test_rejection import ALPHA, _chisquare_pvalue, _enumerate_rounds, _max_error, _World
 
@@ -115,12 +113,8 @@ def test_one_pass_scores_each_node_as_the_chain_through_its_ancestors(tiny_targe
 @pytest.fixture(scope="module")
 def target_stub(tiny_target):
     """A target worker serving the tiny target on a real socket."""
-    service = create_server(TargetConfig(address="127.0.0.1:0", worker_id="target-trees"), tiny_target)
-    service.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
-    yield target_pb2_grpc.TargetServiceStub(channel)
-    channel.close()
-    service.server.stop(None)
+    with serving_target(tiny_target, "target-trees") as stub:
+        yield stub
 
 
 # --- greedy trees in process ------------------------------------------------------------
