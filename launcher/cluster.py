@@ -143,6 +143,9 @@ def parse_args(argv):
                              "model (here every role shares this host's cores, and drafting ahead would slow "
                              "the target's passes), on for n-gram lookup (it costs no compute)")
     parser.add_argument("--drafter", default="ngram", help="the draft workers' default drafter")
+    parser.add_argument("--draft-tree-width", type=int, default=None,
+                        help="continuations a round may propose as a token tree, verified in one target pass "
+                             "(docs/speculation.md, 'Token trees'); default: the draft worker's (1, chains)")
     parser.add_argument("--target-workers", type=int, default=1)
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="ranks each target worker's model is sharded over (processes here, GPUs in a cluster)")
@@ -176,9 +179,10 @@ def parse_args(argv):
 
 def draft_flags(args) -> list[str]:
     """The draft workers' model flags: 'self' resolved to the target's model, its
-    quantization, and drafting ahead as --draft-pipeline says."""
+    quantization, token trees, and drafting ahead as --draft-pipeline says."""
     model, quantization = resolve_draft(args.draft_model, args.draft_quantization, args.target_model)
     flags = ["--model", model, "--default-drafter", args.drafter]
+    flags += ["--tree-width", str(args.draft_tree_width)] if args.draft_tree_width is not None else []
     if model:
         flags += ["--quantization", quantization]
         flags += ["--keep-output-layer"] if args.draft_keep_output_layer else []

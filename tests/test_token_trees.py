@@ -588,8 +588,7 @@ def test_sampled_model_trees_through_the_services_follow_the_target(tiny_target,
     from tests.test_sampled_generation import NUM_RUNS, _chi_square_p_value
 
     params = SamplingParams(temperature=1.0, top_k=4, max_new_tokens=3)
-    prompt, system = prompt_ids[0], LocalSystem()
-    next(r for r in system.roles if r.pool == "draft").args.extend(["--tree-width", "3"])
+    prompt, system = prompt_ids[0], LocalSystem(draft_tree_width=3)  # the launcher's --draft-tree-width
 
     def call(seed: int) -> tuple[tuple[int, ...], int]:
         request = orchestrator_pb2.GenerateRequest(include_stats=True)
