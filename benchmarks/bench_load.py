@@ -394,11 +394,10 @@ def running_system(pair: Pair, args, target_workers: int = 1):
     system_args.target_model, system_args.draft_model, system_args.drafter = pair.target, pair.draft, pair.drafter
     system_args.target_workers, system_args.port, system_args.threads = target_workers, 0, args.threads
     system_args.startup_timeout = 1800.0  # a large target loads slowly on 2 cores
+    system_args.draft_tree_width = args.tree_width  # token trees where asked (1: chains)
     system_args.log_dir = tempfile.mkdtemp(prefix="bench-load-logs-")
     cluster = Cluster(Path(system_args.log_dir))
     roles = layout(system_args)
-    for draft in (role for role in roles if role.pool == "draft"):  # token trees where asked (1: chains)
-        draft.args.extend(["--tree-width", str(args.tree_width)])
     try:
         channel = grpc.insecure_channel(start_system(system_args, cluster, roles))
         try:
