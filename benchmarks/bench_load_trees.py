@@ -13,17 +13,21 @@ reference, as in `bench_load`.
 The figure: each method's steady tokens/s with trees over the same method's with chains
 in the same repeat (the two systems ran back to back). k=0 never proposes, so its own
 trees-over-chains ratio measures nothing but the machine's drift between the two
-systems: the noise the other ratios carry. A width slows the worker only where its ratio
-is below k=0's by more than that spread.
+systems; each repeat's ratio over k=0's removes it, and the 95% Student t interval of
+those paired repeats says where trees are slower (or faster) beyond the noise.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
+import math
 import shlex
+import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.bench_load import (
@@ -35,7 +39,6 @@ from benchmarks.bench_load import (
     closed_loop,
     methods_for,
     parse,
-    percentile,
     reference_pass,
     rotated,
     running_system,
@@ -44,13 +47,27 @@ from benchmarks.bench_load import (
 )
 
 
-def measure(args, widths: list[int]) -> dict[int, Run]:
-    """A Run per width, its cells tagged with their repeat; one system per (repeat, width)."""
+@dataclass(frozen=True)
+class Row:
+    """One closed-loop cell of one width's system: what the report reads (and the JSON keeps)."""
+
+    width: int
+    method: str
+    load: float
+    repeat: int
+    steady_tokens_per_s: float | None
+    completed: int
+    exact: int
+    failed: int
+
+
+def measure(args, widths: list[int]) -> tuple[list[Row], int]:
+    """The rows of every (repeat, width) system, and how many outputs differed from the reference."""
     pair, methods = PAIRS[args.pair], methods_for(args.k, args.adaptive_max_k)
-    runs = {width: Run() for width in widths}
+    rows, mismatches = [], 0
     for repeat in range(args.repeats):
         for width in rotated(widths, repeat):
-            run, system_args = runs[width], copy.copy(args)
+            run, system_args = Run(), copy.copy(args)
             system_args.tree_width = width
             print(f"repeat {repeat}, tree width {width}", flush=True)
             with running_system(pair, system_args) as stub:
@@ -58,74 +75,88 @@ def measure(args, widths: list[int]) -> dict[int, Run]:
                 run.add(reference_pass(stub, pair, methods[0], args))
                 for turn, concurrency in enumerate(args.concurrency):
                     for method in rotated(methods, turn + repeat):
-                        run.add(closed_loop(stub, pair, method, concurrency, args, repeat=repeat))
-    return runs
+                        cell = run.add(closed_loop(stub, pair, method, concurrency, args, repeat=repeat))
+                        s = summarize(cell)
+                        rows.append(Row(width, method.name, concurrency, repeat, s.steady_tokens_per_s, s.completed,
+                                        s.completed - s.mismatches, sum(s.failed.values())))
+            mismatches += len(run.mismatches)
+    return rows, mismatches
 
 
-def paired(runs: dict[int, Run], width: int, chains: int = 1) -> dict[tuple[str, float], list[float]]:
-    """(method, concurrency) -> steady tok/s at `width` over the chains' in the same repeat, repeat by repeat."""
-    steady = {w: {(c.method, c.load, c.repeat): summarize(c).steady_tokens_per_s for c in runs[w].cells
-                  if c.phase == "closed"} for w in (width, chains)}
-    ratios: dict[tuple[str, float], list[float]] = {}
-    for (method, load, repeat), value in steady[width].items():
-        base = steady[chains].get((method, load, repeat))
-        if value and base:
-            ratios.setdefault((method, load), []).append(value / base)
+def paired(rows: list[Row], width: int, chains: int = 1) -> dict[tuple[str, float], dict[int, float]]:
+    """(method, concurrency) -> {repeat: steady tok/s at `width` over the chains' in the same repeat}."""
+    steady = {(r.width, r.method, r.load, r.repeat): r.steady_tokens_per_s for r in rows}
+    ratios: dict[tuple[str, float], dict[int, float]] = {}
+    for r in rows:
+        base = steady.get((chains, r.method, r.load, r.repeat))
+        if r.width == width and r.steady_tokens_per_s and base:
+            ratios.setdefault((r.method, r.load), {})[r.repeat] = r.steady_tokens_per_s / base
     return ratios
 
 
-def verdicts(ratios: dict[tuple[str, float], list[float]]) -> dict[tuple[str, float], str]:
-    """Per method and level: 'slower' where the median ratio is below the lowest of k=0's
-    own ratios at that level (its spread is the noise), else 'not slower'."""
+def against_drift(ratios: dict[tuple[str, float], dict[int, float]]) -> dict[tuple[str, float], tuple | None]:
+    """Per method and level, each repeat's ratio over k=0's in the same repeat (what the
+    machine moved between the two systems), as bench_suite.paired_ratio reads paired
+    repeats: (geometric mean, low, high of the 95% Student t interval); None below two."""
+    from scipy import stats  # benchmarks only (the dev extra)
+
     out = {}
-    for (method, load), values in ratios.items():
-        if method == BASELINE:
+    for (method, load), by_repeat in ratios.items():
+        drift = ratios.get((BASELINE, load), {})
+        logs = [math.log(value / drift[r]) for r, value in by_repeat.items() if r in drift]
+        if method == BASELINE or len(logs) < 2:
+            out[(method, load)] = None
             continue
-        noise = ratios.get((BASELINE, load), [1.0])
-        out[(method, load)] = "slower" if percentile(values, 50) < min(noise) else "not slower"
+        mean, spread = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
+        half = stats.t.ppf(0.975, len(logs) - 1) * spread
+        out[(method, load)] = (math.exp(mean), math.exp(mean - half), math.exp(mean + half))
     return out
 
 
-def markdown(runs: dict[int, Run], widths: list[int], args, command: str) -> list[str]:
-    methods = methods_for(args.k, args.adaptive_max_k)
-    closed = {w: [summarize(c) for c in r.cells if c.phase == "closed"] for w, r in runs.items()}
-    exact = {w: sum(s.completed - s.mismatches for s in cells) for w, cells in closed.items()}
-    completed = {w: sum(s.completed for s in cells) for w, cells in closed.items()}
-    failed = {w: sum(sum(s.failed.values()) for s in cells) for w, cells in closed.items()}
-    lines = [f"# Token trees against chains under load, {args.pair}", "", f"    {command}", "",
-             f"{args.repeats} repeats; a system per (repeat, width), widths in rotated turns; closed loop, "
-             f"{args.duration_s:g} s or {args.requests_per_client} requests a client, "
-             f"{args.max_new_tokens} new tokens.",
-             "Closed-loop outputs equal to the k=0 reference: "
-             + ", ".join(f"width {w}: {exact[w]} of {completed[w]}" for w in widths)
-             + "; failed requests: " + ", ".join(f"width {w}: {failed[w]}" for w in widths) + ".", ""]
+def verdict(interval: tuple | None) -> str:
+    if interval is None:
+        return "-"
+    ratio, low, high = interval
+    where = "slower" if high < 1.0 else "faster" if low > 1.0 else "within the noise"
+    return f"{ratio:.2f}x [{low:.2f}, {high:.2f}], {where}"
+
+
+def markdown(rows: list[Row], command: str) -> list[str]:
+    widths = sorted({r.width for r in rows})
+    methods = list(dict.fromkeys(r.method for r in sorted(rows, key=lambda r: r.method != BASELINE)))
+    loads, repeats = sorted({r.load for r in rows}), sorted({r.repeat for r in rows})
+    counts = ", ".join(f"width {w}: {sum(r.exact for r in rows if r.width == w)} of "
+                       f"{sum(r.completed for r in rows if r.width == w)} equal to the k=0 reference, "
+                       f"{sum(r.failed for r in rows if r.width == w)} failed" for w in widths)
+    lines = ["# Token trees against chains under load", "", f"    {command}", "",
+             f"{len(repeats)} repeats; a system per (repeat, width), widths in rotated turns; closed loop "
+             f"(`bench_load`). Closed-loop requests: {counts}.", ""]
+    others = [m for m in methods if m != BASELINE]
     for width in widths[1:]:
-        ratios = paired(runs, width, widths[0])
-        judged = verdicts(ratios)
+        ratios = paired(rows, width, widths[0])
+        corrected = against_drift(ratios)
         lines += [f"## Width {width} over width {widths[0]}: steady tok/s, same method, same repeat", "",
-                  "median (lowest-highest) over repeats; k=0's column is the noise (it never proposes)", "",
-                  "| concurrency | " + " | ".join(m.name for m in methods) + " |",
-                  "|---" * (len(methods) + 1) + "|"]
-        for load in args.concurrency:
-            cells = []
-            for method in methods:
-                cell = _spread(ratios.get((method.name, load), []))
-                if (method.name, load) in judged:
-                    cell += f", {judged[(method.name, load)]}"
-                cells.append(cell)
+                  "Raw: median (lowest-highest) over repeats; k=0 never proposes, so its ratio is the machine's drift "
+                  "between the two systems. Over k=0's: each repeat's ratio over k=0's in that repeat, geometric "
+                  "mean [95% interval of paired repeats].", "",
+                  "| concurrency | k=0, raw (drift) | " + " | ".join(f"{m}, raw | {m}, over k=0's" for m in others)
+                  + " |", "|---|---" + "|---|---" * len(others) + "|"]
+        for load in loads:
+            cells = [_spread(list(ratios.get((BASELINE, load), {}).values()))]
+            for method in others:
+                cells += [_spread(list(ratios.get((method, load), {}).values())),
+                          verdict(corrected.get((method, load)))]
             lines.append(f"| {load:g} | " + " | ".join(cells) + " |")
         lines.append("")
+    steady = {(r.width, r.method, r.load, r.repeat): r.steady_tokens_per_s for r in rows}
     for width in widths:
-        lines += [f"## Width {width}: steady tok/s by repeat", "", "| method | concurrency | " +
-                  " | ".join(f"repeat {r}" for r in range(args.repeats)) + " |",
-                  "|---|---" + "|---" * args.repeats + "|"]
+        lines += [f"## Width {width}: steady tok/s by repeat", "",
+                  "| method | concurrency | " + " | ".join(f"repeat {r}" for r in repeats) + " |",
+                  "|---|---" + "|---" * len(repeats) + "|"]
         for method in methods:
-            for load in args.concurrency:
-                values = {c.repeat: summarize(c).steady_tokens_per_s for c in runs[width].cells
-                          if (c.phase, c.method, c.load) == ("closed", method.name, load)}
-                lines.append(f"| {method.name} | {load:g} | " +
-                             " | ".join(f"{values[r]:.1f}" if values.get(r) else "-" for r in range(args.repeats))
-                             + " |")
+            for load in loads:
+                values = [steady.get((width, method, load, r)) for r in repeats]
+                lines.append(f"| {method} | {load:g} | " + " | ".join(f"{v:.1f}" if v else "-" for v in values) + " |")
         lines.append("")
     return lines
 
@@ -134,22 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--widths", type=_levels, default=[1, 4], help="tree widths, the chains' 1 first")
+    own.add_argument("--render", default="", help="a runs_load_trees JSON: write its report again, run nothing")
     own_args, rest = own.parse_known_args(argv)
     args = parse(rest + (["--open-loop-fractions", ""] if "--open-loop-fractions" not in rest else []))
-    widths = own_args.widths
-    if len(widths) < 2 or widths[0] != 1:
-        raise SystemExit("--widths: the chains' 1 first, then at least one tree width")
-    command = "python -m benchmarks.bench_load_trees " + shlex.join(argv)
-    runs = measure(args, widths)
-    lines = markdown(runs, widths, args, command)
-    out = Path(args.out)
+    out, mismatches = Path(args.out), 0
+    if own_args.render:
+        saved = json.loads(Path(own_args.render).read_text())
+        command, rows = saved["command"], [Row(**row) for row in saved["rows"]]
+    else:
+        if len(own_args.widths) < 2 or own_args.widths[0] != 1:
+            raise SystemExit("--widths: the chains' 1 first, then at least one tree width")
+        command = "python -m benchmarks.bench_load_trees " + shlex.join(argv)
+        rows, mismatches = measure(args, own_args.widths)
+        (out / f"runs_load_trees_{args.pair}.json").write_text(json.dumps(
+            {"command": command, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    lines = markdown(rows, command)
     (out / f"results_load_trees_{args.pair}.md").write_text("\n".join(lines))
-    (out / f"runs_load_trees_{args.pair}.json").write_text(json.dumps(
-        {str(w): [{"method": c.method, "load": c.load, "repeat": c.repeat,
-                   "steady_tokens_per_s": summarize(c).steady_tokens_per_s}
-                  for c in r.cells if c.phase == "closed"] for w, r in runs.items()}, indent=1))
     print("\n".join(lines))
-    mismatches = sum(len(r.mismatches) for r in runs.values())
     if mismatches:
         print(f"FAILED: {mismatches} outputs differ from the target-only reference", file=sys.stderr)
         return 1
