@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 
 import pytest
 
@@ -120,12 +119,10 @@ def test_methods_take_every_position_in_turn():
 
 
 def test_a_small_run_through_the_services_is_exact_and_complete(tmp_path):
-    started = time.monotonic()
     status = main(["--pair", "tiny", "--concurrency", "1,2", "--max-new-tokens", "8", "--requests-per-client", "2",
                    "--repeats", "2", "--open-loop-fractions", "1", "--open-loop-requests", "2", "--threads", "1",
                    "--out", str(tmp_path)])
     assert status == 0
-    assert time.monotonic() - started < 90
     runs = json.loads((tmp_path / "runs_load_tiny.json").read_text())
     assert runs["mismatches"] == [] and len(runs["reference"]) >= 8
     cells = {(c["phase"], c["method"], c["load"], c.get("repeat")): c for c in runs["cells"]}
