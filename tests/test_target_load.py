@@ -14,12 +14,11 @@ import time
 import grpc
 import pytest
 
-from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, target_pb2
 from speculative.generator import SpeculativeGenerator
 from speculative.sampling import SamplingParams
-from target_service.config import TargetConfig
-from target_service.server import create_server
 from tests.conftest import PROMPTS
+from tests.target_worker import serving_target
 
 DEADLINE_S = 60
 NUM_TOKENS = 12
@@ -33,13 +32,6 @@ def _ids(text: str) -> list[int]:
 def greedy(tiny_target):
     generator = SpeculativeGenerator(tiny_target)
     return lambda ids, n: generator.generate(ids, SamplingParams(max_new_tokens=n), k=0).token_ids
-
-
-def _start(loaded, **config):
-    service = create_server(TargetConfig(address="127.0.0.1:0", worker_id="target-load", **config), loaded)
-    service.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
-    return service, channel, target_pb2_grpc.TargetServiceStub(channel)
 
 
 def _generate_by_verify(stub, ids: list[int], drafts: list[int]) -> list[int]:
@@ -77,16 +69,12 @@ def _generate_by_verify(stub, ids: list[int], drafts: list[int]) -> list[int]:
 
 
 def test_sessions_share_steps_and_each_equals_target_only(tiny_target, greedy):
-    service, channel, stub = _start(tiny_target, max_running=8, max_queued=0)
     prompts = [_ids(p) for p in PROMPTS[:8]]
     drafts = [[], [1, 2], [200], [3, 3, 3, 3], [], [65], [9, 9], []]
-    try:
+    with serving_target(tiny_target, "target-load", max_running=8, max_queued=0) as stub:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             outputs = list(pool.map(lambda a: _generate_by_verify(stub, *a), zip(prompts, drafts)))
         info = stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load
-    finally:
-        channel.close()
-        service.server.stop(None)
     assert outputs == [greedy(p, NUM_TOKENS) for p in prompts]
     assert info.mean_batch_tokens > 1.0  # steps ran more than one session's token
     assert (info.running_calls, info.queued_calls) == (0, 0)
@@ -94,7 +82,6 @@ def test_sessions_share_steps_and_each_equals_target_only(tiny_target, greedy):
 
 def test_past_the_queue_calls_are_refused_at_once_and_the_rest_are_exact(tiny_target, greedy):
     """2 running, 2 queued, 10 sessions at once: each is exact or RESOURCE_EXHAUSTED."""
-    service, channel, stub = _start(tiny_target, max_running=2, max_queued=2)
     prompts = [_ids(p) for p in PROMPTS[:10]]
     outcomes: list = [None] * len(prompts)
 
@@ -105,15 +92,12 @@ def test_past_the_queue_calls_are_refused_at_once_and_the_rest_are_exact(tiny_ta
         except grpc.RpcError as error:
             outcomes[index] = (error.code(), error.details(), time.monotonic() - start)
 
-    try:
+    with serving_target(tiny_target, "target-load", max_running=2, max_queued=2) as stub:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             list(pool.map(run, range(len(prompts))))
         # The worker still serves a normal request afterwards, exactly.
         after = _generate_by_verify(stub, prompts[0], [])
         load = stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load
-    finally:
-        channel.close()
-        service.server.stop(None)
     refused = [o for o in outcomes if isinstance(o, tuple)]
     completed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, list)]
     assert refused and len(completed) >= 4
@@ -155,27 +139,19 @@ def _queued_behind_a_held_slot(stub, queued_call) -> None:
 def test_a_queued_call_waits_for_the_running_one_then_runs_exactly(tiny_target, greedy):
     """One running slot: a second session's calls wait for the first stream to end,
     then run, exactly."""
-    service, channel, stub = _start(tiny_target, max_running=1, max_queued=4)
     second = _ids(PROMPTS[1])
     result: dict = {}
-    try:
+    with serving_target(tiny_target, "target-load", max_running=1, max_queued=4) as stub:
         _queued_behind_a_held_slot(stub, lambda: result.update(output=_generate_by_verify(stub, second, [])))
-    finally:
-        channel.close()
-        service.server.stop(None)
     assert result["output"] == greedy(second, NUM_TOKENS)
 
 
 def test_a_queued_call_without_a_deadline_waits_for_its_slot(tiny_target):
     """A client that sets no deadline (gRPC reports ~9.2e18 s left) queues like any
     other: it is not refused, and gets its slot once one frees."""
-    service, channel, stub = _start(tiny_target, max_running=1, max_queued=1)
     second = _ids(PROMPTS[1])
     opened: dict = {}
-    try:
+    with serving_target(tiny_target, "target-load", max_running=1, max_queued=1) as stub:
         _queued_behind_a_held_slot(stub, lambda: opened.update(handle=stub.OpenSession(
             target_pb2.OpenSessionRequest(prompt_token_ids=second)).handle))  # no deadline
-    finally:
-        channel.close()
-        service.server.stop(None)
     assert opened["handle"].committed_len == len(second)

@@ -29,27 +29,19 @@ from speculative.generator import SpeculativeGenerator
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.target import TargetSession
-from target_service.config import TargetConfig
-from target_service.server import SERVICE_NAME, create_server
+from target_service.server import SERVICE_NAME
 from tests.polling import settled
+from tests.target_worker import serving_target, target_channel
 
 DEADLINE_S = 10  # on every call: a hung server fails the test instead of hanging it
 REPO = Path(__file__).resolve().parent.parent
 BONUS, RECOVERED = common_pb2.NEXT_TOKEN_KIND_BONUS, common_pb2.NEXT_TOKEN_KIND_RECOVERED
 
 
-def _start(loaded, **config) -> tuple[grpc.Server, grpc.Channel]:
-    service = create_server(TargetConfig(address="127.0.0.1:0", worker_id="target-test", **config), loaded)
-    service.start()
-    return service.server, grpc.insecure_channel(f"127.0.0.1:{service.port}")
-
-
 @pytest.fixture(scope="module")
 def channel(tiny_target):
-    server, channel = _start(tiny_target)
-    yield channel
-    channel.close()
-    server.stop(None)
+    with target_channel(tiny_target, "target-test") as channel:
+        yield channel
 
 
 @pytest.fixture(scope="module")
@@ -234,9 +226,7 @@ def test_a_stretch_that_verifies_prompt_lookup_sends_the_tokens_it_accepted(tiny
     looked-up tokens it accepted before its own token, ending with StretchPass.ended once
     max_tokens tokens came; the tokens are the target's greedy ones, as in the core
     (a target whose text repeats, so lookup is right often)."""
-    server, channel = _start(tiny_bigram)
-    try:
-        stub = target_pb2_grpc.TargetServiceStub(channel)
+    with serving_target(tiny_bigram, "target-test") as stub:
         accepted = 0
         # max_tokens 30; and 6, with a room of 30 its last pass's lookup may fill past 6
         for ids, (max_tokens, room) in itertools.product(prompt_ids[:3], ((30, 0), (6, 30))):
@@ -254,9 +244,6 @@ def test_a_stretch_that_verifies_prompt_lookup_sends_the_tokens_it_accepted(tiny
             assert passes[-1].decision.committed_len == expected[-1].committed_len >= len(ids) + max_tokens
             accepted += sum(p.decision.num_accepted for p in passes)
         assert accepted > 0
-    finally:
-        channel.close()
-        server.stop(None)
 
 
 def test_a_stale_stretch_is_discarded_and_a_bad_one_refused(stub, prompt_ids):
@@ -436,9 +423,7 @@ def test_a_full_context_finishes_with_length(stub, tiny_target):
 
 
 def test_least_recently_used_session_is_evicted(tiny_target, prompt_ids):
-    server, channel = _start(tiny_target, max_sessions=2, max_cached_tokens=64)
-    stub = target_pb2_grpc.TargetServiceStub(channel)
-    try:
+    with serving_target(tiny_target, "target-test", max_sessions=2, max_cached_tokens=64) as stub:
         ids = (prompt_ids[15] * 2)[:20]
         a, b = _open(stub, ids).session_id, _open(stub, ids).session_id
         _verify(stub, _proposal(a, 20))  # a is now used after b
@@ -453,16 +438,11 @@ def test_least_recently_used_session_is_evicted(tiny_target, prompt_ids):
         error = _status(lambda: _open(stub, [1] * 65))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "budget of 64 tokens" in error.details()
         assert _open(stub, ids).committed_len == 20  # an evicted owner re-opens
-    finally:
-        channel.close()
-        server.stop(None)
 
 
 def test_eviction_under_concurrent_use_is_not_found_never_a_crash(tiny_target, greedy, prompt_ids):
     """Six clients on a two-session worker: each either gets the exact greedy tokens or
     NOT_FOUND (evicted mid-stream); no INTERNAL, no deadlock, consistent accounting."""
-    server, channel = _start(tiny_target, max_sessions=2)
-    stub = target_pb2_grpc.TargetServiceStub(channel)
     prompts = prompt_ids[:6]
     outcomes: dict[int, object] = {}
 
@@ -473,7 +453,7 @@ def test_eviction_under_concurrent_use_is_not_found_never_a_crash(tiny_target, g
         except grpc.RpcError as error:
             outcomes[index] = error.code()
 
-    try:
+    with serving_target(tiny_target, "target-test", max_sessions=2) as stub:
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for thread in threads:
             thread.start()
@@ -485,9 +465,6 @@ def test_eviction_under_concurrent_use_is_not_found_never_a_crash(tiny_target, g
         load = _info(stub).load
         finished = [len(prompts[i]) + 10 for i, o in outcomes.items() if isinstance(o, list)]
         assert load.active_sessions <= 2 and load.cached_tokens <= sum(finished)
-    finally:
-        channel.close()
-        server.stop(None)
 
 
 def test_health_and_reflection(channel):
