@@ -23,9 +23,7 @@ import argparse
 import copy
 import dataclasses
 import json
-import math
 import shlex
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +43,7 @@ from benchmarks.bench_load import (
     summarize,
     warm_up,
 )
+from benchmarks.bench_suite import ratio_interval
 
 
 @dataclass(frozen=True)
@@ -96,20 +95,13 @@ def paired(rows: list[Row], width: int, chains: int = 1) -> dict[tuple[str, floa
 
 def against_drift(ratios: dict[tuple[str, float], dict[int, float]]) -> dict[tuple[str, float], tuple | None]:
     """Per method and level, each repeat's ratio over k=0's in the same repeat (what the
-    machine moved between the two systems), as bench_suite.paired_ratio reads paired
-    repeats: (geometric mean, low, high of the 95% Student t interval); None below two."""
-    from scipy import stats  # benchmarks only (the dev extra)
-
+    machine moved between the two systems), read as paired repeats
+    (bench_suite.ratio_interval: geometric mean, 95% interval; None below two)."""
     out = {}
     for (method, load), by_repeat in ratios.items():
         drift = ratios.get((BASELINE, load), {})
-        logs = [math.log(value / drift[r]) for r, value in by_repeat.items() if r in drift]
-        if method == BASELINE or len(logs) < 2:
-            out[(method, load)] = None
-            continue
-        mean, spread = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
-        half = stats.t.ppf(0.975, len(logs) - 1) * spread
-        out[(method, load)] = (math.exp(mean), math.exp(mean - half), math.exp(mean + half))
+        corrected = [value / drift[r] for r, value in by_repeat.items() if r in drift]
+        out[(method, load)] = None if method == BASELINE else ratio_interval(corrected)
     return out
 
 

@@ -388,14 +388,19 @@ def exactness_line(results: dict) -> str:
 
 
 def paired_ratio(method_runs: list[Run], baseline_runs: list[Run], confidence: float = 0.95):
-    """(ratio, low, high): the geometric mean over repeats of method / baseline tok/s, each
-    repeat's two runs paired (measured in the same round, minutes apart at most), and the
-    two-sided Student t interval of the mean log ratio at `confidence`. None below two
-    repeats. A call's speed moves 10-15% from one call to the next on a shared machine:
-    the interval says which cells that noise cannot explain."""
+    """(ratio, low, high) of method / baseline tok/s, each repeat's two runs paired
+    (measured in the same round, minutes apart at most): `ratio_interval`. A call's speed
+    moves 10-15% from one call to the next on a shared machine: the interval says which
+    cells that noise cannot explain."""
+    return ratio_interval([m.tokens_per_s / b.tokens_per_s for m, b in zip(method_runs, baseline_runs)], confidence)
+
+
+def ratio_interval(ratios: list[float], confidence: float = 0.95):
+    """(ratio, low, high): the geometric mean of paired repeats' ratios and the two-sided
+    Student t interval of the mean log ratio at `confidence`. None below two repeats."""
     from scipy import stats  # benchmarks only (the dev extra)
 
-    logs = [math.log(m.tokens_per_s / b.tokens_per_s) for m, b in zip(method_runs, baseline_runs)]
+    logs = [math.log(r) for r in ratios]
     if len(logs) < 2:
         return None
     mean, spread = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
