@@ -501,9 +501,9 @@ def test_trees_through_the_services_equal_target_only(width, drafter, tiny_targe
     """The draft worker's tree_width off (1) and on, for prompt lookup's tries and a
     model's second choices: exact both ways; only on does a round propose more tokens
     than k (a tree)."""
-    system = LocalSystem()
-    next(r for r in system.roles if r.pool == "draft").args.extend(
-        ["--tree-width", str(width), "--prompt-lookup-min", "1", "--prompt-lookup-max", "2"])
+    system = LocalSystem(draft_tree_width=width)
+    draft = next(r for r in system.roles if r.pool == "draft")
+    draft.args.extend(["--prompt-lookup-min", "1", "--prompt-lookup-max", "2"])
     generator = SpeculativeGenerator(tiny_target)
     greedy = SamplingParams(max_new_tokens=32, stop_token_ids=(tiny_target.eos_token_id,))
     wider_than_k = 0
