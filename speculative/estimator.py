@@ -153,12 +153,6 @@ class Estimates:
         """Expected output tokens per nanosecond of rounds drafting k tokens."""
         return self.expected_tokens(k) / self.round_ns(k)
 
-    def mixed_tokens_per_ns(self, k: int) -> float:
-        """The same where only a share f of turns propose (the others: a plain step, R paid)."""
-        f = self.proposal_rate
-        tokens = f * self.expected_tokens(k) + (1.0 - f)
-        return tokens / (f * self.round_ns(k) + (1.0 - f) * self.round_ns(0))
-
     def best_k(self) -> int:
         """The fastest k in 1..max_k, at most worker_k (when that is above 0); the
         smaller k on a tie. Before any measurement: relative costs (c = 1 + slope prior x)."""

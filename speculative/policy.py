@@ -1,29 +1,19 @@
-"""What a speculating call does next: a round drafting k tokens, or a stretch of tokens
-the target decodes alone.
+"""What a speculating call does next: a round drafting k tokens, or, where decoding alone
+wins, a stretch (`speculative.stretch_policy`).
 
 A fixed k is the textbook setting (`FixedK`). `AdaptiveK` is `decide`, a pure function
-of the estimates its cost estimator keeps (speculative.estimator). Speculation pays
-while a round's expected tokens over its cost, E[tokens](a, k) / (k d + c(k + 1) + R),
-beat decoding alone, 1 / s; where the target verifies while the draft drafts, a round
-may cost less (its successor drafted ahead).
+of the estimates its cost estimator keeps (speculative.estimator): k is the fastest by a
+round's expected tokens over its cost, E[tokens](a, k) / (k d + c(k + 1) + R)
+(`Estimates.best_k`); where the target verifies while the draft drafts, a round may cost
+less (its successor drafted ahead).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import math
 from dataclasses import dataclass
 
 from speculative.estimator import CostEstimator, Estimates, MeasuredCosts
-
-
-class Turn(enum.Enum):
-    """When the loop asks."""
-
-    DRAFT = "draft"  # before drafting
-    NOTHING_PROPOSED = "nothing"  # the drafter proposed nothing: a round would be one plain step
-    NOTHING_UNTIL_MATCH = "until_match"  # the same, and a stretch can end where it would propose again
+from speculative.stretch_policy import StretchRules, Turn, hand_off
 
 
 @dataclass(frozen=True)
@@ -44,58 +34,17 @@ class Action:
 TAKE_ROUND = Action()  # after a turn that proposed nothing: the plain step, one round trip
 
 
-@dataclass(frozen=True)
-class StretchRules:
-    first: int = 8  # tokens of a first stretch
-    longest: int = 128  # tokens of any stretch
-    start_share: float = 0.05  # most of a stretch's time its start may take
-    empty_growth: int = 4  # stretches after empty turns grow to at most this many times `first`
-
-    def sized(self, e: Estimates, shortest: int) -> int:
-        """At least `shortest` tokens, and long enough that starting it is at most
-        start_share of its time; at most `longest`."""
-        return min(max(shortest, _ceil(e.stretch_start_ns / (self.start_share * e.solo_token_ns))), self.longest)
-
-
 def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: StretchRules = StretchRules()) -> Action:
     """The next action of a call that may still generate `remaining` tokens (None: not
-    known). A stretch too long for what remains runs to the end (`_stretch_unless_last`)."""
-    if e.target_runs_lookup:  # the target runs the drafter's rounds, inside stretches
-        return _lookup_stretch(e, remaining, rules)
-    if not e.measured:  # a round of the k the priors favour
-        return Action(k=e.best_k(), ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
-    if turn is not Turn.DRAFT:  # the drafter proposed nothing
-        return _after_empty_turn(e, remaining, turn is Turn.NOTHING_UNTIL_MATCH, rules)
-    if e.worker_k == 0 and e.stretches_measure:
-        # No room for drafts on the loaded target, and stretches measure acceptance: no
-        # probe is needed, and each restart costs a step the session misses.
-        return _stretch_unless_last(rules.longest, remaining, least=rules.first)
+    known): a stretch where decoding alone wins (`stretch_policy.hand_off`), else a round
+    of the fastest k, its tree width, stop and drafting ahead priced by the cost model."""
+    stretch = hand_off(e, remaining, turn, rules)
+    if stretch is not None:
+        return Action(stretch=stretch.tokens, lookup_k=stretch.lookup_k)
+    if turn is not Turn.DRAFT:  # the drafter proposed nothing: the plain step
+        return TAKE_ROUND
     k = e.best_k()
-    lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(k) * e.solo_token_ns  # speculation's speed over alone
-    # After a stretch one round re-measures (a probe), unless the stretch measured.
-    if (e.after_stretch and not e.stretches_measure) or (lead >= 1.0 and e.one_token_measured):
-        return _round(e, k)
-    if lead >= 1.0:  # read from an extrapolated c(1): one stretch measures it first
-        return _stretch_unless_last(rules.sized(e, rules.first), remaining, least=None, otherwise=_round(e, k))
-    # Speculation loses: a stretch, twice the last one's while probes keep losing.
-    stretch = rules.sized(e, min(rules.first * 2 ** e.losing_stretches, rules.longest))
-    return _stretch_unless_last(stretch, remaining, least=stretch)
-
-
-def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) -> Action:
-    """The target runs a prompt-lookup drafter's rounds inside a stretch (no round trip,
-    no drafting: R = d = 0), verifying the fastest k at that price a pass, or none where
-    even those rounds lose. Stretches in a row double from `first` (k re-chosen after
-    each from what it measured) to `longest`, at once where the loaded target leaves no
-    room for drafts; each sized so that its start is at most start_share of its time."""
-    inside = dataclasses.replace(e, overhead_ns=0.0, draft_token_ns=0.0, overlaps=False)
-    k = inside.best_k()
-    if e.worker_k == 0 or (inside.measured and inside.tokens_per_ns(k) <= inside.tokens_per_ns(0)):
-        k = 0
-    size = rules.longest if e.worker_k == 0 else min(rules.first * 2 ** e.losing_stretches, rules.longest)
-    if e.measured:
-        size = rules.sized(e, size)
-    return dataclasses.replace(_stretch_unless_last(size, remaining, least=rules.first), lookup_k=k)
+    return _round(e, k) if e.measured else Action(k=k, ahead=True)  # before any measurement: the priors' k
 
 
 def _round(e: Estimates, k: int) -> Action:
@@ -127,40 +76,6 @@ def draft_ahead(e: Estimates, k: int) -> bool:
     """Whether drafting the next proposal while this one is verified saves time on average
     (a tie, as for a free drafter, drafts ahead)."""
     return e.ahead_saving_ns(k) >= 0.0
-
-
-def _after_empty_turn(e: Estimates, remaining: int | None, ends_at_match: bool, rules: StretchRules) -> Action:
-    """The plain step while rounds, empty ones included at their rate, beat decoding alone;
-    else a stretch, longer with each empty turn in a row. One that ends where the drafter
-    proposes again is taken when its start, spread over the expected gap of 1 / f tokens,
-    costs less than an empty round a token. Only stretches measure s: a first-size one
-    re-measures it once that risks at most start_share of the rounds' time since the last."""
-    if ends_at_match:
-        rounds_ns = e.round_ns(0)
-        gap = 1.0 / e.proposal_rate if remaining is None else min(1.0 / e.proposal_rate, remaining)
-        if e.solo_token_ns + e.stretch_start_ns / gap < rounds_ns:
-            return Action(stretch=remaining if remaining is not None else rules.longest)
-    else:
-        rounds_ns = 1.0 / e.mixed_tokens_per_ns(e.best_k())
-        if rounds_ns > e.solo_token_ns:
-            growth = min(2 ** max(e.empty_turns_in_a_row - 1, 0), rules.empty_growth)
-            return _stretch_unless_last(rules.sized(e, rules.first * growth), remaining, least=rules.first)
-    if not e.solo_measured:
-        return TAKE_ROUND
-    stretch = rules.sized(e, rules.first)
-    risk_ns = e.stretch_start_ns + stretch * max(0.0, e.solo_token_ns - rounds_ns)
-    if risk_ns > rules.start_share * e.rounds_since_stretch_ns:
-        return TAKE_ROUND
-    return _stretch_unless_last(stretch, remaining, least=None, otherwise=TAKE_ROUND)
-
-
-def _stretch_unless_last(stretch: int, remaining: int | None, least: int | None, otherwise: Action = TAKE_ROUND) -> Action:
-    """A stretch. When fewer than `least` tokens would remain after it, it runs to the
-    end (too few left to win back what speculating again costs); least=None: then
-    `otherwise` instead (a stretch that only measures is not worth it there)."""
-    if remaining is None or remaining - stretch >= (least if least is not None else stretch):
-        return Action(stretch=stretch)
-    return Action(stretch=remaining) if least is not None else otherwise
 
 
 class SpeculationPolicy:
@@ -202,7 +117,3 @@ class AdaptiveK(SpeculationPolicy):
     def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT) -> Action:
         return decide(self.estimator.estimates(), remaining, turn, self.rules)
 
-
-def _ceil(x: float) -> int:
-    """ceil, blind to float noise (a ratio that is 20 on paper must not become 21)."""
-    return math.ceil(round(x, 6))

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from speculative.drafter_base import DraftSession
-from speculative.policy import SpeculationPolicy, Turn
+from speculative.policy import SpeculationPolicy
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.stats import RoundStats
+from speculative.stretch_policy import Turn
 from speculative.verifier import Verifier
 
 if TYPE_CHECKING:

@@ -16,8 +16,9 @@ from specdec.v1 import common_pb2, orchestrator_pb2
 from speculative.drafters import ModelDrafter
 from speculative.estimator import CostEstimator
 from speculative.generator import SpeculativeGenerator
-from speculative.policy import Action, SpeculationPolicy, Turn
+from speculative.policy import Action, SpeculationPolicy
 from speculative.sampling import SamplingParams
+from speculative.stretch_policy import Turn
 from tests.system import LocalSystem
 
 MAX_NEW_TOKENS = 32

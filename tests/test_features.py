@@ -14,10 +14,11 @@ from specdec.v1 import common_pb2, orchestrator_pb2
 from speculative.drafters import ModelDrafter
 from speculative.estimator import CostEstimator
 from speculative.generator import LocalVerifier, SpeculativeGenerator
-from speculative.policy import Action, SpeculationPolicy, Turn
+from speculative.policy import Action, SpeculationPolicy
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
 from speculative.speculation_loop import Features, speculation_rounds
+from speculative.stretch_policy import Turn
 from speculative.target import TargetSession
 from tests.system import LocalSystem
 

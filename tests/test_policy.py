@@ -22,8 +22,6 @@ from speculative.policy import (
     AdaptiveK,
     FixedK,
     SpeculationPolicy,
-    StretchRules,
-    Turn,
     branch_reach,
     decide,
     draft_ahead,
@@ -33,6 +31,7 @@ from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 from speculative.speculation_loop import speculation_rounds
 from speculative.stats import StepLoad
+from speculative.stretch_policy import StretchRules, Turn
 from speculative.target import TargetSession
 from speculative.types import NextTokenKind, Verdict, VerifyResult
 from tests.test_estimator import MS, round_, settled, streamed
