@@ -11,13 +11,13 @@ al. 2023 plus a per-round delay. In nanoseconds where a time:
   measured during stretches where drafting is free (`observe_shadow`: what prompt
   lookup would have proposed against the tokens the target decoded; unbiased under
   sampling, a looked-up token being proposed with certainty).
-- f, the share of the drafter's turns that proposed anything; d, drafting per token.
+- d, drafting per token.
 - c(w) = c0 + g x(w), the target's pass over w tokens (`pass_costs.PassCostFit`);
   R, the rest of a round (network, queueing, the verdict).
-- s, a token decoded alone in a stretch (c(1) until one is measured); o, what starting
-  a stretch costs past its tokens (prior 2 R).
 - load: the B sessions sharing the target's steps and its step cost, which cap k
-  (`worker_k`); the recent actions (stretches in a row, empty turns), which size stretches.
+  (`worker_k`).
+- what stretches measured (s, o, f and the recent actions that size the next stretch):
+  `stretch_costs.StretchCosts`.
 
 Free of torch: `python -m report` reads `expected_tokens`.
 """
@@ -28,16 +28,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from speculative.pass_costs import PassCostFit, pass_x, slope_prior
+from speculative.pass_costs import PassCostFit, blend, pass_x, slope_prior
+from speculative.stretch_costs import StretchCosts
 
 if TYPE_CHECKING:
     from speculative.stats import RoundStats, StepLoad
 
 PRIOR_TRIALS = 2.0  # the weight of a's prior, and of each a_i's, in draft tokens
 HOPE = 1.0  # accepted draft tokens added to the evidence when deciding
-# A token decoded alone weighs this much of a pass in the fit of c(w), and does not age
-# the passes: a long stretch refines c(1) without erasing what wider passes cost.
-SOLO_TOKEN_WEIGHT = 0.1
 # A tree's branch nodes yield this many accepted tokens each before measured, weighing as
 # many nodes: where a node costs the pass less (policy.branch_reach), trees are tried, and
 # tried again once what they measured has aged.
@@ -214,16 +212,11 @@ class CostEstimator:
         self.max_k, self.decay, self.overlaps, self.max_width = max_k, decay, overlaps, max_width
         self.passes = PassCostFit(decay)  # c(w)
         self.acceptances = AcceptanceCounts(max_k, decay)  # a and a_i
+        self.stretches = StretchCosts(decay, self.passes)  # s, o, f, recent actions
         self.branch_tokens = self.branch_nodes = 0.0  # decayed counts behind branch_yield
-        self.target_runs_lookup = self.stretches_measure = self.after_stretch = False
-        self.proposals, self.turns = 1.0, 2.0  # decayed counts behind f (prior 0.5)
         self.draft_token_ns = self.overhead_ns = 0.0
-        self.solo_token_ns: float | None = None
-        self.stream_start_ns: float | None = None
-        self.overhead_measured = self.one_token_measured = False  # R by a round; c(1) by one-token passes
+        self.overhead_measured = False  # R by a round
         self.batch_sessions, self.step_base_ns, self.step_token_ns = 1.0, 0.0, 0.0  # B; step cost (0: unreported)
-        self.stretches_in_a_row = self.empty_turns_in_a_row = 0
-        self.rounds_since_stretch, self.rounds_since_stretch_ns = 0, 0.0
         if costs is not None:
             self.seed(costs)
 
@@ -233,17 +226,16 @@ class CostEstimator:
         return self.passes.one_token_ns > 0
 
     def estimates(self) -> Estimates:
-        passes, hope = self.passes, HOPE if self.measured else 0.0
+        passes, stretches, hope = self.passes, self.stretches, HOPE if self.measured else 0.0
         return Estimates(
-            self.max_k, self.acceptances.rate(hope), self.proposals / self.turns, self.draft_token_ns,
+            self.max_k, self.acceptances.rate(hope), stretches.proposals / stretches.turns, self.draft_token_ns,
             passes.one_token_ns, passes.slope, self.overhead_ns,
-            self.solo_token_ns if self.solo_token_ns is not None else passes.pass_ns(1),
-            self.solo_token_ns is not None, self.one_token_measured,
-            self.stream_start_ns if self.stream_start_ns is not None else 2 * self.overhead_ns,
-            self.worker_k(), self.stretches_measure, self.after_stretch,
-            self.stretches_in_a_row if self.rounds_since_stretch <= 1 else 0, self.empty_turns_in_a_row,
-            self.rounds_since_stretch_ns, self.overlaps, self.target_runs_lookup, self.acceptances.depth_rates(hope),
-            self.max_width, self.branch_yield(), passes.step_costs,
+            stretches.solo_token_ns if stretches.solo_token_ns is not None else passes.pass_ns(1),
+            stretches.solo_token_ns is not None, passes.one_token_measured,
+            stretches.start_ns if stretches.start_ns is not None else 2 * self.overhead_ns,
+            self.worker_k(), stretches.measure, stretches.after_stretch, stretches.losing_in_a_row,
+            stretches.empty_turns_in_a_row, stretches.rounds_since_ns, self.overlaps, stretches.target_runs_lookup,
+            self.acceptances.depth_rates(hope), self.max_width, self.branch_yield(), passes.step_costs,
         )
 
     def branch_yield(self) -> float:
@@ -271,19 +263,20 @@ class CostEstimator:
     def seed(self, costs: MeasuredCosts) -> None:
         if costs.one_token_ns:
             self.passes.seed(costs.one_token_ns, costs.per_token_ns)
-            self.overhead_ns, self.solo_token_ns = costs.overhead_ns, costs.solo_token_ns
-            self.stream_start_ns, self.draft_token_ns = costs.stream_start_ns, costs.draft_token_ns
-            self.overhead_measured, self.one_token_measured = True, costs.one_token_measured
+            self.passes.one_token_measured = costs.one_token_measured
+            self.overhead_ns, self.draft_token_ns, self.overhead_measured = costs.overhead_ns, costs.draft_token_ns, True
+            self.stretches.solo_token_ns, self.stretches.start_ns = costs.solo_token_ns, costs.stream_start_ns
         self.acceptances.seed(costs.acceptance, costs.depth_acceptance)
         self.batch_sessions, self.step_base_ns, self.step_token_ns = \
             costs.batch_sessions, costs.step_base_ns, costs.step_token_ns
-        self.stretches_measure = costs.stretches_measure
+        self.stretches.measure = costs.stretches_measure
 
     def costs(self) -> MeasuredCosts:
-        return MeasuredCosts(self.passes.one_token_ns, self.passes.per_token_ns, self.overhead_ns, self.solo_token_ns,
-                             self.stream_start_ns, self.draft_token_ns, self.acceptances.rate(),
-                             self.one_token_measured, self.batch_sessions, self.step_base_ns, self.step_token_ns,
-                             self.stretches_measure, self.acceptances.depth_rates())
+        passes, stretches = self.passes, self.stretches
+        return MeasuredCosts(passes.one_token_ns, passes.per_token_ns, self.overhead_ns, stretches.solo_token_ns,
+                             stretches.start_ns, self.draft_token_ns, self.acceptances.rate(),
+                             passes.one_token_measured, self.batch_sessions, self.step_base_ns, self.step_token_ns,
+                             stretches.measure, self.acceptances.depth_rates())
 
     # Observations.
 
@@ -291,24 +284,17 @@ class CostEstimator:
         """A finished round, elapsed_ns from its decision to its result passed on; or
         one token of a stretch (its pass only: the stretch is observed whole)."""
         self._observe_load(stats.step)
-        ran_pass = stats.target_compute_ns > 0  # else the logits were kept from the prefill
-        if stats.streamed:  # a pass of a stretch: one token, or verifying looked-up ones as a round's
-            if ran_pass and stats.num_drafted:
-                self.passes.observe(stats.num_drafted + 1, stats.target_compute_ns)
-            elif ran_pass:
-                self.passes.observe(1, stats.target_compute_ns, SOLO_TOKEN_WEIGHT, age=False)
-                self.one_token_measured = True
+        if stats.streamed:
+            self.stretches.observe_pass(stats)
             return
-        if ran_pass:
+        if stats.target_compute_ns > 0:  # else the logits were kept from the prefill
             self.passes.observe(stats.num_drafted + 1, stats.target_compute_ns)
-        self.after_stretch = False
-        self.rounds_since_stretch += 1
-        self.rounds_since_stretch_ns += elapsed_ns
-        self.one_token_measured |= ran_pass and stats.num_drafted == 0
+            self.passes.one_token_measured |= stats.num_drafted == 0
+        self.stretches.observe_round(elapsed_ns)
         if not stats.drafted_ahead:  # else its drafting fell in the round before: R is not in elapsed_ns
             drafting_ns = stats.draft_ns if stats.num_drafted else 0  # a search that found nothing is overhead
             overhead = max(0, elapsed_ns - drafting_ns - stats.target_compute_ns - stats.late_ns)
-            self.overhead_ns = _blend(self.overhead_ns if self.overhead_measured else None, overhead, self.decay)
+            self.overhead_ns = blend(self.overhead_ns if self.overhead_measured else None, overhead, self.decay)
         self.overhead_measured = True
         self.branch_tokens = self.decay * self.branch_tokens + stats.branch_tokens  # aged by every round
         self.branch_nodes = self.decay * self.branch_nodes + stats.branch_nodes
@@ -316,50 +302,20 @@ class CostEstimator:
             self.acceptances.observe(stats.num_drafted - stats.branch_nodes, stats.num_accepted - stats.branch_tokens)
             drafting_passes = stats.num_drafted - stats.branch_nodes - stats.draft_warm
             if drafting_passes:
-                self.draft_token_ns = _blend(self.draft_token_ns or None, stats.draft_ns / drafting_passes, self.decay)
+                self.draft_token_ns = blend(self.draft_token_ns or None, stats.draft_ns / drafting_passes, self.decay)
 
     def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
         """During a stretch: the drafter would have proposed num_drafted tokens (0:
         nothing) of which the target's next num_accepted came (a round not run)."""
-        self.stretches_measure = True
-        self.observe_turn(proposed=num_drafted > 0)
+        self.stretches.measure = True
+        self.stretches.observe_turn(proposed=num_drafted > 0)
         if num_drafted:
             self.acceptances.observe(num_drafted, num_accepted)
-
-    def observe_turn(self, proposed: bool) -> None:
-        """The drafter was asked for tokens and proposed some, or nothing."""
-        self.proposals = self.decay * self.proposals + proposed
-        self.turns = self.decay * self.turns + 1.0
-        self.empty_turns_in_a_row = 0 if proposed else self.empty_turns_in_a_row + 1
-
-    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0,
-                        passes_ns: int | None = None) -> None:
-        """A whole stretch: elapsed_ns from deciding on it to being ready to draft again,
-        of which its passes took passes_ns (default num_tokens token_ns; the rest is o),
-        tokens decoded alone token_ns apart (s). The drafter would have proposed nothing
-        in empty_turns of them (a stretch that ended where it would propose again)."""
-        for _ in range(empty_turns):
-            self.observe_turn(proposed=False)
-        self.observe_solo_tokens(num_tokens, token_ns)
-        passes_ns = num_tokens * token_ns if passes_ns is None else passes_ns
-        self.stream_start_ns = _blend(self.stream_start_ns, max(0.0, elapsed_ns - passes_ns), self.decay)
-        self.stretches_in_a_row = self.stretches_in_a_row + 1 if self.rounds_since_stretch <= 1 else 1
-        self.after_stretch = True
-        self.rounds_since_stretch, self.rounds_since_stretch_ns = 0, 0.0
-
-    def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
-        """num_tokens decoded alone, token_ns apart (s; also a bound on c(1)): a stretch's,
-        or the call's last stretch's (its start not measured; its s seeds the next call)."""
-        if token_ns < self.passes.pass_ns(1):
-            self.passes.observe(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
-        self.one_token_measured = True
-        # s ages by the rounds since it was measured, as passes do by later passes.
-        self.solo_token_ns = _blend(self.solo_token_ns, token_ns, self.decay ** (1 + self.rounds_since_stretch))
 
     def _observe_load(self, step: StepLoad | None) -> None:
         if step is None or not step.batch_sessions:
             return
-        self.batch_sessions = _blend(self.batch_sessions, step.batch_sessions, self.decay)
+        self.batch_sessions = blend(self.batch_sessions, step.batch_sessions, self.decay)
         if step.cost_base_ns or step.cost_per_token_ns:  # already averaged over the target's recent steps
             self.step_base_ns, self.step_token_ns = step.cost_base_ns, step.cost_per_token_ns
 
@@ -373,7 +329,3 @@ def _expected_tokens(depth_acceptance: tuple[float, ...], acceptance: float, k: 
     """1 + reach(1) + ... + reach(k): the accepted draft tokens and the target's own."""
     return 1.0 + sum(_reach(depth_acceptance, acceptance, i) for i in range(1, k + 1))
 
-
-def _blend(old: float | None, new: float, decay: float) -> float:
-    """The decayed average of old and new; new alone while nothing is measured (None)."""
-    return new if old is None else decay * old + (1.0 - decay) * new

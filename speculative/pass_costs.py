@@ -26,6 +26,7 @@ class PassCostFit:
         self.decay = decay
         self.step_costs: tuple[float, ...] = ()  # the target's (ModelInfo.step_ms), where it timed its steps
         self.one_token_ns, self.per_token_ns = 0.0, None  # c(1) and g, once fitted (None: g not measured)
+        self.one_token_measured = False  # c(1) from one-token passes (else extrapolated from wider ones)
         self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum c, sum x c over passes
 
     @property
@@ -82,3 +83,8 @@ def pass_x(step_costs: tuple[float, ...], width: int) -> float:
     if width > len(step_costs):
         cost += (width - len(step_costs)) * max(0.0, (step_costs[-1] - step_costs[0]) / max(len(step_costs) - 1, 1))
     return cost / min(step_costs) - 1.0
+
+
+def blend(old: float | None, new: float, decay: float) -> float:
+    """The decayed average of old and new; new alone while nothing is measured (None)."""
+    return new if old is None else decay * old + (1.0 - decay) * new

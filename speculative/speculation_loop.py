@@ -65,7 +65,7 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
             action = dataclasses.replace(action, width=1)
         sent = proposer.propose(call.base_len, k, action, features.draft_stop)
         if k > 0 and not sent.ahead:
-            policy.estimator.observe_turn(proposed=bool(sent.proposal.token_ids))
+            policy.estimator.stretches.observe_turn(proposed=bool(sent.proposal.token_ids))
             if not sent.proposal.token_ids and stretches is not None:  # a round trip for one token?
                 stretch = stretches.after_empty_turn(call.room)
                 if stretch:  # a lookup drafter's stretch ends where it would propose again

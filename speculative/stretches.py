@@ -30,7 +30,7 @@ class Stretches:
         free_lookup = target_lookup and self.free_draft and verifier.runs_lookup  # the target runs its rounds
         self.lookup_sizes = self.draft.lookup_stop() if free_lookup else None
         if self.lookup_sizes is not None:
-            policy.estimator.target_runs_lookup = True
+            policy.estimator.stretches.target_runs_lookup = True
 
     def after_empty_turn(self, room: int) -> int:
         """Tokens of the stretch the policy prefers to a round with nothing to verify (0: none)."""
@@ -51,15 +51,16 @@ class Stretches:
             yield from call.commit(result, stats)
             if call.finished:
                 if solo:  # what its tokens cost seeds the next call
-                    self.policy.estimator.observe_solo_tokens(len(solo), sum(solo) // len(solo))
+                    self.policy.estimator.stretches.observe_solo_tokens(len(solo), sum(solo) // len(solo))
                 return
         self.proposer.next_index += 1
         if intervals:
             self.proposer.catch_up()
             token_ns = sum(solo) // len(solo) if solo else intervals[0]
             passes_ns = token_ns + sum(intervals[1:])  # its passes, the first as long as a solo one
-            self.policy.estimator.observe_stretch(len(solo) + 1, time.perf_counter_ns() - stretch_start, token_ns,
-                                        empty_turns=len(intervals) - 1 if until else 0, passes_ns=passes_ns)
+            self.policy.estimator.stretches.observe_stretch(
+                len(solo) + 1, time.perf_counter_ns() - stretch_start, token_ns,
+                empty_turns=len(intervals) - 1 if until else 0, passes_ns=passes_ns)
 
     def _passes(self, base_len: int, num_tokens: int, until: LookupStop | None, lookup: LookupRounds | None,
                 shadow: ShadowRounds | None):

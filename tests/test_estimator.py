@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.estimator import HOPE, PRIOR_TRIALS, SOLO_TOKEN_WEIGHT, CostEstimator, expected_tokens
+from speculative.estimator import HOPE, PRIOR_TRIALS, CostEstimator, expected_tokens
 from speculative.pass_costs import SLOW_PASS_CLIP, pass_x
 from speculative.rejection import NextTokenKind
 from speculative.stats import RoundStats, StepLoad
+from speculative.stretch_costs import SOLO_TOKEN_WEIGHT
 
 MS = 1_000_000  # nanoseconds
 
@@ -127,15 +128,15 @@ def test_a_stretch_measures_decoding_alone_and_its_start():
     estimator = settled(CostEstimator(4), [round_(4, 3, 14.0, overhead_ms=5.0)], times=30)
     assert estimator.estimates().stretch_start_ns == pytest.approx(10 * MS, rel=0.01)  # prior: 2 R
     for _ in range(100):
-        estimator.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
+        estimator.stretches.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
     e = estimator.estimates()
     assert (e.solo_token_ns, e.stretch_start_ns) == (pytest.approx(11 * MS), pytest.approx(30 * MS))
     assert e.solo_measured and e.after_stretch
     counted, stretched = CostEstimator(4), CostEstimator(4)
     for _ in range(9):
-        counted.observe_turn(proposed=False)
-    stretched.observe_turn(proposed=False)
-    stretched.observe_stretch(9, 100 * MS, 10 * MS, empty_turns=8)
+        counted.stretches.observe_turn(proposed=False)
+    stretched.stretches.observe_turn(proposed=False)
+    stretched.stretches.observe_stretch(9, 100 * MS, 10 * MS, empty_turns=8)
     rate = stretched.estimates().proposal_rate
     assert rate == pytest.approx(counted.estimates().proposal_rate) and rate < 0.1
 
@@ -216,7 +217,7 @@ def test_shadow_proposals_during_stretches_count_as_rounds_would():
     shadowed, rounds = CostEstimator(4), CostEstimator(4)
     for drafted, accepted in [(4, 1), (0, 0), (3, 3), (4, 0)]:
         shadowed.observe_shadow(drafted, accepted)
-        rounds.observe_turn(proposed=drafted > 0)
+        rounds.stretches.observe_turn(proposed=drafted > 0)
         if drafted:
             rounds.observe(*round_(drafted, accepted, 10.0))
     assert shadowed.acceptances.rate() == pytest.approx(rounds.acceptances.rate())

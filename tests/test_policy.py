@@ -143,7 +143,7 @@ def test_where_the_target_runs_lookup_stretches_double_and_k_follows_what_they_m
     stretch after it is twice as long, up to the longest, and k is chosen again with
     what the stretch's passes and shadow rounds measured (a copy that goes on: more)."""
     policy, rules = AdaptiveK(8), StretchRules()
-    policy.estimator.target_runs_lookup = True
+    policy.estimator.stretches.target_runs_lookup = True
     sizes, ks = [], []
     for _ in range(6):
         action = policy.next_action(remaining=None)
@@ -152,7 +152,7 @@ def test_where_the_target_runs_lookup_stretches_double_and_k_follows_what_they_m
         for _ in range(action.stretch // 8):  # what the stretch measured: copies of 8 that go on
             policy.estimator.observe(*streamed(60.0, looked_up=8, accepted=8))
             policy.estimator.observe_shadow(8, 8)
-        policy.estimator.observe_stretch(action.stretch, action.stretch * 60 * MS, 60 * MS)
+        policy.estimator.stretches.observe_stretch(action.stretch, action.stretch * 60 * MS, 60 * MS)
     assert sizes == [rules.first * 2 ** i for i in range(4)] + [rules.longest] * 2
     assert ks[0] < ks[1] <= ks[-1] == 8
     assert policy.estimator.measured  # stretches' passes alone: the worker hands them to the next call
@@ -173,11 +173,11 @@ def test_where_the_target_runs_lookup_a_costly_restart_makes_the_next_stretch_lo
     against 60 ms tokens, the next stretch is long enough that its start is at most
     start_share of its time, not merely twice the first."""
     policy, rules = AdaptiveK(8), StretchRules()
-    policy.estimator.target_runs_lookup = True
+    policy.estimator.stretches.target_runs_lookup = True
     first = policy.next_action(remaining=None).stretch
     for _ in range(first):
         policy.estimator.observe(*streamed(60.0))
-    policy.estimator.observe_stretch(first, (first * 60 + 300) * MS, 60 * MS)
+    policy.estimator.stretches.observe_stretch(first, (first * 60 + 300) * MS, 60 * MS)
     assert first == rules.first
     assert policy.next_action(remaining=None).stretch == math.ceil(300 / (rules.start_share * 60)) > 2 * first
 
@@ -322,7 +322,7 @@ def test_rejected_drafts_hand_over_to_stretches_that_double_while_probes_lose():
     stretches = []
     for _ in range(5):
         stretches.append(policy.next_action().stretch)
-        policy.estimator.observe_stretch(stretches[-1], stretches[-1] * 10 * MS + MS, 10 * MS)
+        policy.estimator.stretches.observe_stretch(stretches[-1], stretches[-1] * 10 * MS + MS, 10 * MS)
         assert _k(policy.next_action()) == 1  # the probe drafts what is cheapest to re-measure with
         policy.estimator.observe(*round_(1, 0, 11.0))
     assert stretches == [8, 16, 32, 64, 64]
@@ -334,7 +334,7 @@ def test_a_stretch_runs_to_the_end_when_a_probe_after_it_could_not_pay():
     policy = AdaptiveK(8, rules=StretchRules(first=8, longest=64))
     settled(policy.estimator, [round_(4, 0, 14.0), round_(1, 0, 11.0)])
     assert policy.next_action(remaining=16).stretch == 8
-    policy.estimator.observe_stretch(8, 81 * MS, 10 * MS)
+    policy.estimator.stretches.observe_stretch(8, 81 * MS, 10 * MS)
     policy.estimator.observe(*round_(1, 0, 11.0))  # the probe, still losing: the next stretch is 16
     assert policy.next_action(remaining=31).stretch == 31
 
@@ -358,7 +358,7 @@ def test_a_lead_over_an_extrapolated_c1_is_checked_by_a_stretch():
     assert _is_round(_bf16_qwen_rounds().next_action(remaining=15))
     policy = _bf16_qwen_rounds()
     assert policy.next_action(remaining=64).stretch == 8
-    policy.estimator.observe_stretch(8, 8 * 215 * MS + 30 * MS, 215 * MS)
+    policy.estimator.stretches.observe_stretch(8, 8 * 215 * MS + 30 * MS, 215 * MS)
     e = policy.estimator.estimates()
     assert e.one_token_measured and e.solo_token_ns == pytest.approx(215 * MS)
     assert _is_round(policy.next_action(remaining=56))  # the probe
@@ -400,13 +400,13 @@ def _drafter_turns(policy, pattern, times=30, overhead_ms=5.0, remaining=None, t
     stretches = []
     for _ in range(times):
         for kind in pattern:
-            policy.estimator.observe_turn(proposed=kind == "P")
+            policy.estimator.stretches.observe_turn(proposed=kind == "P")
             if kind == "P":
                 policy.estimator.observe(*round_(4, 3, 14.0, overhead_ms=overhead_ms))
                 continue
             stretches.append(policy.next_action(remaining, turn).stretch)
             if stretches[-1]:
-                policy.estimator.observe_stretch(stretches[-1], int((stretches[-1] * token_ms + start_ms) * MS),
+                policy.estimator.stretches.observe_stretch(stretches[-1], int((stretches[-1] * token_ms + start_ms) * MS),
                                                  int(token_ms * MS))
     return stretches
 
@@ -434,7 +434,7 @@ def test_a_lookup_drafters_stretch_runs_until_it_would_propose_again():
     are cheaper; over 5 the stretch, which runs to the end unless text to copy ends it."""
     often, rarely = _settled_policy(), _settled_policy()
     for policy in (often, rarely):
-        policy.estimator.observe_stretch(20, (20 * 10 + 20) * MS, 10 * MS)
+        policy.estimator.stretches.observe_stretch(20, (20 * 10 + 20) * MS, 10 * MS)
     decided = _drafter_turns(often, "PE", remaining=100, turn=Turn.NOTHING_UNTIL_MATCH, start_ms=20)
     # Empty rounds, and now and then one first-size stretch (20 ms / (5% of 10 ms): 40
     # tokens) re-measuring s, once that risks at most 5% of the rounds' time since.
@@ -452,7 +452,7 @@ def test_a_measured_stretch_sizes_the_next_stretches():
     """Stretches came 11 ms a token and 30 ms to start: one is 30 / (0.05 * 11) = 55 tokens."""
     policy = _settled_policy()
     for _ in range(100):
-        policy.estimator.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
+        policy.estimator.stretches.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
     assert set(_drafter_turns(policy, "PEEEEEEE", start_ms=30, token_ms=11)[-5:]) == {55}
 
 
@@ -472,15 +472,15 @@ def test_a_stretch_that_came_out_slow_is_measured_again():
     re-measures it: 46 ms, and decoding alone wins."""
     policy = AdaptiveK(4)
     settled(policy.estimator, [round_(0, 0, 46.0, overhead_ms=3.0)], times=30)
-    policy.estimator.observe_stretch(8, (8 * 57 + 4) * MS, 57 * MS)
+    policy.estimator.stretches.observe_stretch(8, (8 * 57 + 4) * MS, 57 * MS)
     decisions = []
     while len(decisions) < 100 and not (decisions and decisions[-1]):
-        policy.estimator.observe_turn(proposed=False)
+        policy.estimator.stretches.observe_turn(proposed=False)
         decisions.append(policy.next_action(1000, Turn.NOTHING_PROPOSED).stretch)
         if not decisions[-1]:
             policy.estimator.observe(*round_(0, 0, 46.0, overhead_ms=3.0))
     assert (len(decisions) - 1, decisions[-1]) == (30, 8)
-    policy.estimator.observe_stretch(8, (8 * 46 + 4) * MS, 46 * MS)
+    policy.estimator.stretches.observe_stretch(8, (8 * 46 + 4) * MS, 46 * MS)
     assert policy.estimator.estimates().solo_token_ns == pytest.approx(46.5 * MS, rel=0.01)
     assert policy.next_action(1000, Turn.NOTHING_PROPOSED).stretch > 0
 
@@ -492,7 +492,7 @@ def test_decoding_alone_costs_what_its_stretches_measured():
     policy = AdaptiveK(8)
     policy.estimator.observe(*round_(2, 2, 308.0, overhead_ms=5.0, draft_ms=239.0))
     assert policy.next_action(remaining=61).stretch == 8  # c(1) not measured yet: a stretch measures it
-    policy.estimator.observe_stretch(8, (8 * 285 + 300) * MS, 285 * MS)
+    policy.estimator.stretches.observe_stretch(8, (8 * 285 + 300) * MS, 285 * MS)
     for k, draft_ms, compute_ms in [(2, 216.0, 342.0), (2, 227.0, 304.0), (3, 555.0, 422.0)]:
         assert _is_round(policy.next_action(remaining=50))
         policy.estimator.observe(*round_(k, k, compute_ms, overhead_ms=3.0, draft_ms=draft_ms))
@@ -563,7 +563,7 @@ class _StretchesToCopies(AdaptiveK):
         super().__init__(4, decay=0.99, costs=SLOW_LINK)
         self.asked = 0  # the stretch last asked for at an empty turn
         self.stretches = []  # (asked, decoded)
-        observe_stretch = self.estimator.observe_stretch
+        observe_stretch = self.estimator.stretches.observe_stretch
 
         def observed(num_tokens, elapsed_ns, token_ns, empty_turns=0, passes_ns=None):
             if self.asked:
@@ -571,7 +571,7 @@ class _StretchesToCopies(AdaptiveK):
             assert empty_turns == (num_tokens - 1 if self.asked else 0)
             observe_stretch(num_tokens, elapsed_ns, token_ns, empty_turns)
 
-        self.estimator.observe_stretch = observed
+        self.estimator.stretches.observe_stretch = observed
 
     def next_action(self, remaining=None, turn=Turn.DRAFT):
         action = super().next_action(remaining, turn)
@@ -600,7 +600,7 @@ class _Alternating(SpeculationPolicy):
         super().__init__(k, CostEstimator(k))
         self.solo, self.drafting = solo, True
         self.stretches = []
-        self.estimator.observe_stretch = lambda num_tokens, elapsed_ns, token_ns, **_: \
+        self.estimator.stretches.observe_stretch = lambda num_tokens, elapsed_ns, token_ns, **_: \
             self.stretches.append((num_tokens, elapsed_ns, token_ns))
 
     def next_action(self, remaining=None, turn=Turn.DRAFT):
