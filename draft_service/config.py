@@ -74,7 +74,7 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # otherwise idle through every verification. Off where draft and target share cores.
     pipeline: bool = True
     # Stretches of target-only decoding where the policy finds speculation losing
-    # (speculative/stretches.py); off: a plain target step there instead.
+    # (speculative/stretches.py); off: rounds only, the plain step where it beats every k.
     stretches: bool = True
     # In a stretch, the target runs a prompt-lookup drafter's rounds itself, saving a
     # round trip per round (speculative/stretches.py); needs stretches.

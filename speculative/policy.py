@@ -31,20 +31,26 @@ class Action:
     min_branch: float = 0.0
 
 
-TAKE_ROUND = Action()  # after a turn that proposed nothing: the plain step, one round trip
+TAKE_ROUND = Action()  # the plain step: one target pass, nothing drafted
 
 
-def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT, rules: StretchRules = StretchRules()) -> Action:
+def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT,
+           rules: StretchRules | None = StretchRules()) -> Action:
     """The next action of a call that may still generate `remaining` tokens (None: not
     known): a stretch where decoding alone wins (`stretch_policy.hand_off`), else a round
-    of the fastest k, its tree width, stop and drafting ahead priced by the cost model."""
-    stretch = hand_off(e, remaining, turn, rules)
+    of the fastest k, its tree width, stop and drafting ahead priced by the cost model.
+    rules=None: no stretches; the plain step where it beats every k."""
+    stretch = hand_off(e, remaining, turn, rules) if rules is not None else None
     if stretch is not None:
         return Action(stretch=stretch.tokens, lookup_k=stretch.lookup_k)
     if turn is not Turn.DRAFT:  # the drafter proposed nothing: the plain step
         return TAKE_ROUND
     k = e.best_k()
-    return _round(e, k) if e.measured else Action(k=k, ahead=True)  # before any measurement: the priors' k
+    if not e.measured:  # the priors' k
+        return Action(k=k, ahead=True)
+    if rules is None and (e.worker_k == 0 or e.tokens_per_ns(k) < e.tokens_per_ns(0)):
+        return TAKE_ROUND
+    return _round(e, k)
 
 
 def _round(e: Estimates, k: int) -> Action:
@@ -85,7 +91,8 @@ class SpeculationPolicy:
     def __init__(self, max_k: int, estimator: CostEstimator):
         self.max_k, self.estimator = max_k, estimator  # max_k: the largest k it will ask for
 
-    def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT) -> Action:
+    def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True) -> Action:
+        """stretches: whether the loop can run a stretch (else only rounds are asked for)."""
         raise NotImplementedError
 
 
@@ -98,7 +105,7 @@ class FixedK(SpeculationPolicy):
         super().__init__(k, CostEstimator(k))
         self.width = width
 
-    def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT) -> Action:
+    def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True) -> Action:
         return Action(k=self.max_k, ahead=True, width=self.width) if turn is Turn.DRAFT else TAKE_ROUND
 
 
@@ -114,6 +121,6 @@ class AdaptiveK(SpeculationPolicy):
         super().__init__(max_k, CostEstimator(max_k, decay, costs, overlaps, max_width))
         self.rules = rules
 
-    def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT) -> Action:
-        return decide(self.estimator.estimates(), remaining, turn, self.rules)
+    def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True) -> Action:
+        return decide(self.estimator.estimates(), remaining, turn, self.rules if stretches else None)
 

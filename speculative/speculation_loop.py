@@ -51,9 +51,7 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
         if features.stretches and draft is not None else None
     while not call.finished:
         call.start_ns = time.perf_counter_ns()
-        action = policy.next_action(call.room) if draft is not None else Action()
-        if action.stretch and stretches is None:
-            action = Action()  # stretches off: a plain target step instead
+        action = policy.next_action(call.room, stretches=stretches is not None) if draft is not None else Action()
         if action.stretch and proposer.idle:
             yield from stretches.run(call, min(action.stretch, call.room), None, action.lookup_k)
             continue

@@ -80,7 +80,7 @@ class ReplayedDecisions(SpeculationPolicy):
         super().__init__(max(a.k for a in actions), CostEstimator(max(a.k for a in actions)))
         self.actions = list(actions)
 
-    def next_action(self, remaining=None, turn=Turn.DRAFT) -> Action:
+    def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True) -> Action:
         assert turn is Turn.DRAFT, "a replayed k proposes what it proposed before"
         return self.actions.pop(0)
 

@@ -35,7 +35,9 @@ class EverythingPolicy(SpeculationPolicy):
         super().__init__(3, CostEstimator(3))
         self.turns = 0
 
-    def next_action(self, remaining=None, turn=Turn.DRAFT) -> Action:
+    def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True) -> Action:
+        if not stretches:
+            return Action(k=3, ahead=True, min_reach=2.0)
         if turn is not Turn.DRAFT:
             return Action(stretch=4)
         self.turns += 1

@@ -193,12 +193,31 @@ def test_rounds_are_chosen_only_where_they_beat_decoding_alone(e, remaining):
 
 
 @PROPERTY
-@given(estimates(), remaining_tokens, turns)
-def test_first_a_round_then_a_probe_after_each_stretch(e, remaining, turn):
-    unmeasured = dataclasses.replace(e, one_token_ns=0.0)
-    expected = Action(k=unmeasured.best_k(), ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
-    assert decide(unmeasured, remaining, turn) == expected
-    assert _is_round(decide(dataclasses.replace(e, after_stretch=True, stretches_measure=False), remaining))
+@given(estimates(), st.sampled_from([0, 8]), remaining_tokens, turns)
+def test_without_stretches_a_round_of_the_fastest_k_or_the_plain_step(e, worker_k, remaining, turn):
+    """Stretches off (rules=None): never a stretch; the plain step (a round of k = 0, R
+    paid) only where it beats rounds of the fastest k, or after an empty turn."""
+    e = dataclasses.replace(e, worker_k=worker_k)
+    action = decide(e, remaining, turn, rules=None)
+    assert action.stretch == 0
+    k = e.best_k()
+    plain = turn is not Turn.DRAFT or e.worker_k == 0 or e.tokens_per_ns(k) < e.tokens_per_ns(0)
+    assert action.k == (0 if plain else k)
+
+
+def test_a_policy_told_the_loop_cannot_stretch_asks_for_rounds_only():
+    """Drafts never accepted, decoding alone 10 ms a token: a stretch either way. Without
+    one, the alternative is the plain step, which pays the round trip R as a round does:
+    it wins at R = 1 ms (10.85 ms a token against 10.90 for k = 1), not at R = 20 ms
+    (29.9 against 28.3: a round's hopeful chance of a second token then outweighs the
+    1 ms its draft adds to the pass)."""
+    for overhead_ms, expected_k in ((1.0, 0), (20.0, 1)):
+        policy = AdaptiveK(8)
+        settled(policy.estimator, [round_(4, 0, 14.0, overhead_ms=overhead_ms),
+                                   round_(1, 0, 11.0, overhead_ms=overhead_ms), streamed(9.0)])
+        assert policy.next_action().stretch > 0
+        without = policy.next_action(stretches=False)
+        assert (without.stretch, without.k) == (0, expected_k)
 
 
 @PROPERTY
@@ -573,8 +592,8 @@ class _StretchesToCopies(AdaptiveK):
 
         self.estimator.stretches.observe_stretch = observed
 
-    def next_action(self, remaining=None, turn=Turn.DRAFT):
-        action = super().next_action(remaining, turn)
+    def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
+        action = super().next_action(remaining, turn, stretches)
         assert turn is not Turn.NOTHING_PROPOSED  # an n-gram drafter's stretches end at text to copy
         if turn is Turn.NOTHING_UNTIL_MATCH or action.stretch:
             self.asked = action.stretch if turn is Turn.NOTHING_UNTIL_MATCH else 0
@@ -603,7 +622,7 @@ class _Alternating(SpeculationPolicy):
         self.estimator.stretches.observe_stretch = lambda num_tokens, elapsed_ns, token_ns, **_: \
             self.stretches.append((num_tokens, elapsed_ns, token_ns))
 
-    def next_action(self, remaining=None, turn=Turn.DRAFT):
+    def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         if turn is not Turn.DRAFT:
             return TAKE_ROUND
         self.drafting = not self.drafting
@@ -680,7 +699,7 @@ class _Solo(SpeculationPolicy):
     def __init__(self):
         super().__init__(4, CostEstimator(4))
 
-    def next_action(self, remaining=None, turn=Turn.DRAFT):
+    def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         return Action(stretch=remaining)
 
 
@@ -706,10 +725,10 @@ class _FirstLook(AdaptiveK):
         super().__init__(max_k)
         self.looks = []
 
-    def next_action(self, remaining=None, turn=Turn.DRAFT):
+    def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         if turn is Turn.DRAFT:
             self.looks.append(self.estimator.measured)
-        return super().next_action(remaining, turn)
+        return super().next_action(remaining, turn, stretches)
 
 
 def test_in_process_calls_seed_the_next_calls_costs(tiny_target, prompt_ids):
@@ -731,7 +750,7 @@ class _ShadowLog(SpeculationPolicy):
         self.estimator.observe_shadow = lambda num_drafted, num_accepted: \
             self.shadows.append((num_drafted, num_accepted))
 
-    def next_action(self, remaining=None, turn=Turn.DRAFT):
+    def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         return Action(stretch=remaining)
 
 
