@@ -221,6 +221,15 @@ def test_a_policy_told_the_loop_cannot_stretch_asks_for_rounds_only():
 
 
 @PROPERTY
+@given(estimates(), remaining_tokens, turns)
+def test_first_a_round_then_a_probe_after_each_stretch(e, remaining, turn):
+    unmeasured = dataclasses.replace(e, one_token_ns=0.0)
+    expected = Action(k=unmeasured.best_k(), ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
+    assert decide(unmeasured, remaining, turn) == expected
+    assert _is_round(decide(dataclasses.replace(e, after_stretch=True, stretches_measure=False), remaining))
+
+
+@PROPERTY
 @given(estimates(stretches_measure=True), remaining_tokens)
 def test_a_stretch_that_measured_needs_no_probe(e, remaining):
     """After a stretch that measured acceptance, the decision is the one a round's
