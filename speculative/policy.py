@@ -40,12 +40,12 @@ def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT,
     known): a stretch where decoding alone wins (`stretch_policy.hand_off`), else a round
     of the fastest k, its tree width, stop and drafting ahead priced by the cost model.
     rules=None: no stretches; the plain step where it beats every k."""
-    stretch = hand_off(e, remaining, turn, rules) if rules is not None else None
+    k = e.best_k()  # once: the stretch decision weighs rounds of this k too
+    stretch = hand_off(e, k, remaining, turn, rules) if rules is not None else None
     if stretch is not None:
         return Action(stretch=stretch.tokens, lookup_k=stretch.lookup_k)
     if turn is not Turn.DRAFT:  # the drafter proposed nothing: the plain step
         return TAKE_ROUND
-    k = e.best_k()
     if not e.measured:  # the priors' k
         return Action(k=k, ahead=True)
     if rules is None and (e.worker_k == 0 or e.tokens_per_ns(k) < e.tokens_per_ns(0)):

@@ -43,21 +43,21 @@ class StretchRules:
         return min(max(shortest, _ceil(e.stretch_start_ns / (self.start_share * e.solo_token_ns))), self.longest)
 
 
-def hand_off(e: Estimates, remaining: int | None, turn: Turn, rules: StretchRules) -> Stretch | None:
+def hand_off(e: Estimates, k: int, remaining: int | None, turn: Turn, rules: StretchRules) -> Stretch | None:
     """A stretch for a call that may still generate `remaining` tokens (None: not known), or
-    None: a round of the policy's k (after an empty turn, its plain step). A stretch too
-    long for what remains runs to the end (`_unless_last`)."""
+    None: a round of the policy's k (`e.best_k()`; after an empty turn, its plain step). A
+    stretch too long for what remains runs to the end (`_unless_last`)."""
     if e.target_runs_lookup:  # the target runs the drafter's rounds, inside stretches
         return _lookup_stretch(e, remaining, rules)
     if not e.measured:
         return None
     if turn is not Turn.DRAFT:  # the drafter proposed nothing
-        return _after_empty_turn(e, remaining, turn is Turn.NOTHING_UNTIL_MATCH, rules)
+        return _after_empty_turn(e, k, remaining, turn is Turn.NOTHING_UNTIL_MATCH, rules)
     if e.worker_k == 0 and e.stretches_measure:
         # No room for drafts on the loaded target, and stretches measure acceptance: no
         # probe is needed, and each restart costs a step the session misses.
         return _unless_last(rules.longest, remaining, least=rules.first)
-    lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(e.best_k()) * e.solo_token_ns  # rounds' speed over alone
+    lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(k) * e.solo_token_ns  # rounds' speed over alone
     # After a stretch one round re-measures (a probe), unless the stretch measured.
     if (e.after_stretch and not e.stretches_measure) or (lead >= 1.0 and e.one_token_measured):
         return None
@@ -84,7 +84,8 @@ def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) ->
     return dataclasses.replace(_unless_last(size, remaining, least=rules.first), lookup_k=k)
 
 
-def _after_empty_turn(e: Estimates, remaining: int | None, ends_at_match: bool, rules: StretchRules) -> Stretch | None:
+def _after_empty_turn(e: Estimates, k: int, remaining: int | None, ends_at_match: bool,
+                      rules: StretchRules) -> Stretch | None:
     """None (the plain step) while rounds, empty ones included at their rate, beat decoding
     alone; else a stretch, longer with each empty turn in a row. One that ends where the
     drafter proposes again is taken when its start, spread over the expected gap of 1 / f
@@ -96,7 +97,7 @@ def _after_empty_turn(e: Estimates, remaining: int | None, ends_at_match: bool, 
         if e.solo_token_ns + e.stretch_start_ns / gap < rounds_ns:
             return Stretch(remaining if remaining is not None else rules.longest)
     else:
-        rounds_ns = _rounds_ns_a_token(e, e.best_k())
+        rounds_ns = _rounds_ns_a_token(e, k)
         if rounds_ns > e.solo_token_ns:
             growth = min(2 ** max(e.empty_turns_in_a_row - 1, 0), rules.empty_growth)
             return _unless_last(rules.sized(e, rules.first * growth), remaining, least=rules.first)
