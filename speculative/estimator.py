@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from speculative.pass_costs import PassCostFit, blend, pass_x, slope_prior
-from speculative.stretch_costs import StretchCosts
+from speculative.stretch_costs import StretchCosts, StretchEstimates
 
 if TYPE_CHECKING:
     from speculative.stats import RoundStats, StepLoad
@@ -77,27 +77,18 @@ class MeasuredCosts:
 
 @dataclass(frozen=True)
 class Estimates:
-    """A call's costs (nanoseconds) and rates at one moment, and its recent actions."""
+    """A call's costs (nanoseconds) and rates at one moment."""
 
     max_k: int
     acceptance: float  # a, hopeful
-    proposal_rate: float  # f
     draft_token_ns: float  # d
     one_token_ns: float  # c(1); 0 = nothing measured yet
     per_token_ns: float  # g
     overhead_ns: float  # R
-    solo_token_ns: float  # s
-    solo_measured: bool  # s from stretches (else it is c(1))
     one_token_measured: bool  # c(1) from one-token passes (else extrapolated from wider ones)
-    stretch_start_ns: float  # o
     worker_k: int  # the k that makes best use of the loaded target (0: none)
-    stretches_measure: bool  # stretches measure acceptance (a free drafter): no probe needed
-    after_stretch: bool  # the last thing the call did was a stretch
-    losing_stretches: int  # stretches in a row, each followed by one round that lost (a probe)
-    empty_turns_in_a_row: int  # drafter turns that proposed nothing since one that did
-    rounds_since_stretch_ns: float  # time of the rounds since the last stretch
+    stretch: StretchEstimates  # what stretches measured (s, o, f) and the call's recent actions
     overlaps: bool = False  # the target verifies while the draft drafts (it may draft ahead)
-    target_runs_lookup: bool = False  # the target runs the (prompt-lookup) drafter's rounds inside stretches
     # [max_k] a_i, hopeful, for draft tokens 1..max_k; empty: `acceptance` at every depth.
     depth_acceptance: tuple[float, ...] = ()
     max_width: int = 1  # the most continuations a round may propose as a token tree
@@ -226,16 +217,14 @@ class CostEstimator:
         return self.passes.one_token_ns > 0
 
     def estimates(self) -> Estimates:
-        passes, stretches, hope = self.passes, self.stretches, HOPE if self.measured else 0.0
+        passes, acceptances, hope = self.passes, self.acceptances, HOPE if self.measured else 0.0
         return Estimates(
-            self.max_k, self.acceptances.rate(hope), stretches.proposals / stretches.turns, self.draft_token_ns,
-            passes.one_token_ns, passes.slope, self.overhead_ns,
-            stretches.solo_token_ns if stretches.solo_token_ns is not None else passes.pass_ns(1),
-            stretches.solo_token_ns is not None, passes.one_token_measured,
-            stretches.start_ns if stretches.start_ns is not None else 2 * self.overhead_ns,
-            self.worker_k(), stretches.measure, stretches.after_stretch, stretches.losing_in_a_row,
-            stretches.empty_turns_in_a_row, stretches.rounds_since_ns, self.overlaps, stretches.target_runs_lookup,
-            self.acceptances.depth_rates(hope), self.max_width, self.branch_yield(), passes.step_costs,
+            max_k=self.max_k, acceptance=acceptances.rate(hope), draft_token_ns=self.draft_token_ns,
+            one_token_ns=passes.one_token_ns, per_token_ns=passes.slope, overhead_ns=self.overhead_ns,
+            one_token_measured=passes.one_token_measured, worker_k=self.worker_k(),
+            stretch=self.stretches.estimates(self.overhead_ns), overlaps=self.overlaps,
+            depth_acceptance=acceptances.depth_rates(hope), max_width=self.max_width,
+            branch_yield=self.branch_yield(), step_costs=passes.step_costs,
         )
 
     def branch_yield(self) -> float:

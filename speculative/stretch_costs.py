@@ -14,6 +14,7 @@ stretch's passes also refine the target's c(w) (`pass_costs.PassCostFit`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from speculative.pass_costs import PassCostFit, blend
@@ -24,6 +25,22 @@ if TYPE_CHECKING:
 # A token decoded alone weighs this much of a pass in the fit of c(w), and does not age
 # the passes: a long stretch refines c(1) without erasing what wider passes cost.
 SOLO_TOKEN_WEIGHT = 0.1
+
+
+@dataclass(frozen=True)
+class StretchEstimates:
+    """What stretches measured, at one moment (`Estimates.stretch`)."""
+
+    solo_token_ns: float  # s
+    solo_measured: bool  # s from stretches (else it is c(1))
+    start_ns: float  # o
+    proposal_rate: float  # f
+    measure: bool  # stretches measure acceptance (a free drafter): no probe needed
+    target_runs_lookup: bool = False  # the target runs the (prompt-lookup) drafter's rounds inside stretches
+    after_stretch: bool = False  # the last thing the call did was a stretch
+    losing_in_a_row: int = 0  # stretches in a row, each followed by one round that lost (a probe)
+    empty_turns_in_a_row: int = 0  # drafter turns that proposed nothing since one that did
+    rounds_since_ns: float = 0.0  # time of the rounds since the last stretch
 
 
 class StretchCosts:
@@ -42,6 +59,15 @@ class StretchCosts:
     def losing_in_a_row(self) -> int:
         """Stretches in a row, each followed by one round that lost (a probe)."""
         return self.in_a_row if self.rounds_since <= 1 else 0
+
+    def estimates(self, overhead_ns: float) -> StretchEstimates:
+        """The snapshot; before a stretch measures them, s is c(1) and o is 2 R."""
+        solo_measured = self.solo_token_ns is not None
+        return StretchEstimates(
+            self.solo_token_ns if solo_measured else self.passes.pass_ns(1), solo_measured,
+            self.start_ns if self.start_ns is not None else 2 * overhead_ns, self.proposals / self.turns,
+            self.measure, self.target_runs_lookup, self.after_stretch, self.losing_in_a_row,
+            self.empty_turns_in_a_row, self.rounds_since_ns)
 
     def observe_round(self, elapsed_ns: int) -> None:
         self.after_stretch = False

@@ -40,31 +40,33 @@ class StretchRules:
     def sized(self, e: Estimates, shortest: int) -> int:
         """At least `shortest` tokens, and long enough that starting it is at most
         start_share of its time; at most `longest`."""
-        return min(max(shortest, _ceil(e.stretch_start_ns / (self.start_share * e.solo_token_ns))), self.longest)
+        return min(max(shortest, _ceil(e.stretch.start_ns / (self.start_share * e.stretch.solo_token_ns))),
+                   self.longest)
 
 
 def hand_off(e: Estimates, k: int, remaining: int | None, turn: Turn, rules: StretchRules) -> Stretch | None:
     """A stretch for a call that may still generate `remaining` tokens (None: not known), or
     None: a round of the policy's k (`e.best_k()`; after an empty turn, its plain step). A
     stretch too long for what remains runs to the end (`_unless_last`)."""
-    if e.target_runs_lookup:  # the target runs the drafter's rounds, inside stretches
+    s = e.stretch
+    if s.target_runs_lookup:  # the target runs the drafter's rounds, inside stretches
         return _lookup_stretch(e, remaining, rules)
     if not e.measured:
         return None
     if turn is not Turn.DRAFT:  # the drafter proposed nothing
         return _after_empty_turn(e, k, remaining, turn is Turn.NOTHING_UNTIL_MATCH, rules)
-    if e.worker_k == 0 and e.stretches_measure:
+    if e.worker_k == 0 and s.measure:
         # No room for drafts on the loaded target, and stretches measure acceptance: no
         # probe is needed, and each restart costs a step the session misses.
         return _unless_last(rules.longest, remaining, least=rules.first)
-    lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(k) * e.solo_token_ns  # rounds' speed over alone
+    lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(k) * s.solo_token_ns  # rounds' speed over alone
     # After a stretch one round re-measures (a probe), unless the stretch measured.
-    if (e.after_stretch and not e.stretches_measure) or (lead >= 1.0 and e.one_token_measured):
+    if (s.after_stretch and not s.measure) or (lead >= 1.0 and e.one_token_measured):
         return None
     if lead >= 1.0:  # read from an extrapolated c(1): one stretch measures it first
         return _unless_last(rules.sized(e, rules.first), remaining, least=None)
     # Speculation loses: a stretch, twice the last one's while probes keep losing.
-    stretch = rules.sized(e, min(rules.first * 2 ** e.losing_stretches, rules.longest))
+    stretch = rules.sized(e, min(rules.first * 2 ** s.losing_in_a_row, rules.longest))
     return _unless_last(stretch, remaining, least=stretch)
 
 
@@ -78,7 +80,7 @@ def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) ->
     k = inside.best_k()
     if e.worker_k == 0 or (inside.measured and inside.tokens_per_ns(k) <= inside.tokens_per_ns(0)):
         k = 0
-    size = rules.longest if e.worker_k == 0 else min(rules.first * 2 ** e.losing_stretches, rules.longest)
+    size = rules.longest if e.worker_k == 0 else min(rules.first * 2 ** e.stretch.losing_in_a_row, rules.longest)
     if e.measured:
         size = rules.sized(e, size)
     return dataclasses.replace(_unless_last(size, remaining, least=rules.first), lookup_k=k)
@@ -91,21 +93,22 @@ def _after_empty_turn(e: Estimates, k: int, remaining: int | None, ends_at_match
     drafter proposes again is taken when its start, spread over the expected gap of 1 / f
     tokens, costs less than an empty round a token. Only stretches measure s: a first-size
     one re-measures it once that risks at most start_share of the rounds' time since the last."""
+    s = e.stretch
     if ends_at_match:
         rounds_ns = e.round_ns(0)
-        gap = 1.0 / e.proposal_rate if remaining is None else min(1.0 / e.proposal_rate, remaining)
-        if e.solo_token_ns + e.stretch_start_ns / gap < rounds_ns:
+        gap = 1.0 / s.proposal_rate if remaining is None else min(1.0 / s.proposal_rate, remaining)
+        if s.solo_token_ns + s.start_ns / gap < rounds_ns:
             return Stretch(remaining if remaining is not None else rules.longest)
     else:
         rounds_ns = _rounds_ns_a_token(e, k)
-        if rounds_ns > e.solo_token_ns:
-            growth = min(2 ** max(e.empty_turns_in_a_row - 1, 0), rules.empty_growth)
+        if rounds_ns > s.solo_token_ns:
+            growth = min(2 ** max(s.empty_turns_in_a_row - 1, 0), rules.empty_growth)
             return _unless_last(rules.sized(e, rules.first * growth), remaining, least=rules.first)
-    if not e.solo_measured:
+    if not s.solo_measured:
         return None
     stretch = rules.sized(e, rules.first)
-    risk_ns = e.stretch_start_ns + stretch * max(0.0, e.solo_token_ns - rounds_ns)
-    if risk_ns > rules.start_share * e.rounds_since_stretch_ns:
+    risk_ns = s.start_ns + stretch * max(0.0, s.solo_token_ns - rounds_ns)
+    if risk_ns > rules.start_share * s.rounds_since_ns:
         return None
     return _unless_last(stretch, remaining, least=None)
 
@@ -113,7 +116,7 @@ def _after_empty_turn(e: Estimates, k: int, remaining: int | None, ends_at_match
 def _rounds_ns_a_token(e: Estimates, k: int) -> float:
     """What rounds of k cost a token where only a share f of turns propose (the others: a
     plain step, R paid)."""
-    f = e.proposal_rate
+    f = e.stretch.proposal_rate
     return (f * e.round_ns(k) + (1.0 - f) * e.round_ns(0)) / (f * e.expected_tokens(k) + (1.0 - f))
 
 

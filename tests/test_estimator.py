@@ -126,19 +126,19 @@ def test_a_stretch_measures_decoding_alone_and_its_start():
     """Tokens 11 ms apart, the whole stretch 30 ms longer than its tokens: s = 11 ms and
     o = 30 ms; a stretch that ended at text to copy counts its empty turns into f."""
     estimator = settled(CostEstimator(4), [round_(4, 3, 14.0, overhead_ms=5.0)], times=30)
-    assert estimator.estimates().stretch_start_ns == pytest.approx(10 * MS, rel=0.01)  # prior: 2 R
+    assert estimator.estimates().stretch.start_ns == pytest.approx(10 * MS, rel=0.01)  # prior: 2 R
     for _ in range(100):
         estimator.stretches.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
     e = estimator.estimates()
-    assert (e.solo_token_ns, e.stretch_start_ns) == (pytest.approx(11 * MS), pytest.approx(30 * MS))
-    assert e.solo_measured and e.after_stretch
+    assert (e.stretch.solo_token_ns, e.stretch.start_ns) == (pytest.approx(11 * MS), pytest.approx(30 * MS))
+    assert e.stretch.solo_measured and e.stretch.after_stretch
     counted, stretched = CostEstimator(4), CostEstimator(4)
     for _ in range(9):
         counted.stretches.observe_turn(proposed=False)
     stretched.stretches.observe_turn(proposed=False)
     stretched.stretches.observe_stretch(9, 100 * MS, 10 * MS, empty_turns=8)
-    rate = stretched.estimates().proposal_rate
-    assert rate == pytest.approx(counted.estimates().proposal_rate) and rate < 0.1
+    rate = stretched.estimates().stretch.proposal_rate
+    assert rate == pytest.approx(counted.estimates().stretch.proposal_rate) and rate < 0.1
 
 
 def test_costs_carry_to_the_next_call():
@@ -221,8 +221,8 @@ def test_shadow_proposals_during_stretches_count_as_rounds_would():
         if drafted:
             rounds.observe(*round_(drafted, accepted, 10.0))
     assert shadowed.acceptances.rate() == pytest.approx(rounds.acceptances.rate())
-    assert shadowed.estimates().proposal_rate == pytest.approx(rounds.estimates().proposal_rate)
-    assert shadowed.estimates().stretches_measure and not rounds.estimates().stretches_measure
+    assert shadowed.estimates().stretch.proposal_rate == pytest.approx(rounds.estimates().stretch.proposal_rate)
+    assert shadowed.estimates().stretch.measure and not rounds.estimates().stretch.measure
 
 
 def test_the_load_cap_reads_the_measured_acceptance():
@@ -244,7 +244,7 @@ def test_the_load_carries_to_the_next_call():
     assert earlier.worker_k() == 0
     earlier.observe_shadow(4, 0)
     seeded = CostEstimator(4, costs=earlier.costs())
-    assert seeded.worker_k() == 0 and seeded.estimates().stretches_measure
+    assert seeded.worker_k() == 0 and seeded.estimates().stretch.measure
     assert CostEstimator(4).worker_k() == 4  # nothing seen: no cap
 
 

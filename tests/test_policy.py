@@ -31,6 +31,7 @@ from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 from speculative.speculation_loop import speculation_rounds
 from speculative.stats import StepLoad
+from speculative.stretch_costs import StretchEstimates
 from speculative.stretch_policy import StretchRules, Turn
 from speculative.target import TargetSession
 from speculative.types import NextTokenKind, Verdict, VerifyResult
@@ -50,13 +51,26 @@ def estimates(draw, **fixed) -> Estimates:
         one_token_ns=one_token_ms * MS, per_token_ns=draw(st.floats(0.0, 1.0)) * one_token_ms * MS,
         overhead_ns=overhead_ms * MS, solo_token_ns=draw(st.floats(0.5, 2.0)) * one_token_ms * MS,
         solo_measured=draw(st.booleans()), one_token_measured=True,
-        stretch_start_ns=draw(st.floats(0.0, 4.0)) * (overhead_ms + one_token_ms) * MS,
-        worker_k=8, stretches_measure=draw(st.booleans()), after_stretch=False, losing_stretches=draw(st.integers(0, 6)),
-        empty_turns_in_a_row=draw(st.integers(1, 10)), rounds_since_stretch_ns=draw(st.floats(0.0, 1e4)) * MS,
+        start_ns=draw(st.floats(0.0, 4.0)) * (overhead_ms + one_token_ms) * MS,
+        worker_k=8, measure=draw(st.booleans()), after_stretch=False, losing_in_a_row=draw(st.integers(0, 6)),
+        empty_turns_in_a_row=draw(st.integers(1, 10)), rounds_since_ns=draw(st.floats(0.0, 1e4)) * MS,
         overlaps=draw(st.booleans()),
     )
     values.update(fixed)
-    return Estimates(**values)
+    return flat_estimates(**values)
+
+
+STRETCH_FIELDS = {field.name for field in dataclasses.fields(StretchEstimates)}
+
+
+def flat_estimates(**values) -> Estimates:
+    """Estimates from one set of fields, what stretches measured among them."""
+    stretch = StretchEstimates(**{name: values.pop(name) for name in list(values) if name in STRETCH_FIELDS})
+    return Estimates(**values, stretch=stretch)
+
+
+def with_stretch(e: Estimates, **changes) -> Estimates:
+    return dataclasses.replace(e, stretch=dataclasses.replace(e.stretch, **changes))
 
 
 remaining_tokens = st.one_of(st.none(), st.integers(1, 512))
@@ -111,9 +125,10 @@ def test_a_slower_link_never_takes_more_rounds(e, faster_ms, slower_ms, remainin
 def test_a_free_drafter_with_nothing_to_propose_never_costs_a_round_trip_per_token(e, remaining, turn):
     """It almost never proposes (f <= 2%), a round trip costs at least a pass and
     decoding alone at most one: every empty turn gives the target a stretch."""
-    e = dataclasses.replace(e, proposal_rate=min(e.proposal_rate, 0.02), solo_token_ns=min(e.solo_token_ns, e.one_token_ns),
-                            overhead_ns=max(e.overhead_ns, e.one_token_ns),
-                            stretch_start_ns=min(e.stretch_start_ns, 20 * e.overhead_ns))
+    e = dataclasses.replace(e, overhead_ns=max(e.overhead_ns, e.one_token_ns))
+    e = with_stretch(e, proposal_rate=min(e.stretch.proposal_rate, 0.02),
+                     solo_token_ns=min(e.stretch.solo_token_ns, e.one_token_ns),
+                     start_ns=min(e.stretch.start_ns, 20 * e.overhead_ns))
     assert decide(e, remaining, turn).stretch > 0
 
 
@@ -186,7 +201,7 @@ def test_where_the_target_runs_lookup_a_costly_restart_makes_the_next_stretch_lo
 @given(estimates(), remaining_tokens)
 def test_rounds_are_chosen_only_where_they_beat_decoding_alone(e, remaining):
     action = decide(e, remaining)
-    lead = e.tokens_per_ns(e.best_k()) * e.solo_token_ns
+    lead = e.tokens_per_ns(e.best_k()) * e.stretch.solo_token_ns
     assert _is_round(action) == (lead >= 1.0)
     if _is_round(action):
         assert action.k == e.best_k()
@@ -226,15 +241,15 @@ def test_first_a_round_then_a_probe_after_each_stretch(e, remaining, turn):
     unmeasured = dataclasses.replace(e, one_token_ns=0.0)
     expected = Action(k=unmeasured.best_k(), ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
     assert decide(unmeasured, remaining, turn) == expected
-    assert _is_round(decide(dataclasses.replace(e, after_stretch=True, stretches_measure=False), remaining))
+    assert _is_round(decide(with_stretch(e, after_stretch=True, measure=False), remaining))
 
 
 @PROPERTY
-@given(estimates(stretches_measure=True), remaining_tokens)
+@given(estimates(measure=True), remaining_tokens)
 def test_a_stretch_that_measured_needs_no_probe(e, remaining):
     """After a stretch that measured acceptance, the decision is the one a round's
     estimates would give: a round only while speculation leads."""
-    assert decide(dataclasses.replace(e, after_stretch=True), remaining) == decide(e, remaining)
+    assert decide(with_stretch(e, after_stretch=True), remaining) == decide(e, remaining)
 
 
 @PROPERTY
@@ -244,7 +259,7 @@ def test_a_worker_with_no_room_for_drafts_decodes_alone(e, remaining):
 
 
 @PROPERTY
-@given(estimates(worker_k=0, stretches_measure=True), remaining_tokens)
+@given(estimates(worker_k=0, measure=True), remaining_tokens)
 def test_a_loaded_worker_decodes_alone_in_the_longest_stretches_where_they_measure(e, remaining):
     """No probes and no stretch ended early: each restart would cost the session a step."""
     longest = StretchRules().longest
@@ -256,7 +271,7 @@ def test_a_loaded_worker_decodes_alone_in_the_longest_stretches_where_they_measu
 @given(estimates(), remaining_tokens)
 def test_stretches_grow_while_probes_lose(e, remaining):
     shorter = decide(e, remaining)
-    longer = decide(dataclasses.replace(e, losing_stretches=e.losing_stretches + 1), remaining)
+    longer = decide(with_stretch(e, losing_in_a_row=e.stretch.losing_in_a_row + 1), remaining)
     assume(shorter.stretch and remaining is None)
     assert longer.stretch >= shorter.stretch
 
@@ -298,9 +313,8 @@ def test_drafting_ahead_prefers_rounds_short_enough_to_survive():
     0.83 s a round, 1.25x the rounds that wait (a longer k survives too rarely)."""
     costs = dict(max_k=4, acceptance=0.8, proposal_rate=1.0, draft_token_ns=198 * MS, one_token_ns=594 * MS,
                  per_token_ns=20 * MS, overhead_ns=4 * MS, solo_token_ns=594 * MS, solo_measured=True,
-                 one_token_measured=True, stretch_start_ns=8 * MS, worker_k=8, stretches_measure=False,
-                 after_stretch=False, losing_stretches=0, empty_turns_in_a_row=0, rounds_since_stretch_ns=0.0)
-    waiting, overlapping = Estimates(**costs), Estimates(**costs, overlaps=True)
+                 one_token_measured=True, start_ns=8 * MS, worker_k=8, measure=False)
+    waiting, overlapping = flat_estimates(**costs), flat_estimates(**costs, overlaps=True)
     action = decide(overlapping, remaining=64)
     assert (action.k, action.ahead, action.stretch) == (2, True, 0)
     assert overlapping.round_ns(2) == pytest.approx(0.83e9, rel=0.01)
@@ -376,7 +390,7 @@ def _bf16_qwen_rounds() -> AdaptiveK:
         policy.estimator.observe(*observed)
     e = policy.estimator.estimates()
     assert e.one_token_ns == pytest.approx(327 * MS, rel=0.01)
-    assert e.tokens_per_ns(1) * e.solo_token_ns == pytest.approx(1.27, abs=0.01)
+    assert e.tokens_per_ns(1) * e.stretch.solo_token_ns == pytest.approx(1.27, abs=0.01)
     return policy
 
 
@@ -388,7 +402,7 @@ def test_a_lead_over_an_extrapolated_c1_is_checked_by_a_stretch():
     assert policy.next_action(remaining=64).stretch == 8
     policy.estimator.stretches.observe_stretch(8, 8 * 215 * MS + 30 * MS, 215 * MS)
     e = policy.estimator.estimates()
-    assert e.one_token_measured and e.solo_token_ns == pytest.approx(215 * MS)
+    assert e.one_token_measured and e.stretch.solo_token_ns == pytest.approx(215 * MS)
     assert _is_round(policy.next_action(remaining=56))  # the probe
     policy.estimator.observe(*round_(1, 1, 360.0, draft_ms=105.0))
     assert policy.next_action(remaining=54).stretch == 16  # the probe lost: twice the last
@@ -509,7 +523,7 @@ def test_a_stretch_that_came_out_slow_is_measured_again():
             policy.estimator.observe(*round_(0, 0, 46.0, overhead_ms=3.0))
     assert (len(decisions) - 1, decisions[-1]) == (30, 8)
     policy.estimator.stretches.observe_stretch(8, (8 * 46 + 4) * MS, 46 * MS)
-    assert policy.estimator.estimates().solo_token_ns == pytest.approx(46.5 * MS, rel=0.01)
+    assert policy.estimator.estimates().stretch.solo_token_ns == pytest.approx(46.5 * MS, rel=0.01)
     assert policy.next_action(1000, Turn.NOTHING_PROPOSED).stretch > 0
 
 
@@ -525,7 +539,7 @@ def test_decoding_alone_costs_what_its_stretches_measured():
         assert _is_round(policy.next_action(remaining=50))
         policy.estimator.observe(*round_(k, k, compute_ms, overhead_ms=3.0, draft_ms=draft_ms))
     e = policy.estimator.estimates()
-    assert e.solo_token_ns == 285 * MS and e.one_token_ns < 240 * MS
+    assert e.stretch.solo_token_ns == 285 * MS and e.one_token_ns < 240 * MS
     assert _is_round(policy.next_action(remaining=43))
 
 
@@ -847,11 +861,10 @@ def test_draft_tokens_within_a_padded_pass_cost_only_their_drafting():
     its step costs say): tokens up to k = 5 widen nothing, so a model drafter stops where
     its next token earns less than d alone, and a tree's branches there are free; past
     it they cost again."""
-    plain = Estimates(
+    plain = flat_estimates(
         max_k=8, acceptance=0.7, proposal_rate=1.0, draft_token_ns=30 * MS, one_token_ns=150 * MS, per_token_ns=10 * MS,
-        overhead_ns=5 * MS, solo_token_ns=200 * MS, solo_measured=True, one_token_measured=True, stretch_start_ns=0.0,
-        worker_k=8, stretches_measure=False, after_stretch=False, losing_stretches=0, empty_turns_in_a_row=0,
-        rounds_since_stretch_ns=0.0)
+        overhead_ns=5 * MS, solo_token_ns=200 * MS, solo_measured=True, one_token_measured=True, start_ns=0.0,
+        worker_k=8, measure=False)
     padded = dataclasses.replace(plain, per_token_ns=150 * MS, step_costs=(200.0,) * 6 + (250.0, 260.0, 270.0))
     assert padded.compute_ns(2) == padded.compute_ns(6) == 150 * MS < padded.compute_ns(7)
     assert (padded.widening_ns(4), plain.widening_ns(4)) == (0.0, 10 * MS)
