@@ -204,6 +204,7 @@ def main(argv=None) -> int:
 
     text = report(command, args, variants, costs, readings, runs, references)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results_drafts.md").write_text(text)
     (out / "runs_drafts.json").write_text(json.dumps({
         "pass_ms": costs,

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.bench_features " + shlex.join(argv if argv is not None else sys.argv[1:])
     text = report(command, args.pair, drafter_name, results, args)
     path = Path(args.out) / f"results_features_{args.pair}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(text)
     return 0

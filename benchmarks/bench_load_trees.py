@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     own_args, rest = own.parse_known_args(argv)
     args = parse(rest + (["--open-loop-fractions", ""] if "--open-loop-fractions" not in rest else []))
     out, mismatches = Path(args.out), 0
+    out.mkdir(parents=True, exist_ok=True)
     if own_args.render:
         saved = json.loads(Path(own_args.render).read_text())
         command, rows = saved["command"], [Row(**row) for row in saved["rows"]]

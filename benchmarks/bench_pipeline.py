@@ -249,6 +249,7 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.bench_pipeline " + shlex.join(sys.argv[1:] if argv is None else argv)
     text = report(args.pair, runs, args, command)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"results_pipeline_{args.pair}.md").write_text(text)
     (out / f"runs_pipeline_{args.pair}.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
     print(text)
