@@ -64,10 +64,12 @@ class StretchCosts:
         """The snapshot; before a stretch measures them, s is c(1) and o is 2 R."""
         solo_measured = self.solo_token_ns is not None
         return StretchEstimates(
-            self.solo_token_ns if solo_measured else self.passes.pass_ns(1), solo_measured,
-            self.start_ns if self.start_ns is not None else 2 * overhead_ns, self.proposals / self.turns,
-            self.measure, self.target_runs_lookup, self.after_stretch, self.losing_in_a_row,
-            self.empty_turns_in_a_row, self.rounds_since_ns)
+            solo_token_ns=self.solo_token_ns if solo_measured else self.passes.pass_ns(1), solo_measured=solo_measured,
+            start_ns=self.start_ns if self.start_ns is not None else 2 * overhead_ns,
+            proposal_rate=self.proposals / self.turns, measure=self.measure,
+            target_runs_lookup=self.target_runs_lookup, after_stretch=self.after_stretch,
+            losing_in_a_row=self.losing_in_a_row, empty_turns_in_a_row=self.empty_turns_in_a_row,
+            rounds_since_ns=self.rounds_since_ns)
 
     def observe_round(self, elapsed_ns: int) -> None:
         self.after_stretch = False
