@@ -146,6 +146,11 @@ def parse_args(argv):
     parser.add_argument("--draft-tree-width", type=int, default=None,
                         help="continuations a round may propose as a token tree, verified in one target pass "
                              "(docs/speculation.md, 'Token trees'); default: the draft worker's (1, chains)")
+    parser.add_argument("--target-dtype", default="float32", help="the target's weights: float32, bfloat16 or float16")
+    parser.add_argument("--target-row-invariant", choices=("auto", "on", "off"), default="auto",
+                        help="the target's rows computed the same whatever the pass, so that speculation cannot "
+                             "change a greedy token (docs/speculation.md, Exactness); auto = on where it costs "
+                             "little (bf16 on a CPU)")
     parser.add_argument("--target-workers", type=int, default=1)
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="ranks each target worker's model is sharded over (processes here, GPUs in a cluster)")
@@ -206,7 +211,9 @@ class Role:
 
 def target_flags(args) -> list[str]:
     parallel = ["--tensor-parallel", str(args.tensor_parallel)] if getattr(args, "tensor_parallel", 1) > 1 else []
-    return ["--model", args.target_model, *parallel]
+    precision = ["--dtype", getattr(args, "target_dtype", "float32"),
+                 "--row-invariant", getattr(args, "target_row_invariant", "auto")]
+    return ["--model", args.target_model, *precision, *parallel]
 
 
 def layout(args) -> list[Role]:

@@ -38,6 +38,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from model_runtime.row_invariance import invariance_of, row_attention
+
 RAGGED_ATTENTION = "specdec_ragged"
 EXACT_ROWS = 64  # steps up to this wide run as they are: decode steps and proposals
 KV_GROWTH_TOKENS = 256  # a cache grows by at least this many tokens: few reallocations
@@ -153,6 +155,7 @@ class _RaggedBatch:
     segments: Sequence[Segment]
     offsets: list[int]  # [num_segments + 1] row offsets of each segment's tokens
     masks: list[torch.Tensor | None]  # [num_segments] causal masks [t, start + t]
+    row_invariant: bool = False  # each row attends alone (model_runtime/row_invariance.py)
 
 
 def use_ragged_attention(model: PreTrainedModel) -> None:
@@ -196,7 +199,7 @@ def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.
             attention_mask=_NO_MASK.to(device),
             use_cache=False,
             logits_to_keep=torch.tensor(keep or [0], device=device),
-            ragged_batch=_RaggedBatch(segments, offsets, masks),
+            ragged_batch=_RaggedBatch(segments, offsets, masks, invariance_of(model) is not None),
         )
     logits = output.logits[0]  # [len(keep), vocab_size]
     results, row = [], 0
@@ -249,6 +252,9 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling=None, d
     for i, segment in enumerate(ragged_batch.segments):
         a, b = offsets[i], offsets[i + 1]
         keys, values = segment.kv.write(module.layer_idx, segment.start, key[0, :, a:b], value[0, :, a:b])
+        if ragged_batch.row_invariant:
+            output[0, a:b] = row_attention(query[:, :, a:b], keys, values, segment.start, segment.parents, scaling)
+            continue
         mask = ragged_batch.masks[i]
         if mask is not None and mask.device != query.device:  # a layer on another GPU (device_map)
             mask = mask.to(query.device)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from model_runtime import model_cache, quantization, tiny
+from model_runtime import model_cache, quantization, row_invariance, tiny
 from model_runtime.cpu_linear import pack_linears
 from model_runtime.fingerprint import tokenizer_fingerprint
 from speculative.errors import InvalidArgument, NotFound
@@ -77,6 +77,8 @@ class LoadedModel:
     fingerprint: str  # tokenizer_fingerprint(tokenizer)
     context_length: int  # tokens
     vocab_size: int  # width of the logits (may exceed the tokenizer's size: padding)
+    # What its rows run invariantly (model_runtime/row_invariance.py); None: as the kernels give.
+    row_invariance: row_invariance.RowInvariance | None = None
 
     @property
     def device(self) -> torch.device:
@@ -187,19 +189,23 @@ def load_model(
     quantize: str = quantization.NONE,
     keep_output_layer: bool = False,
     distributed_config=None,
+    row_invariant: str = row_invariance.OFF,
 ) -> LoadedModel:
     """Loads weights and tokenizer. device_map (e.g. "auto") shards across GPUs via
     accelerate and overrides device. pack_cpu_linears: oneDNN linears for fp32 on CPU
     (see cpu_linear.py); the model can then no longer be copied or moved. quantize: a
     scheme of model_runtime.quantization for the linears (drafts), the output layer
     left alone with keep_output_layer; the linears it leaves in fp32 are packed.
-    distributed_config: this rank's shard of a tensor-parallel model (tensor_parallel.py)."""
+    distributed_config: this rank's shard of a tensor-parallel model (tensor_parallel.py).
+    row_invariant: on, off or auto: rows whose results do not depend on the pass
+    (row_invariance.py; the target's exactness), reported in LoadedModel.row_invariance."""
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     quantization.check_scheme(quantize, device)  # before seconds of loading
     if is_made_in_code(name):
         loaded = load_tiny_model(name, device=device, dtype=dtype)
         quantization.quantize(loaded.model, quantize, keep_output_layer)
+        loaded.row_invariance = row_invariance.apply_mode(loaded.model, row_invariant)
         return loaded
     source = resolve_model_source(name)
     if source.gguf_file:
@@ -212,7 +218,8 @@ def load_model(
         model = model.to(device)
     loaded = _describe(name, model.eval(), tokenizer)
     quantization.quantize(model, quantize, keep_output_layer)
-    if pack_cpu_linears:
+    loaded.row_invariance = row_invariance.apply_mode(model, row_invariant)
+    if pack_cpu_linears and loaded.row_invariance is None:
         pack_linears(model)
     return loaded
 

@@ -202,3 +202,23 @@ def _default_dtype(dtype: torch.dtype):
     finally:
         torch.set_default_dtype(previous)
 
+
+
+# --- near-tied: a model whose top two logits sit within a bf16 rounding step -----------
+
+NEAR_TIED_GAP = 0.03  # the typical logit gap within a pair of twin tokens: half a bf16 step at 16
+
+
+def near_tied_llama(seed: int, hidden_size: int = 128, num_layers: int = 2) -> LlamaForCausalLM:
+    """tiny_llama whose output layer comes in twin rows: token 2i + 1's row is token 2i's
+    plus a small difference, so that at every position the top two logits are within
+    about one bf16 step of each other, and a pass that changes a row's last bits can
+    flip its greedy token. What makes tests of exactness sharp."""
+    model = tiny_llama(seed, hidden_size, num_layers)
+    head = model.get_output_embeddings().weight
+    generator = torch.Generator().manual_seed(seed + 1)
+    twins = head.shape[0] // 2 * 2
+    with torch.no_grad():  # the final norm's output has a norm of about sqrt(hidden_size)
+        difference = torch.randn(twins // 2, hidden_size, generator=generator) * NEAR_TIED_GAP / hidden_size
+        head[1:twins:2] = head[0:twins:2] + difference
+    return model

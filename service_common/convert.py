@@ -205,4 +205,5 @@ def model_info(loaded, device: str, step_ms: Sequence[float] = ()) -> common_pb2
         model_id=loaded.name, tokenizer_fingerprint=loaded.fingerprint, vocab_size=loaded.vocab_size,
         context_length=loaded.context_length, device=device, dtype=str(loaded.dtype).removeprefix("torch."),
         step_ms=list(step_ms),
+        row_invariance=loaded.row_invariance.describe() if getattr(loaded, "row_invariance", None) else "off",
     )

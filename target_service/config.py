@@ -28,6 +28,12 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # fp32 keeps greedy verification bit-for-bit equal to target-only decoding on CPU;
     # "bfloat16" halves memory on GPUs.
     dtype: str = _option("float32", "float32, bfloat16 or float16")
+    # Every row's logits the same bits whatever the pass (width, batch, place), so that
+    # speculation cannot flip a near-tied greedy token (model_runtime/row_invariance.py).
+    # auto: on where it costs little, measured at start (bf16 on a CPU; fp32 costs
+    # about 2x in its linears there, so off); off on GPUs until priced there.
+    row_invariant: str = _option("auto", "auto, on or off: rows computed the same whatever the pass "
+                                         "(exact greedy speculation by construction)")
     # None = the whole model on `device`; "auto" shards one model across all GPUs of
     # the host with accelerate (overrides device).
     device_map: str | None = _option(None, "'auto' shards the model across the host's GPUs (accelerate)")

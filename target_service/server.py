@@ -50,7 +50,8 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
                              ranks=ranks)
     else:
         loaded = loaded_model or compute.run(
-            load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None
+            load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None,
+            row_invariant=config.row_invariant,
         )
     compute.model = loaded.model
     # Its own model on a CPU, one process (ranks would have to agree on every step's padding).

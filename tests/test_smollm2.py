@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from model_runtime.loading import load_model
+from model_runtime.model_session import ModelSession
 from speculative.generator import SpeculativeGenerator
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
@@ -54,3 +55,34 @@ def test_ngram_speculation_equals_target_only_greedy(smollm2):
             assert result.token_ids == reference, (text, k)
             accepted += result.stats.num_accepted
     assert accepted > 0  # the summary and the code edit copy from their prompts
+
+
+def test_bf16_row_invariant_speculation_equals_target_only_greedy(tmp_path, monkeypatch):
+    """bf16, where a wide and a narrow pass flip near-tied argmaxes unless rows are
+    invariant (model_runtime/row_invariance.py): every row of a wide pass has the bits
+    of narrow passes, and greedy speculation equals target-only token for token."""
+    monkeypatch.setenv("SPECULATIVE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    torch.set_num_threads(2)
+    try:
+        loaded = load_model("smollm2-135m", dtype="bfloat16", row_invariant="on")
+        prefix = _chat(loaded.tokenizer, PROMPTS[0])
+        wide, narrow = ModelSession(loaded.model, 1024), ModelSession(loaded.model, 1024)
+        for session in (wide, narrow):
+            session.append(prefix)
+            session.prefill()
+        new = [28, 1029, 418, 260, 1345, 30, 2133, 315]
+        wide.append(new)
+        wide_rows = wide.logits(len(new) + 1)[1:]
+        narrow.logits(1)
+        narrow_rows = []
+        for token in new:
+            narrow.append([token])
+            narrow_rows.append(narrow.logits(1))
+        assert torch.equal(wide_rows, torch.cat(narrow_rows))
+        params = SamplingParams(max_new_tokens=24, stop_token_ids=(loaded.eos_token_id,))
+        for text in PROMPTS[:2]:
+            ids = _chat(loaded.tokenizer, text)
+            reference = SpeculativeGenerator(loaded).generate(ids, params, k=0).token_ids
+            assert SpeculativeGenerator(loaded, NgramDrafter()).generate(ids, params, k=4).token_ids == reference
+    finally:
+        torch.set_num_threads(1)

@@ -191,7 +191,7 @@ class GenerationStats(_message.Message):
     def __init__(self, num_generated_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., prefill_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., network_ns: _Optional[int] = ..., orchestrator_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_failovers: _Optional[int] = ..., num_streamed_tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "tokenizer_fingerprint", "vocab_size", "context_length", "device", "dtype", "step_ms")
+    __slots__ = ("model_id", "tokenizer_fingerprint", "vocab_size", "context_length", "device", "dtype", "step_ms", "row_invariance")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    ROW_INVARIANCE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tokenizer_fingerprint: str
     vocab_size: int
@@ -206,7 +207,8 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     step_ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., step_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+    row_invariance: str
+    def __init__(self, model_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., step_ms: _Optional[_Iterable[float]] = ..., row_invariance: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("active_sessions", "max_sessions", "cached_tokens", "max_cached_tokens", "queued_calls", "running_calls", "max_running", "mean_batch_tokens", "max_batch_tokens")
