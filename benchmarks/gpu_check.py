@@ -31,7 +31,11 @@ Measured, in this order (a time budget, --budget-s, drops the optional parts las
 5. the same services with the target sharded over the GPUs this machine has (`--tensor-parallel N`:
    the most GPUs that divide the target's heads; on one GPU it says so and runs nothing),
    target-only against k=4 and adaptive, each output checked against the sharded
-   target-only's and the single-process target-only's of step 3.
+   target-only's and the single-process target-only's of step 3;
+6. (run second) row invariance (benchmarks/gpu_invariance.py): rows differing between a
+   wide and narrow passes and the step cost, invariance off and on, in process; through
+   the services with `--row-invariant off` and `on`, target-only, k=4 and adaptive for
+   1 and 8 sessions at once, every output against single-session target-only.
 
 Results go to DIR/results_gpu.md (DIR/results_gpu_smoke.md with --smoke), rewritten
 after each step (a run cut short leaves what it measured), and are printed at the end.
@@ -60,6 +64,7 @@ from pathlib import Path  # noqa: E402
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks import gpu_invariance  # noqa: E402
 from benchmarks.prompts import PROMPTS  # noqa: E402
 from launcher.cluster import Cluster, layout, parse_args, start_system  # noqa: E402
 from model_runtime import quantization, tiny  # noqa: E402
@@ -77,6 +82,7 @@ TITLES = {
     3: "End to end: self-draft unquantized",
     4: "End to end: self-draft quantized {scheme}",
     5: "End to end: the target over {ranks} devices (tensor parallel), self-draft unquantized",
+    6: gpu_invariance.TITLE,
 }
 
 
@@ -177,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
     timings: dict[str, dict[str, SchemeRow]] = {}
     guarded(report, 1, TITLES[1], lambda: step_widths(plan, report))
+    guarded(report, 6, TITLES[6], lambda: gpu_invariance.run(plan, report, 6, clock, sys.modules[__name__]))
     guarded(report, 2, TITLES[2], lambda: step_schemes(plan, report, timings, [plan.draft], clock))
     guarded(report, 3, TITLES[3], lambda: step_e2e(plan, report, 3, quantization.NONE, clock))
     if clock.left() >= plan.target_schemes_s:
