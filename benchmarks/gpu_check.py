@@ -35,7 +35,10 @@ Measured, in this order (a time budget, --budget-s, drops the optional parts las
 6. (run second) row invariance (benchmarks/gpu_invariance.py): rows differing between a
    wide and narrow passes and the step cost, invariance off and on, in process; through
    the services with `--row-invariant off` and `on`, target-only, k=4 and adaptive for
-   1 and 8 sessions at once, every output against single-session target-only.
+   1 and 8 sessions at once, every output against single-session target-only;
+7. (run third) speed at a known acceptance (benchmarks/gpu_replay.py): the benchmark-only
+   replay drafter at acceptance 0.6, 0.8, 0.9 with a 0.5B-shaped draft's cost, k=4 and
+   adaptive, through the services, against Leviathan's bound at the measured costs.
 
 Results go to DIR/results_gpu.md (DIR/results_gpu_smoke.md with --smoke), rewritten
 after each step (a run cut short leaves what it measured), and are printed at the end.
@@ -64,7 +67,7 @@ from pathlib import Path  # noqa: E402
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import gpu_invariance  # noqa: E402
+from benchmarks import gpu_invariance, gpu_replay  # noqa: E402
 from benchmarks.prompts import PROMPTS  # noqa: E402
 from launcher.cluster import Cluster, layout, parse_args, start_system  # noqa: E402
 from model_runtime import quantization, tiny  # noqa: E402
@@ -83,6 +86,7 @@ TITLES = {
     4: "End to end: self-draft quantized {scheme}",
     5: "End to end: the target over {ranks} devices (tensor parallel), self-draft unquantized",
     6: gpu_invariance.TITLE,
+    7: gpu_replay.TITLE,
 }
 
 
@@ -111,6 +115,7 @@ class Plan:
     quantized_e2e_s: float
     tensor_parallel_s: float
     devices: int = 0  # ranks step 5 may use (0: the GPUs this machine has)
+    replay_draft: str = "random:qwen2.5-0.5b:0"  # step 7's draft model: the replay drafter's cost
 
 
 GPU = Plan(target="random:qwen2.5-7b:0", draft="random:qwen2.5-1.5b:0", device="cuda", dtype="bfloat16",
@@ -120,7 +125,8 @@ GPU = Plan(target="random:qwen2.5-7b:0", draft="random:qwen2.5-1.5b:0", device="
 SMOKE = Plan(target="random:qwen2-tiny:0", draft="random:qwen2-tiny:1", device="cpu", dtype="float32",
              prefix=32, widths=(1, 2, 4, 8, 16), repeats=3, decode_tokens=8, prompt_tokens=24, prompts=1,
              max_new_tokens=12, e2e_repeats=1, budget_s=240.0, threads=1, startup_timeout_s=120.0,
-             call_timeout_s=60.0, target_schemes_s=10.0, quantized_e2e_s=40.0, tensor_parallel_s=40.0, devices=2)
+             call_timeout_s=60.0, target_schemes_s=10.0, quantized_e2e_s=40.0, tensor_parallel_s=40.0, devices=2,
+             replay_draft="random:qwen2-tiny:1")
 
 
 @dataclass
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, dict[str, SchemeRow]] = {}
     guarded(report, 1, TITLES[1], lambda: step_widths(plan, report))
     guarded(report, 6, TITLES[6], lambda: gpu_invariance.run(plan, report, 6, clock, sys.modules[__name__]))
+    guarded(report, 7, TITLES[7], lambda: gpu_replay.run(plan, report, 7, clock, sys.modules[__name__]))
     guarded(report, 2, TITLES[2], lambda: step_schemes(plan, report, timings, [plan.draft], clock))
     guarded(report, 3, TITLES[3], lambda: step_e2e(plan, report, 3, quantization.NONE, clock))
     if clock.left() >= plan.target_schemes_s:

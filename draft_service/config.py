@@ -88,6 +88,10 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # speculative/token_tree.py): fixed-k rounds always, adaptive ones where the policy
     # finds the tree's nodes pay (speculative.policy.branch_reach). 1: chains.
     tree_width: int = 1
+    # Benchmarks only: offer the "replay" drafter (speculative/replay_drafter.py), the
+    # target's recorded greedy tokens at a set acceptance, paying the model's passes;
+    # a JSON file read when a session opens. Empty: not offered.
+    replay_file: str = ""
     # Used when a request leaves max_new_tokens at 0; the same default as the target's.
     default_max_new_tokens: int = 256
     # torch intra-op threads; 0 = torch's default (all cores), which suits a worker

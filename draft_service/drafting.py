@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.errors import InvalidArgument
 from speculative.prompt_lookup import LookupThenModelDrafter, LookupThenModelSession, NgramDrafter, NgramDraftSession
-from speculative.types import MODEL, NGRAM, NGRAM_THEN_MODEL, SamplingParams, check_drafter_name
+from speculative.types import MODEL, NGRAM, NGRAM_THEN_MODEL, REPLAY, SamplingParams, check_drafter_name
 
 if TYPE_CHECKING:
     from draft_service.draft_model import DraftModel
     from model_runtime.step_scheduler import StepScheduler
     from speculative.drafters import ModelDraftSession
 
-WITH_MODEL = (MODEL, NGRAM_THEN_MODEL)  # the drafters that run the worker's model
+WITH_MODEL = (MODEL, NGRAM_THEN_MODEL, REPLAY)  # the drafters that run the worker's model
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,20 @@ class Drafters:
     """The worker's drafters: n-gram lookup and, if a model is loaded, the model drafter
     and the two together."""
 
-    def __init__(self, model: DraftModel | None, default_drafter: str, min_ngram: int, max_ngram: int):
+    def __init__(self, model: DraftModel | None, default_drafter: str, min_ngram: int, max_ngram: int,
+                 replay_file: str = ""):
         self.model = model
         self.loaded = model.loaded if model is not None else None
         self.by_name: dict[str, Drafter] = {NGRAM: NgramDrafter(min_ngram, max_ngram)}
         if model is not None:
             self.by_name[MODEL] = model.drafter
             self.by_name[NGRAM_THEN_MODEL] = LookupThenModelDrafter(model.drafter, self.by_name[NGRAM])
+        if replay_file and model is None:
+            raise InvalidArgument("--replay-file needs a --model: the replay drafter pays the model's passes")
+        if model is not None and replay_file:  # benchmarks only
+            from speculative.replay_drafter import ReplayDrafter
+
+            self.by_name[REPLAY] = ReplayDrafter(model.loaded, replay_file)
         self.default = self.resolve(default_drafter)  # fails at start-up, not per request
 
     def resolve(self, name: str) -> str:
@@ -59,6 +66,9 @@ class Drafters:
         check_drafter_name(name)
         if not name:
             return self.default
+        if name == REPLAY and name not in self.by_name:
+            raise InvalidArgument("drafter 'replay' is for benchmarks: offered only by a draft worker started "
+                                  "with --replay-file")
         if name not in self.by_name:
             raise InvalidArgument(
                 f"drafter {name!r} needs a draft model, and this draft worker was started without "
@@ -96,6 +106,11 @@ class Drafters:
         self.check_tokens(name, 0, prompt_token_ids)
         if name == NGRAM:
             return self.by_name[name].open(prompt_token_ids, SamplingParams())
+        if name == REPLAY:
+            session = SerializedModelDraftSession(self.by_name[REPLAY].open(prompt_token_ids, SamplingParams()),
+                                                  self.model.compute)
+            session.prefill()
+            return session
         model = SerializedModelDraftSession(self.by_name[MODEL].open(prompt_token_ids, SamplingParams()),
                                             self.model.compute)
         session = model if name == MODEL else LookupThenModelSession(

@@ -41,7 +41,8 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
         from draft_service.draft_model import start_draft_model
 
         model = start_draft_model(config, loaded_model)
-    drafters = Drafters(model, config.default_drafter, config.prompt_lookup_min, config.prompt_lookup_max)
+    drafters = Drafters(model, config.default_drafter, config.prompt_lookup_min, config.prompt_lookup_max,
+                        config.replay_file)
     servicer = DraftServicer(config, drafters, SessionCache(config.max_sessions, config.max_cached_tokens),
                              TargetConnections(tls_of(config)))
 

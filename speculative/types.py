@@ -101,7 +101,10 @@ class VerifyResult:
 MODEL = "model"  # the worker's small model
 NGRAM = "ngram"  # prompt lookup, no model
 NGRAM_THEN_MODEL = "ngram+model"  # prompt lookup where it finds text to copy, the model elsewhere
-DRAFTER_NAMES = (MODEL, NGRAM, NGRAM_THEN_MODEL)
+# Benchmarks only (speculative/replay_drafter.py): the target's recorded greedy tokens,
+# replaced at a set rate, at the model's cost; offered only by a worker with --replay-file.
+REPLAY = "replay"
+DRAFTER_NAMES = (MODEL, NGRAM, NGRAM_THEN_MODEL, REPLAY)
 
 
 def check_drafter_name(name: str) -> None:
