@@ -201,7 +201,7 @@ def _rate(runs: list[Run]) -> float:
 
 def run_in_process(pair: Pair, dtype: str, args) -> dict:
     print(f"in process, {dtype}: loading {pair.target}" + (f" and {pair.draft}" if pair.draft else ""), flush=True)
-    target = load_model(pair.target, dtype=dtype)
+    target = load_model(pair.target, dtype=dtype, row_invariant="auto")  # as a target worker loads it
     quantize = pair.quantization if dtype == "float32" else "none"  # CPU int8 starts from fp32
     draft = load_model(pair.draft, dtype=dtype, quantize=quantize) if pair.draft else None
     freeze_startup_heap()  # as the services do: no method pays for walking the models in a collection
