@@ -4,11 +4,13 @@
 #   draft         -> python -m draft_service    (port 50052)
 #   orchestrator  -> python -m orchestrator     (port 50050, the public gRPC API)
 #   http          -> python -m http_api         (port 8000, the OpenAI-compatible HTTP API)
+#   ranks         -> python -m model_runtime.tensor_parallel (a node's tensor-parallel ranks
+#                    after the leader's: a LeaderWorkerSet worker pod; no port of its own)
 # Every flag can also come from the environment: TARGET_*, DRAFT_*, ORCHESTRATOR_*, HTTP_API_*.
 set -eu
 
 usage() {
-    echo "usage: <image> target|draft|orchestrator|http [flags]   (<image> ROLE --help lists the flags)" >&2
+    echo "usage: <image> target|draft|orchestrator|http|ranks [flags]   (<image> ROLE --help lists the flags)" >&2
 }
 
 if [ "$#" -eq 0 ]; then
@@ -22,6 +24,7 @@ case "$role" in
     draft) module=draft_service ;;
     orchestrator) module=orchestrator ;;
     http) module=http_api ;;
+    ranks) module=model_runtime.tensor_parallel ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown role '$role'" >&2; usage; exit 2 ;;
 esac

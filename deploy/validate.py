@@ -148,12 +148,62 @@ def describe(obj: dict) -> str:
 # ---------------------------------------------------------------- 2. Kubernetes schemas
 
 
+# LeaderWorkerSet (leaderworkerset.x-k8s.io/v1, a CRD the Kubernetes schemas do not hold):
+# the fields of its API this project may set; its pod templates are checked as PodTemplates.
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_FIELDS = {
+    "spec": {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"},
+    "leaderWorkerTemplate": {"leaderTemplate", "workerTemplate", "size", "restartPolicy", "subGroupPolicy"},
+}
+LWS_CHOICES = {"startupPolicy": {"LeaderCreated", "LeaderReady"},
+               "restartPolicy": {"RecreateGroupOnPodRestart", "None"}}
+
+
+def pod_templates(obj: dict) -> list[tuple[str, dict]]:
+    """A workload's pod templates, each with the suffix that names it: a Deployment's
+    one, a LeaderWorkerSet's leader and worker templates."""
+    if obj.get("kind") in WORKLOAD_KINDS:
+        return [("", obj["spec"]["template"])]
+    if obj.get("kind") == "LeaderWorkerSet":
+        group = obj.get("spec", {}).get("leaderWorkerTemplate", {})
+        return [(f"/{name}", group[name]) for name in ("leaderTemplate", "workerTemplate") if name in group]
+    return []
+
+
+def lws_errors(obj: dict, version: str) -> list[str]:
+    """A LeaderWorkerSet's own fields against its API, its pod templates against the
+    Kubernetes PodTemplate schema."""
+    errors = [] if obj.get("apiVersion") == LWS_API else [f"apiVersion must be {LWS_API}"]
+    spec = obj.get("spec", {})
+    group = spec.get("leaderWorkerTemplate", {})
+    for where, fields, allowed in (("spec", spec, LWS_FIELDS["spec"]),
+                                   ("spec.leaderWorkerTemplate", group, LWS_FIELDS["leaderWorkerTemplate"])):
+        errors += [f"{where}.{name}: not a field of {LWS_API}" for name in sorted(set(fields) - allowed)]
+    for name, choices in LWS_CHOICES.items():
+        value = (spec if name in spec else group).get(name)
+        if value is not None and value not in choices:
+            errors.append(f"{name}: {value!r} is not one of {sorted(choices)}")
+    if not isinstance(group.get("size"), int) or group["size"] < 1:
+        errors.append("spec.leaderWorkerTemplate.size: a group needs a size >= 1")
+    if "workerTemplate" not in group:
+        errors.append("spec.leaderWorkerTemplate.workerTemplate: required")
+    for suffix, template in pod_templates(obj):
+        as_pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
+                           "metadata": {"name": obj["metadata"]["name"] + suffix.replace("/", "-").lower()},
+                           "template": template}
+        errors += [f"{suffix.lstrip('/')}: {e.split(': ', 1)[1]}" for e in schema_errors([as_pod_template], version)]
+    return [f"{describe(obj)}: {e}" for e in errors]
+
+
 def schema_errors(objects: Iterable[dict], version: str = KUBERNETES_VERSION) -> list[str]:
     """One message per object that fails the (strict) schema of its kind."""
     import kubernetes_validate
 
     errors = []
     for obj in objects:
+        if obj.get("kind") == "LeaderWorkerSet":
+            errors += lws_errors(obj, version)
+            continue
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as error:
@@ -236,26 +286,31 @@ def k8s_settings(objects: list[dict], label: str = "") -> list[RoleSettings]:
     by_name = {(o["kind"], o["metadata"]["name"]): o for o in objects if "metadata" in o}
     found = []
     for obj in objects:
-        if obj.get("kind") not in WORKLOAD_KINDS:
+        for suffix, template in pod_templates(obj):
+            found += _container_settings(template["spec"], f"{label}{describe(obj)}{suffix}", by_name)
+    return found
+
+
+def _container_settings(pod: dict, where: str, by_name: dict) -> list[RoleSettings]:
+    """The settings of each container of `pod` whose first argument is a role."""
+    found = []
+    for container in pod.get("containers", []) + pod.get("initContainers", []):
+        command = [*container.get("command", []), *container.get("args", [])]
+        if not command or command[0] not in ROLES:
             continue
-        pod = obj["spec"]["template"]["spec"]
-        for container in pod.get("containers", []) + pod.get("initContainers", []):
-            command = [*container.get("command", []), *container.get("args", [])]
-            if not command or command[0] not in ROLES:
-                continue
-            settings = RoleSettings(f"{label}{describe(obj)}/{container['name']}", ROLES[command[0]])
-            for source in container.get("envFrom", []):
-                ref = source.get("configMapRef") or source.get("secretRef") or {}
-                kind = "ConfigMap" if "configMapRef" in source else "Secret"
-                data = by_name.get((kind, ref.get("name")), {})
-                for key, value in {**data.get("data", {}), **data.get("stringData", {})}.items():
-                    settings.env[source.get("prefix", "") + key] = value if kind == "ConfigMap" else None
-            for var in container.get("env", []):
-                settings.env[var["name"]] = var.get("value") if "valueFrom" not in var else None
-            settings.flags = _flags(command[1:])
-            texts = [v for v in settings.env.values() if v] + command
-            settings.references = {m for text in texts for m in REFERENCE.findall(str(text))}
-            found.append(settings)
+        settings = RoleSettings(f"{where}/{container['name']}", ROLES[command[0]])
+        for source in container.get("envFrom", []):
+            ref = source.get("configMapRef") or source.get("secretRef") or {}
+            kind = "ConfigMap" if "configMapRef" in source else "Secret"
+            data = by_name.get((kind, ref.get("name")), {})
+            for key, value in {**data.get("data", {}), **data.get("stringData", {})}.items():
+                settings.env[source.get("prefix", "") + key] = value if kind == "ConfigMap" else None
+        for var in container.get("env", []):
+            settings.env[var["name"]] = var.get("value") if "valueFrom" not in var else None
+        settings.flags = _flags(command[1:])
+        texts = [v for v in settings.env.values() if v] + command
+        settings.references = {m for text in texts for m in REFERENCE.findall(str(text))}
+        found.append(settings)
     return found
 
 
@@ -346,13 +401,10 @@ def grace_errors(objects: list[dict], label: str = "") -> list[str]:
     (from its environment, else the dataclass default): SIGTERM drains, SIGKILL cuts."""
     errors = []
     settings = {s.where: s for s in k8s_settings(objects, label)}
-    for obj in objects:
-        if obj.get("kind") not in WORKLOAD_KINDS:
-            continue
-        pod = obj["spec"]["template"]["spec"]
+    for obj, suffix, pod in ((o, s, t["spec"]) for o in objects for s, t in pod_templates(o)):
         period = pod.get("terminationGracePeriodSeconds", 30)
         for container in pod.get("containers", []):
-            found = settings.get(f"{label}{describe(obj)}/{container['name']}")
+            found = settings.get(f"{label}{describe(obj)}{suffix}/{container['name']}")
             if found is None:
                 continue
             grace = found.env.get(f"{found.role.prefix()}_GRACE_S") or found.flags.get("grace_s")

@@ -1,4 +1,5 @@
-"""One model sharded over N processes of one host (tensor parallelism), run in lockstep.
+"""One model sharded over N processes (tensor parallelism), run in lockstep: on one host,
+or over several (each node's ranks started there, rank 0 on the leader).
 
 The sharding is the model's own plan in transformers (`base_model_tp_plan`: q, k, v,
 gate and up split by output column, o and down by input row, an all-reduce after each
@@ -13,9 +14,17 @@ tokens and start, which cache it extends) and the cache edits made since that ca
 last pass (a tree's kept path moved into place, a cache freed), and every rank runs the
 same pass. Rollback needs no message: a segment starts where its cache was cut back to.
 
-Failure is whole: rank 0 watches the other ranks and stops the worker when one exits
-(`Ranks.on_lost`); the others die with rank 0 (PR_SET_PDEATHSIG) or at the next
-broadcast, which fails once rank 0's sockets close.
+Beyond one node (a LeaderWorkerSet group in Kubernetes, deploy/k8s/overlays/gpu-multinode):
+the leader's worker starts its node's ranks 0..L-1 (`--tensor-parallel-local L`), and
+each other node runs `python -m model_runtime.tensor_parallel --node-index I
+--local-ranks L --master-addr LEADER ...`, ranks I*L..I*L+L-1 on its GPUs 0..L-1, which
+dial the leader's rendezvous port (`--tensor-parallel-port`).
+
+Failure is whole: rank 0 watches the other ranks of its node and stops the worker when
+one exits (`Ranks.on_lost`); the others die with rank 0 (PR_SET_PDEATHSIG) or at the
+next broadcast, which fails once rank 0's sockets close. A rank on another node that
+dies fails the next collective; the group is then restarted whole (the
+LeaderWorkerSet's RecreateGroupOnPodRestart).
 """
 
 from __future__ import annotations
@@ -64,15 +73,19 @@ def backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def join(rank: int, world_size: int, port: int, device: str) -> dist.ProcessGroup:
-    """Joins the ranks' process group (the environment transformers reads is set too);
-    returns the gloo group that carries rank 0's announcements (small pickles, on the CPU)."""
+def join(rank: int, world_size: int, port: int, device: str, master_addr: str = "127.0.0.1",
+         local_rank: int | None = None) -> dist.ProcessGroup:
+    """Joins the ranks' process group at rank 0's master_addr:port (the environment
+    transformers reads is set too); returns the gloo group that carries rank 0's
+    announcements (small pickles, on the CPU). local_rank: the GPU on this node (default
+    rank: one node)."""
     if device not in ("cpu", "cuda"):
         raise InvalidArgument(f"tensor parallelism runs on 'cpu' or 'cuda' (rank r on cuda:r), not {device!r}")
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = rank if local_rank is None else local_rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(port))
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_rank)
     dist.init_process_group(backend(device), rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
@@ -160,19 +173,23 @@ class Leader:
 
 
 class Ranks:
-    """Ranks 1..N-1 as child processes of rank 0; `on_lost` runs once if one exits
-    while the worker serves."""
+    """This node's ranks 1..L-1 as child processes of rank 0 (L = local_ranks, default all
+    N: one node; the other nodes start theirs); `on_lost` runs once if one exits while
+    the worker serves. port 0: a free one (one node); several nodes need a fixed one."""
 
     def __init__(self, world_size: int, model: str, device: str, dtype: str, threads: int,
-                 on_lost: Callable[[int, int], None]):
-        self.world_size, self.port = world_size, _free_port()
+                 on_lost: Callable[[int, int], None], local_ranks: int = 0, master_addr: str = "127.0.0.1",
+                 port: int = 0):
+        local_ranks = local_ranks or world_size
+        if world_size % local_ranks:
+            raise InvalidArgument(f"--tensor-parallel-local {local_ranks} must divide --tensor-parallel {world_size}: "
+                                  "every node runs as many ranks")
+        self.world_size, self.master_addr, self.port = world_size, master_addr, port or _free_port()
         self._closing = threading.Event()
         self.processes = [subprocess.Popen(
-            [sys.executable, "-m", "model_runtime.tensor_parallel", "--rank", str(rank), "--world-size",
-             str(world_size), "--port", str(self.port), "--model", model, "--device", device, "--dtype", dtype,
-             "--threads", str(threads)],
+            [*rank_command(rank, world_size, self.port, model, device, dtype, threads, master_addr)],
             preexec_fn=_die_with_parent,
-        ) for rank in range(1, world_size)]
+        ) for rank in range(1, local_ranks)]
         self._on_lost = on_lost
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
@@ -197,9 +214,17 @@ class Ranks:
             process.wait()
 
 
+def rank_command(rank: int, world_size: int, port: int, model: str, device: str, dtype: str, threads: int,
+                 master_addr: str = "127.0.0.1", local_rank: int | None = None) -> list[str]:
+    return [sys.executable, "-m", "model_runtime.tensor_parallel", "--rank", str(rank), "--world-size",
+            str(world_size), "--port", str(port), "--master-addr", master_addr, "--local-rank",
+            str(rank if local_rank is None else local_rank), "--model", model, "--device", device, "--dtype", dtype,
+            "--threads", str(threads)]
+
+
 def load_rank_zero(name: str, *, device: str, dtype: str, ranks: Ranks) -> loading.LoadedModel:
     """Rank 0's shard, its passes announced to the other ranks."""
-    group = join(0, ranks.world_size, ranks.port, device)
+    group = join(0, ranks.world_size, ranks.port, device, ranks.master_addr, local_rank=0)
     loaded = load_shard(name, device=device, dtype=dtype, world_size=ranks.world_size)
     Leader(group).attach(loaded.model)
     return loaded
@@ -261,15 +286,33 @@ def _apply(kv: SequenceKV, edit: tuple) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model_runtime.tensor_parallel",
-                                     description="A tensor-parallel rank after rank 0 (started by the target worker).")
-    for flag, kind in (("--rank", int), ("--world-size", int), ("--port", int), ("--model", str),
-                       ("--device", str), ("--dtype", str), ("--threads", int)):
-        parser.add_argument(flag, type=kind, required=True)
+    parser = argparse.ArgumentParser(
+        prog="python -m model_runtime.tensor_parallel",
+        description="Tensor-parallel ranks after rank 0: one (--rank, started by the target worker), or a node's "
+                    "(--node-index with --local-ranks: ranks I*L..I*L+L-1 on this node's GPUs 0..L-1).")
+    # A node's defaults are the target worker's settings (TARGET_* variables: in Kubernetes
+    # the worker pods read the leader's ConfigMap), so that both sides agree.
+    for flag, kind, variable in (("--world-size", int, "TENSOR_PARALLEL"), ("--port", int, "TENSOR_PARALLEL_PORT"),
+                                 ("--model", str, "MODEL"), ("--device", str, "DEVICE"), ("--dtype", str, "DTYPE"),
+                                 ("--threads", int, "THREADS")):
+        default = os.environ.get(f"TARGET_{variable}")
+        parser.add_argument(flag, type=kind, default=default, required=default is None,
+                            help=f"default: $TARGET_{variable}")
+    parser.add_argument("--rank", type=int, default=-1, help="this process's rank (one rank)")
+    parser.add_argument("--local-rank", type=int, default=-1, help="its GPU on this node (default: --rank)")
+    parser.add_argument("--node-index", type=int, default=-1, help="this node's place in the group (1..): its ranks")
+    parser.add_argument("--local-ranks", type=int, default=int(os.environ.get("TARGET_TENSOR_PARALLEL_LOCAL") or 1),
+                        help="ranks per node, with --node-index (default: $TARGET_TENSOR_PARALLEL_LOCAL or 1)")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="where rank 0 listens (the leader's address)")
     args = parser.parse_args(argv)
+    if args.node_index >= 0:
+        return run_node(args)
+    if args.rank < 1:
+        parser.error("give --rank R (R >= 1) or --node-index I --local-ranks L")
     logging.basicConfig(level=logging.INFO, format=f"rank {args.rank}: %(levelname)s %(message)s")
     loading.configure_threads(args.threads)
-    group = join(args.rank, args.world_size, args.port, args.device)
+    local_rank = args.rank if args.local_rank < 0 else args.local_rank
+    group = join(args.rank, args.world_size, args.port, args.device, args.master_addr, local_rank)
     loaded = load_shard(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size)
     try:
         follow(loaded.model, group)
@@ -277,6 +320,28 @@ def main(argv: list[str] | None = None) -> int:
         log.info("rank 0 is gone (%s): stopping", _first_line(error))
         return 1
     return 0
+
+
+def run_node(args) -> int:
+    """A node after the leader's: its ranks as child processes; ends with the first that
+    ends (a rank that fails takes the node down, and its group is restarted whole)."""
+    first = args.node_index * args.local_ranks
+    if args.node_index < 1 or first + args.local_ranks > args.world_size:
+        raise SystemExit(f"--node-index {args.node_index} x --local-ranks {args.local_ranks} is outside "
+                         f"--world-size {args.world_size} (node 0 is the leader's target worker)")
+    processes = [subprocess.Popen(rank_command(first + i, args.world_size, args.port, args.model, args.device,
+                                               args.dtype, args.threads, args.master_addr, local_rank=i),
+                                  preexec_fn=_die_with_parent) for i in range(args.local_ranks)]
+    from multiprocessing.connection import wait
+
+    sentinels = {_pid_sentinel(p.pid): p for p in processes}
+    ended = sentinels[wait(list(sentinels))[0]]
+    status = ended.wait()
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    return status
 
 
 if __name__ == "__main__":

@@ -40,6 +40,14 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # One worker over N GPUs (or N CPU processes): each layer split across them
     # (model_runtime/tensor_parallel.py); for a target that does not fit one device.
     tensor_parallel: int = _option(1, "ranks the model is sharded over (tensor parallelism); rank r on cuda:r")
+    # Beyond one node (a LeaderWorkerSet group): this worker starts ranks 0..L-1 here,
+    # the other nodes theirs (python -m model_runtime.tensor_parallel --node-index I).
+    # 0: every rank here (one node).
+    tensor_parallel_local: int = _option(0, "tensor-parallel ranks on this node (0 = all: one node)")
+    # Where the other nodes' ranks dial rank 0 (this pod's address) and on which port;
+    # one node: loopback and a free port.
+    tensor_parallel_master: str = _option("127.0.0.1", "this worker's address as other nodes' ranks dial it")
+    tensor_parallel_port: int = _option(0, "rank 0's rendezvous port (0 = a free one: one node only)")
     # Empty = f"target-{hostname}-{pid}": unique per process, stable for its lifetime.
     worker_id: str = _option("", "id in KV-cache handles; empty = target-HOSTNAME-PID")
     # Other workers must reach this one (e.g. the pod IP in Kubernetes); empty = derived

@@ -95,7 +95,12 @@ def _start_ranks(config: TargetConfig) -> tensor_parallel.Ranks:
         _LOST_RANKS.append(rank)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    return tensor_parallel.Ranks(config.tensor_parallel, config.model, config.device, config.dtype, config.threads, lost)
+    if config.tensor_parallel_local and config.tensor_parallel_local < config.tensor_parallel \
+            and not config.tensor_parallel_port:
+        raise SpeculativeError("ranks on other nodes need a fixed --tensor-parallel-port to dial")
+    return tensor_parallel.Ranks(config.tensor_parallel, config.model, config.device, config.dtype, config.threads, lost,
+                                 config.tensor_parallel_local, config.tensor_parallel_master,
+                                 config.tensor_parallel_port)
 
 
 _LOST_RANKS: list[int] = []  # ranks of this process's tensor-parallel worker that exited

@@ -77,7 +77,7 @@ def role_settings(objects: list[dict], role: str):
 
 
 def test_every_overlay_exists():
-    assert set(OVERLAYS) == {"cpu", "gpu", "gpu-tensor-parallel"}
+    assert set(OVERLAYS) == {"cpu", "gpu", "gpu-tensor-parallel", "gpu-multinode"}
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
@@ -183,6 +183,8 @@ def test_entrypoint_runs_each_role_as_its_module(tmp_path):
     for role in validate.ROLES.values():
         run = subprocess.run(["sh", entrypoint, role.name, "--k", "4"], capture_output=True, text=True, env=env)
         assert (run.returncode, run.stdout.strip()) == (0, f"-m {role.module} --k 4")
+    ranks = subprocess.run(["sh", entrypoint, "ranks", "--node-index", "1"], capture_output=True, text=True, env=env)
+    assert ranks.stdout.strip() == "-m model_runtime.tensor_parallel --node-index 1"
     assert subprocess.run(["sh", entrypoint, "compiler"], capture_output=True, env=env).returncode == 2
     assert subprocess.run(["sh", entrypoint], capture_output=True, env=env).returncode == 2
 
@@ -615,3 +617,51 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
         for name, process in processes.items():
             # SIGTERM drains (NOT_SERVING, calls finish) and exits cleanly within grace_s.
             assert process.wait(timeout=30) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+
+
+# ---------------------------------------------------------------- beyond one node
+
+
+def test_the_multinode_target_is_one_leaderworkerset_group_of_tensor_parallel_ranks(rendered):
+    """The leader serves as the target worker (rank 0 and its node's ranks), the worker
+    pod runs the other node's ranks from the same settings; GPUs, ranks and group size
+    agree, and the pool scales by groups."""
+    objects = rendered["gpu-multinode"]
+    assert "specdec-target" not in objects_of(objects, "Deployment")
+    lws = objects_of(objects, "LeaderWorkerSet")["specdec-target"]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader = next(s for s in validate.k8s_settings(objects) if "leaderTemplate" in s.where)
+    assert leader.role.name == "target"
+    ranks, local = int(leader.env["TARGET_TENSOR_PARALLEL"]), int(leader.env["TARGET_TENSOR_PARALLEL_LOCAL"])
+    assert group["size"] * local == ranks and leader.env["TARGET_TENSOR_PARALLEL_MASTER"] == "$(POD_IP)"
+    assert leader.env["TARGET_TENSOR_PARALLEL_PORT"] and not leader.env.get("TARGET_DEVICE_MAP")
+    worker = group["workerTemplate"]["spec"]["containers"][0]
+    assert worker["args"] == ["ranks", "--node-index", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)"]
+    leader_container = group["leaderTemplate"]["spec"]["containers"][0]
+    assert worker["envFrom"] == leader_container["envFrom"]  # one set of TARGET_* settings for every rank
+    for container in (worker, leader_container):
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == local
+    ports = {p["name"]: p["containerPort"] for p in leader_container["ports"]}
+    assert ports["rendezvous"] == int(leader.env["TARGET_TENSOR_PARALLEL_PORT"])
+    hpa = objects_of(objects, "HorizontalPodAutoscaler")["specdec-target"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": validate.LWS_API, "kind": "LeaderWorkerSet",
+                                             "name": "specdec-target"}
+
+
+def test_a_bad_leaderworkerset_fails_validation(rendered):
+    import copy
+
+    objects = copy.deepcopy(rendered["gpu-multinode"])
+    lws = objects_of(objects, "LeaderWorkerSet")["specdec-target"]
+    lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Sometimes"
+    lws["spec"]["leaderWorkerTemplate"]["groupSize"] = 2
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["cpu"] = "8"
+    leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
+    leader["env"].append({"name": "TARGET_TENSOR_PARALELL", "value": "8"})
+    errors = "\n".join(validate.schema_errors(objects) + [e for s in validate.k8s_settings(objects)
+                                                           for e in validate.settings_errors(s)])
+    assert "'Sometimes' is not one of" in errors
+    assert "groupSize: not a field" in errors
+    assert "workerTemplate: template.spec.containers.0: Additional properties" in errors  # PodTemplate schema
+    assert "TARGET_TENSOR_PARALELL is not read by target" in errors

@@ -173,3 +173,42 @@ def _alive(pid: int) -> bool:
 def _target_count(system) -> int:
     workers = system.stub.ListWorkers(orchestrator_pb2.ListWorkersRequest(), timeout=10).workers
     return sum(w.pool == common_pb2.WORKER_POOL_TARGET for w in workers)
+
+
+def test_a_target_over_two_nodes_equals_the_single_process_target():
+    """Beyond one node: the worker runs rank 0 only (--tensor-parallel-local 1), and a
+    second 'node' (here another process on loopback, as a LeaderWorkerSet worker pod
+    runs it) starts rank 1 with --node-index 1, dialing the worker's rendezvous port."""
+    import subprocess
+    import sys
+
+    from launcher.cluster import free_port
+
+    target_model, draft_model = MODELS["qwen2"]
+    port = free_port()
+    node = subprocess.Popen([sys.executable, "-m", "model_runtime.tensor_parallel", "--node-index", "1",
+                             "--local-ranks", "1", "--world-size", "2", "--master-addr", "127.0.0.1", "--port",
+                             str(port), "--model", target_model, "--device", "cpu", "--dtype", "float32",
+                             "--threads", "1"])
+    try:
+        system = LocalSystem(target_model, draft_model, tensor_parallel=2)
+        target = next(role for role in system.roles if role.pool == "target")
+        target.args += ["--tensor-parallel-local", "1", "--tensor-parallel-port", str(port)]
+        with system:
+            loaded = load_model(target_model)
+            for prompt in PROMPTS:
+                response = system.stub.Generate(_request(prompt, 4), timeout=60)
+                assert list(response.token_ids) == _target_only(loaded, prompt)
+        node.wait(timeout=30)  # its rank ends with the worker (rank 0's sockets close)
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
+
+
+def test_a_node_outside_the_group_is_refused():
+    from model_runtime import tensor_parallel
+
+    with pytest.raises(SystemExit, match="outside --world-size"):
+        tensor_parallel.main(["--node-index", "2", "--local-ranks", "1", "--world-size", "2", "--port", "1",
+                              "--model", "m", "--device", "cpu", "--dtype", "float32", "--threads", "1"])
