@@ -88,6 +88,12 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # speculative/token_tree.py): fixed-k rounds always, adaptive ones where the policy
     # finds the tree's nodes pay (speculative.policy.branch_reach). 1: chains.
     tree_width: int = 1
+    # Fixed-shape passes over KV memory allocated up front, CUDA graphs on a GPU
+    # (model_runtime/static_passes.py): a draft token then costs its weights, not its
+    # kernel launches. auto: on with CUDA, off on a CPU.
+    static_passes: str = "auto"
+    static_slots: int = 64  # sessions the pool holds; more run eager
+    static_capacity: int = 4096  # tokens a session holds in the pool; longer runs eager
     # Benchmarks only: offer the "replay" drafter (speculative/replay_drafter.py), the
     # target's recorded greedy tokens at a set acceptance, paying the model's passes;
     # a JSON file read when a session opens. Empty: not offered.

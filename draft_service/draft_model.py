@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from draft_service.config import DraftConfig
-from model_runtime import warmup
+from model_runtime import static_passes, warmup
 from model_runtime.host_memory import fix_mmap_threshold
 from model_runtime.loading import LoadedModel, configure_threads, load_model
 from model_runtime.step_scheduler import StepScheduler
@@ -49,6 +49,8 @@ def start_draft_model(config: DraftConfig, loaded: LoadedModel | None = None) ->
         loaded = compute.run(load_model, config.model, device=config.device, dtype=config.dtype,
                              quantize=config.quantization, keep_output_layer=config.keep_output_layer)
     compute.model = loaded.model
+    compute.run(static_passes.install, loaded.model, config.static_passes, config.static_slots,
+                min(config.static_capacity, loaded.context_length))
     if warmup.pays_off(loaded):
         log.info("warmed up in %.2f s", compute.run(warmup.warm_up, loaded) * 1e-9)
     return DraftModel.of(loaded, config.draft_top_k, compute)

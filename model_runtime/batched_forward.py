@@ -39,6 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from model_runtime.row_invariance import invariance_of, row_attention
+from model_runtime.static_passes import passes_of, static_attention
 
 RAGGED_ATTENTION = "specdec_ragged"
 EXACT_ROWS = 64  # steps up to this wide run as they are: decode steps and proposals
@@ -66,13 +67,13 @@ class SequenceKV:
         start..start+t; returns views of positions 0..start+t."""
         end = start + keys.shape[1]
         cached_keys = self._room(self._keys, layer, keys, end)
-        cached_values = self._room(self._values, layer, values, end)
+        cached_values = self._room(self._values, layer, values, end, keys_store=False)
         cached_keys[:, start:end] = keys
         cached_values[:, start:end] = values
         return cached_keys[:, :end], cached_values[:, :end]
 
-    @staticmethod
-    def _room(store: dict[int, torch.Tensor], layer: int, like: torch.Tensor, end: int) -> torch.Tensor:
+    def _room(self, store: dict[int, torch.Tensor], layer: int, like: torch.Tensor, end: int,
+              keys_store: bool = True) -> torch.Tensor:
         current = store.get(layer)
         if current is not None and current.shape[1] >= end:
             return current
@@ -103,6 +104,50 @@ class SequenceKV:
     def capacity(self) -> int:
         """Positions allocated (in the first layer), in tokens."""
         return next(iter(self._keys.values())).shape[1] if self._keys else 0
+
+
+class SlotKV(SequenceKV):
+    """A SequenceKV whose tensors are a slot of a KVPool (static_passes.py), taken at the
+    first write and given back when cleared; past the pool's capacity, or with every
+    slot taken, it keeps tensors of its own as SequenceKV does (and runs eager)."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool = pool
+        self.slot: int | None = None
+        self._own = False  # growing its own tensors: never a slot again until cleared
+
+    def _room(self, store, layer, like, end, keys_store=True):
+        if not self._own and self.slot is None:
+            self.slot = self.pool.take()
+            self._own = self.slot is None
+        if not self._own and end > self.pool.capacity:
+            self._leave_slot()
+        if self._own:
+            return super()._room(store, layer, like, end, keys_store)
+        if layer not in store:
+            store[layer] = (self.pool.keys if keys_store else self.pool.values)[layer][self.slot]
+        return store[layer]
+
+    def _leave_slot(self) -> None:
+        """Copies what the slot holds into tensors of its own (a sequence past the capacity)."""
+        for store in (self._keys, self._values):
+            for layer, view in store.items():
+                store[layer] = view.clone()
+        self.pool.give_back(self.slot)
+        self.slot, self._own = None, True
+
+    def clear(self) -> None:
+        super().clear()
+        if self.slot is not None:
+            self.pool.give_back(self.slot)
+        self.slot, self._own = None, False
+
+
+def new_sequence_kv(model: PreTrainedModel) -> SequenceKV:
+    """A sequence's cache: in the model's KV pool where it has one (static_passes.py)."""
+    passes = passes_of(model)
+    return passes.pool.new_kv() if passes is not None else SequenceKV()
 
 
 @dataclass
@@ -180,6 +225,13 @@ def forward_segments(model: PreTrainedModel, segments: Sequence[Segment]) -> lis
 def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.Tensor]:
     if model.config._attn_implementation != RAGGED_ATTENTION:
         use_ragged_attention(model)
+    passes = passes_of(model)
+    if passes is not None and passes.accepts(segments):
+        logits = passes.run(segments)  # a fixed-shape pass (a CUDA graph on a GPU)
+        if logits is not None:
+            return logits
+    if passes is not None:
+        passes.num_eager += 1
     device = model.device
     offsets = [0]
     for segment in segments:
@@ -241,9 +293,11 @@ def _tree_mask(start: int, parents: list[int], device: torch.device) -> torch.Te
 
 
 def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      ragged_batch: _RaggedBatch | None = None, **kwargs):
+                      ragged_batch: _RaggedBatch | None = None, static_batch=None, **kwargs):
     """query `[1, num_heads, T, head_dim]`, key and value `[1, num_kv_heads, T, head_dim]`
     for the step's new tokens -> `[1, T, num_heads, head_dim]`, as sdpa_attention_forward."""
+    if static_batch is not None:  # a fixed-shape pass (static_passes.py)
+        return static_attention(module, query, key, value, static_batch, scaling)
     if ragged_batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     output = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])

@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from model_runtime.batched_forward import Segment, SequenceKV, forward_segments
+from model_runtime.batched_forward import Segment, forward_segments, new_sequence_kv
 from speculative.errors import InvalidArgument
 from speculative.sequence import TokenSequence
 
@@ -55,7 +55,7 @@ class ModelSession:
     def __init__(self, model: PreTrainedModel, context_length: int):
         self._model = model
         self._context_length = context_length  # tokens; the model's positional limit
-        self._kv = SequenceKV()
+        self._kv = new_sequence_kv(model)  # in the model's KV pool where it has one
         self._tokens = TokenSequence()
         self._cached_len = 0  # tokens whose keys and values are in the cache
         self._ready: torch.Tensor | None = None  # [1, vocab] logits of the pending last token, from its prefill

@@ -34,6 +34,15 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # about 2x in its linears there, so off); off on GPUs until priced there.
     row_invariant: str = _option("auto", "auto, on or off: rows computed the same whatever the pass "
                                          "(exact greedy speculation by construction)")
+    # Passes of fixed shapes over KV memory allocated up front, replayed as CUDA graphs
+    # (model_runtime/static_passes.py): a GPU pass then costs its weights, not its kernel
+    # launches. auto: on with CUDA (not with row invariance or tensor parallelism), off on
+    # a CPU, where the eager path is faster (docs/batching.md).
+    static_passes: str = _option("auto", "auto, on or off: fixed-shape passes, CUDA graphs on a GPU")
+    # Sessions whose caches the pool holds (more run eager) and their length: for a
+    # 7B-shaped bf16 model 57 KiB a token, 33 x 4096 tokens = 7.4 GiB allocated at start.
+    static_slots: int = _option(32, "sessions the static passes' KV pool holds")
+    static_capacity: int = _option(4096, "tokens a session holds in the static KV pool (longer: eager)")
     # None = the whole model on `device`; "auto" shards one model across all GPUs of
     # the host with accelerate (overrides device).
     device_map: str | None = _option(None, "'auto' shards the model across the host's GPUs (accelerate)")

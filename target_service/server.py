@@ -6,7 +6,7 @@ import logging
 import os
 import signal
 
-from model_runtime import tensor_parallel, warmup, width_padding
+from model_runtime import static_passes, tensor_parallel, warmup, width_padding
 from model_runtime.host_memory import fix_mmap_threshold
 from model_runtime.loading import LoadedModel, configure_threads, load_model
 from model_runtime.step_scheduler import StepScheduler
@@ -54,6 +54,7 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
             row_invariant=config.row_invariant,
         )
     compute.model = loaded.model
+    _install_static_passes(config, loaded, ranks, compute)
     # Its own model on a CPU, one process (ranks would have to agree on every step's padding).
     if config.calibrate_widths and loaded_model is None and loaded.device.type == "cpu" and ranks is None:
         costs = compute.run(width_padding.calibrate, loaded.model)
@@ -83,6 +84,18 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
     if ranks is not None:
         service.on_stopped.append(ranks.close)
     return service
+
+
+def _install_static_passes(config: TargetConfig, loaded: LoadedModel, ranks, compute: StepScheduler) -> None:
+    """Fixed-shape passes where the setting and the model allow: not with row invariance
+    (per-row attention) nor tensor parallelism (the ranks run eager)."""
+    blocked = ("row invariance" if loaded.row_invariance is not None else
+               "tensor parallelism" if ranks is not None or config.tensor_parallel > 1 else None)
+    if blocked and config.static_passes == static_passes.ON:
+        raise SpeculativeError(f"--static-passes on does not run with {blocked}: turn one off")
+    if not blocked:
+        compute.run(static_passes.install, loaded.model, config.static_passes, config.static_slots,
+                    min(config.static_capacity, loaded.context_length))
 
 
 def _start_ranks(config: TargetConfig) -> tensor_parallel.Ranks:

@@ -361,7 +361,7 @@ def test_info_reports_model_and_load(stub, tiny_target, prompt_ids):
     assert before.worker_id == "target-test"
     assert before.model == common_pb2.ModelInfo(
         model_id="tiny-random:1", tokenizer_fingerprint=tiny_target.fingerprint, vocab_size=257,
-        context_length=1024, device="cpu", dtype="float32",
+        context_length=1024, device="cpu", dtype="float32", row_invariance="off",
     )
     assert (before.load.max_sessions, before.load.max_cached_tokens) == (64, 262144)
     ids = prompt_ids[13]
