@@ -8,9 +8,11 @@ weights with the real sizes of Qwen2.5 7B (the target) and 1.5B (a draft), bf16 
 CUDA, with the byte tokenizer. A pass's time depends on the shape, not on the values.
 Measured, in this order (a time budget, --budget-s, drops the optional parts last):
 
-1. the target's forward pass over a cached prefix (512 tokens) at 1, 2, 4, 8 and 16
-   new tokens, through `ModelSession` (the path the target worker's passes take),
-   CUDA synchronised around each pass, median of repeats; the 1.5B too;
+1. (benchmarks/gpu_passes.py) a step's time over a cached prefix (512 tokens) at 1, 2,
+   4, 8 and 16 new tokens and for 4 and 16 sessions, eager (the old path) against
+   fixed-shape passes replayed as CUDA graphs (the new one), for the target and both
+   draft shapes, beside the HBM bound (the weights' bytes over a measured device copy);
+   then target-only through the services with `--static-passes off` and `on`;
 2. a draft's time per token (width-1 passes, as a draft worker runs them) for each
    quantization scheme of model_runtime/quantization.py, with its greedy agreement with
    the unquantized model (teacher-forced: the share of positions where the quantized
@@ -67,7 +69,7 @@ from pathlib import Path  # noqa: E402
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import gpu_invariance, gpu_replay  # noqa: E402
+from benchmarks import gpu_invariance, gpu_passes, gpu_replay  # noqa: E402
 from benchmarks.prompts import PROMPTS  # noqa: E402
 from launcher.cluster import Cluster, layout, parse_args, start_system  # noqa: E402
 from model_runtime import quantization, tiny  # noqa: E402
@@ -80,7 +82,7 @@ ADAPTIVE_MAX_K = 8
 FIXED_K = 4
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 TITLES = {
-    1: "Target forward pass by width",
+    1: gpu_passes.TITLE,
     2: "Draft time per token by quantization",
     3: "End to end: self-draft unquantized",
     4: "End to end: self-draft quantized {scheme}",
@@ -120,11 +122,11 @@ class Plan:
 
 GPU = Plan(target="random:qwen2.5-7b:0", draft="random:qwen2.5-1.5b:0", device="cuda", dtype="bfloat16",
            prefix=512, widths=(1, 2, 4, 8, 16), repeats=20, decode_tokens=32, prompt_tokens=128, prompts=3,
-           max_new_tokens=64, e2e_repeats=3, budget_s=400.0, threads=0, startup_timeout_s=180.0,
+           max_new_tokens=64, e2e_repeats=3, budget_s=450.0, threads=0, startup_timeout_s=180.0,
            call_timeout_s=60.0, target_schemes_s=100.0, quantized_e2e_s=150.0, tensor_parallel_s=150.0)
 SMOKE = Plan(target="random:qwen2-tiny:0", draft="random:qwen2-tiny:1", device="cpu", dtype="float32",
              prefix=32, widths=(1, 2, 4, 8, 16), repeats=3, decode_tokens=8, prompt_tokens=24, prompts=1,
-             max_new_tokens=12, e2e_repeats=1, budget_s=240.0, threads=1, startup_timeout_s=120.0,
+             max_new_tokens=12, e2e_repeats=1, budget_s=480.0, threads=1, startup_timeout_s=120.0,
              call_timeout_s=60.0, target_schemes_s=10.0, quantized_e2e_s=40.0, tensor_parallel_s=40.0, devices=2,
              replay_draft="random:qwen2-tiny:1")
 
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, fp32, on the CPU: checks the script")
     parser.add_argument("--target", default="", help="target model (default random:qwen2.5-7b:0)")
     parser.add_argument("--draft", default="", help="draft model of step 2 (default random:qwen2.5-1.5b:0)")
-    parser.add_argument("--budget-s", type=float, default=0.0, help="time budget of the whole run (default 400 s)")
+    parser.add_argument("--budget-s", type=float, default=0.0, help="time budget of the whole run (default 450 s)")
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else GPU
     plan = replace(plan, target=args.target or plan.target, draft=args.draft or plan.draft,
@@ -188,11 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     report.write()
 
     timings: dict[str, dict[str, SchemeRow]] = {}
-    guarded(report, 1, TITLES[1], lambda: step_widths(plan, report))
+    guarded(report, 1, TITLES[1], lambda: gpu_passes.run(plan, report, 1, clock, sys.modules[__name__]))
     guarded(report, 6, TITLES[6], lambda: gpu_invariance.run(plan, report, 6, clock, sys.modules[__name__]))
-    guarded(report, 7, TITLES[7], lambda: gpu_replay.run(plan, report, 7, clock, sys.modules[__name__]))
-    guarded(report, 2, TITLES[2], lambda: step_schemes(plan, report, timings, [plan.draft], clock))
-    guarded(report, 3, TITLES[3], lambda: step_e2e(plan, report, 3, quantization.NONE, clock))
+    for step, run in ((7, lambda: gpu_replay.run(plan, report, 7, clock, sys.modules[__name__])),
+                      (2, lambda: step_schemes(plan, report, timings, [plan.draft], clock)),
+                      (3, lambda: step_e2e(plan, report, 3, quantization.NONE, clock))):
+        if clock.left() < plan.quantized_e2e_s:  # the budget holds the check to its minutes
+            report.set(step, [f"## {step}. {TITLES[step].format(scheme='', ranks='')}", "",
+                              f"Skipped: {clock.left():.0f} s of the budget left."])
+            continue
+        guarded(report, step, TITLES[step], run)
     if clock.left() >= plan.target_schemes_s:
         guarded(report, 2, TITLES[2], lambda: step_schemes(plan, report, timings, [plan.draft, plan.target], clock))
     else:
@@ -286,50 +293,6 @@ def free_memory() -> None:
 def random_ids(count: int, vocab_size: int, seed: int) -> list[int]:
     generator = random.Random(seed)
     return [generator.randrange(vocab_size) for _ in range(count)]
-
-
-def pass_times(loaded: LoadedModel, plan: Plan) -> dict[int, float]:
-    """Median seconds of one pass of `width` new tokens over plan.prefix cached ones."""
-    session = ModelSession(loaded.model, loaded.context_length)
-    session.append(random_ids(plan.prefix + 1, loaded.vocab_size, seed=1))
-    session.prefill()
-    session.truncate_to(plan.prefix)  # exactly plan.prefix tokens cached, none pending
-    medians = {}
-    for width in plan.widths:
-        samples = []
-        for repeat in range(plan.repeats + 3):  # 3 untimed: kernels and cache growth
-            session.append(random_ids(width, loaded.vocab_size, seed=repeat))
-            synchronize(plan.device)
-            start = time.perf_counter()
-            session.logits(width)
-            synchronize(plan.device)
-            samples.append(time.perf_counter() - start)
-            session.truncate_to(plan.prefix)
-        medians[width] = statistics.median(samples[3:])
-    session.release()
-    return medians
-
-
-def step_widths(plan: Plan, report: Report) -> None:
-    lines = [f"## 1. {TITLES[1]}", "",
-             f"One pass of w new tokens over {plan.prefix} cached tokens (`ModelSession.logits(w)`, the target "
-             f"worker's path), median of {plan.repeats} passes after 3 untimed, synchronised before and after "
-             "each; in brackets, over the 1-token pass (what verifying k = w - 1 draft tokens costs against one "
-             "decoding step).", "",
-             "| model | " + " | ".join(f"w={w}" for w in plan.widths) + " |",
-             "|---" * (len(plan.widths) + 1) + "|"]
-    for name in (plan.target, plan.draft):
-        log(f"  loading {name}")
-        loaded = load_model(name, device=plan.device, dtype=plan.dtype)
-        try:
-            medians = pass_times(loaded, plan)
-        finally:
-            del loaded
-            free_memory()
-        base = medians[plan.widths[0]]
-        lines.append(f"| `{name}` | " + " | ".join(f"{medians[w] * 1e3:.2f} ms ({medians[w] / base:.2f}x)"
-                                                   for w in plan.widths) + " |")
-        report.set(1, lines)
 
 
 # --- quantization --------------------------------------------------------------------------

@@ -20,9 +20,11 @@ a static KV cache indexed by position, `torch.compile(mode="reduce-overhead")`).
   positions, the logits of every row; the segments' own rows taken out after. Taken
   for steps of chains (no trees) of at most 16 rows a session and 16 sessions whose
   caches all hold slots; any other step runs eager.
-- **Compiled** by `torch.compile`: `mode="reduce-overhead"` on CUDA (a CUDA graph per
-  bucket, captured at its first use), inductor on a CPU where asked. A compile or
-  capture that fails is logged and the step runs eager from then on.
+- **Replayed as CUDA graphs** on a GPU (`CudaGraphs`): one graph per bucket, captured
+  at its first use (two eager warm-up runs and a capture: milliseconds, not a
+  compiler's minutes), inputs copied into its static buffers, one launch a pass. On a
+  CPU the same step can be compiled by inductor (`torch.compile`, tests). A capture or
+  compile that fails is logged and the step runs eager from then on.
 
 Not with row invariance (its per-row attention is not a fixed shape) nor with tensor
 parallelism (the ranks run eager): the worker refuses the combination at start.
@@ -102,17 +104,59 @@ def bucket(count: int) -> int | None:
     return next((size for size in BUCKETS if size >= count), None)
 
 
+class CudaGraphs:
+    """`step(ids, positions, slots)` replayed as one CUDA graph per input shape."""
+
+    def __init__(self, step):
+        self.step = step
+        self.graphs: dict[tuple, tuple] = {}  # shape -> (graph, static inputs, static output)
+        self.memory = torch.cuda.graph_pool_handle()  # one pool: the graphs replay one at a time
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        key = tuple(tuple(t.shape) for t in inputs)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(inputs)
+        graph, buffers, output = self.graphs[key]
+        for buffer, value in zip(buffers, inputs):
+            buffer.copy_(value, non_blocking=True)
+        graph.replay()
+        return output
+
+    def _capture(self, inputs) -> tuple:
+        buffers = [t.clone() for t in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: libraries' handles and workspaces exist before capture
+            for _ in range(2):
+                self.step(*buffers)  # writes the same keys and values the pass will
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory):
+            output = self.step(*buffers)
+        return graph, buffers, output
+
+
 class StaticPasses:
-    """The fixed-shape passes of one model over its KVPool, compiled or eager."""
+    """The fixed-shape passes of one model over its KVPool: replayed as CUDA graphs
+    ("cuda-graphs"), compiled by inductor ("inductor") or eager (None)."""
 
     def __init__(self, model: PreTrainedModel, pool: KVPool, compile_mode: str | None):
         self.model, self.pool = model, pool
-        self._positions = torch.arange(pool.capacity + 1, device=pool.keys[0].device)
+        device = pool.keys[0].device
+        self._positions = torch.arange(pool.capacity + 1, device=device)
+        from model_runtime.batched_forward import _NO_MASK
+
+        self._no_mask = _NO_MASK.to(device)  # made before any capture: a copy from the host cannot be captured
         self._step = self._eager_step
         self.compile_mode = compile_mode
         self.failure: str | None = None  # why compiled passes were given up, if they were
-        if compile_mode is not None:
-            self._step = torch.compile(self._eager_step, mode=compile_mode, dynamic=False)
+        if compile_mode == "cuda-graphs":
+            self._step = CudaGraphs(self._eager_step)
+        elif compile_mode == "inductor":  # one compiled graph per bucket
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(BUCKETS) ** 2)
+            self._step = torch.compile(self._eager_step, dynamic=False)
+        elif compile_mode is not None:
+            raise ValueError(f"compile_mode must be cuda-graphs, inductor or None, got {compile_mode!r}")
         self.num_static = self.num_eager = 0  # passes run each way
 
     def accepts(self, segments) -> bool:
@@ -146,13 +190,12 @@ class StaticPasses:
             self._step = self._eager_step
             return None
         self.num_static += 1
-        return [logits[i, s.num_tokens - s.num_logits : s.num_tokens] for i, s in enumerate(segments)]
+        # Copies: a graph's output is overwritten by its next replay.
+        return [logits[i, s.num_tokens - s.num_logits : s.num_tokens].clone() for i, s in enumerate(segments)]
 
     def _eager_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        from model_runtime.batched_forward import _NO_MASK
-
         mask = (self._positions[None, None, None, :] <= positions[:, None, :, None])
-        output = self.model(input_ids=ids, position_ids=positions, attention_mask=_NO_MASK.to(ids.device),
+        output = self.model(input_ids=ids, position_ids=positions, attention_mask=self._no_mask,
                             use_cache=False, static_batch=StaticBatch(self.pool, slots, positions, mask))
         return output.logits  # [sessions, rows, vocab]
 
@@ -168,8 +211,7 @@ def install(model: PreTrainedModel, mode: str, num_slots: int, capacity: int) ->
     device = next(model.parameters()).device
     if mode == OFF or (mode == AUTO and device.type != "cuda"):
         return None
-    passes = StaticPasses(model, KVPool(model, num_slots, capacity),
-                          "reduce-overhead" if device.type == "cuda" else None)
+    passes = StaticPasses(model, KVPool(model, num_slots, capacity), "cuda-graphs" if device.type == "cuda" else None)
     setattr(model, STATIC_ATTR, passes)
     log.info("static passes: %d slots of %d tokens, %s", num_slots, capacity,
              "CUDA graphs" if device.type == "cuda" else "eager")

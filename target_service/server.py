@@ -51,7 +51,7 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
     else:
         loaded = loaded_model or compute.run(
             load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None,
-            row_invariant=config.row_invariant,
+            row_invariant=_row_invariant_mode(config),
         )
     compute.model = loaded.model
     _install_static_passes(config, loaded, ranks, compute)
@@ -84,6 +84,14 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
     if ranks is not None:
         service.on_stopped.append(ranks.close)
     return service
+
+
+def _row_invariant_mode(config: TargetConfig) -> str:
+    """Row invariance as set, but auto yields to static passes asked for by name (the two
+    do not run together: per-row attention is not a fixed shape)."""
+    if config.row_invariant == "auto" and config.static_passes == static_passes.ON:
+        return "off"
+    return config.row_invariant
 
 
 def _install_static_passes(config: TargetConfig, loaded: LoadedModel, ranks, compute: StepScheduler) -> None:

@@ -124,20 +124,24 @@ def test_a_self_draft_with_the_same_seed_is_always_accepted():
 
 
 def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path, capsys):
-    """--smoke: every step with tiny sizes, services included, step 5 over 2 CPU ranks (about 60 s on 2 cores)."""
+    """--smoke: every step with tiny sizes, services included, step 5 over 2 CPU ranks (about 90 s on 2 cores)."""
     assert gpu_check.main(["--smoke", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "results_gpu_smoke.md").read_text()
     assert text in capsys.readouterr().out
-    for heading in ("## 1. Target forward pass by width", "## 2. Draft time per token by quantization",
+    for heading in ("## 1. Passes: eager (old) against fixed-shape passes", "## 2. Draft time per token by quantization",
                     "## 3. End to end: self-draft unquantized", "## 4. End to end: self-draft quantized int8-dynamic",
-                    "## 5. End to end: the target over 2 devices (tensor parallel)"):
+                    "## 5. End to end: the target over 2 devices (tensor parallel)", "## 6. Row invariance",
+                    "## 7. Speed at a known acceptance: the replay drafter"):
         assert heading in text
-    assert "Failed" not in text
+    assert "Failed" not in text and "Skipped" not in text
     assert text.count("every output equals target-only") == 3
+    assert "Outputs differing from target-only: invariance off: 0, invariance on: 0." in text
+    assert "| on | 0 of 64 | 0 | 0 |" in text  # the row check, invariance on
+    assert "new (`on`)" in text and "| `random:qwen2-tiny:0` | new (static) |" in text
     assert "1 of 1 target-only outputs equal token for token" in text  # sharded against single-process
     assert "| fp8 | | | | | InvalidArgument: quantization 'fp8' is for CUDA" in text  # a row, not a crash
     rows = [line for line in text.splitlines() if line.startswith("| `random:qwen2-tiny:0` | ")]
-    assert len(rows) == 1 + len(gpu_check.SCHEMES)  # step 1's row and one per scheme
+    assert len(rows) == 2 + len(gpu_check.SCHEMES)  # step 1's two rows (old, new) and one per scheme
 
 
 def test_the_gpu_check_needs_cuda_or_smoke(capsys):

@@ -117,7 +117,7 @@ def test_a_failing_compile_runs_eager_with_the_error_kept(tiny_target, prompt_id
 
 def test_compiled_passes_equal_target_only(tiny_target, tiny_perturbed, prompt_ids):
     """inductor on the CPU: the code a GPU captures as CUDA graphs (two shapes here)."""
-    loaded, passes = static_target(compile_mode="default")
+    loaded, passes = static_target(compile_mode="inductor")
     for ids in prompt_ids[:2]:
         reference = SpeculativeGenerator(tiny_target).generate(ids, GREEDY, k=0).token_ids
         result = SpeculativeGenerator(loaded, ModelDrafter(tiny_perturbed)).generate(ids, GREEDY, k=3)
