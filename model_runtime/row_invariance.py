@@ -21,7 +21,7 @@ A row-invariant model computes every row's result in an order fixed by the row a
   differ once the two above are invariant).
 
 The price is measured per host and precision (benchmarks/results_row_invariance.md);
-`resolve_mode` turns it on where it costs little (docs/speculation.md, Exactness).
+`apply_mode`'s auto turns it on where it costs little (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -52,9 +52,6 @@ MAX_NATIVE_ROWS = 64  # widest chunk tried unpadded
 GPU_BLOCK = 16  # rows per block on a GPU: one cuBLAS shape for every row (not measured here)
 TIMED_WIDTHS = (1, 9, 64)  # a decoding step, a verification of k = 8, a prefill chunk
 PREFILL_WEIGHT = 1 / 8  # a 64-row chunk's cost counts as much as 8 tokens of decoding
-# auto turns invariance on where its linears cost at most this much more than the
-# fastest kernel at widths 1 and 9 (resolve_mode).
-AUTO_MAX_COST = 1.10
 
 
 @dataclass(frozen=True)
@@ -207,18 +204,16 @@ def invariance_of(model: nn.Module) -> RowInvariance | None:
 def apply_mode(model: nn.Module, mode: str) -> RowInvariance | None:
     """Makes a loaded model row-invariant as `mode` says; returns what it runs (None: off).
 
-    auto: on a CPU, on where its linears' measured cost stays within AUTO_MAX_COST of the
-    fastest kernels' (bf16 on the hosts measured: 1.0-1.1x; fp32: about 2x, so off);
-    on a GPU off until the GPU check has priced it (docs/speculation.md, Exactness)."""
+    auto: on for half precision on a CPU, where it costs little (bf16: 1.02-1.16x a
+    session's step, measured) and where rows differ enough to flip greedy tokens; off in
+    fp32 (1.2-1.3x, and rows differ only in the last bits) and on GPUs until the GPU check
+    has priced it there (docs/exactness.md)."""
     if mode not in MODES:
         raise InvalidArgument(f"row invariance must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == OFF or (mode == AUTO and next(model.parameters()).device.type != "cpu"):
+    parameter = next(model.parameters())
+    if mode == OFF or (mode == AUTO and (parameter.device.type != "cpu" or parameter.dtype == torch.float32)):
         return None
-    invariance = plan_row_invariance(model)
-    if mode == AUTO and invariance.cost_ratio() > AUTO_MAX_COST:
-        log.info("row invariance off (auto): its linears cost %.2fx here", invariance.cost_ratio())
-        return None
-    return make_row_invariant(model, invariance)
+    return make_row_invariant(model, plan_row_invariance(model))
 
 
 # -- choosing a linear's kernel and block per host -------------------------------------

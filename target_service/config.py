@@ -30,8 +30,8 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     dtype: str = _option("float32", "float32, bfloat16 or float16")
     # Every row's logits the same bits whatever the pass (width, batch, place), so that
     # speculation cannot flip a near-tied greedy token (model_runtime/row_invariance.py).
-    # auto: on where it costs little, measured at start (bf16 on a CPU; fp32 costs
-    # about 2x in its linears there, so off); off on GPUs until priced there.
+    # auto: on where it costs little: half precision on a CPU (bf16: 1.02-1.16x a step;
+    # fp32 1.2-1.3x, so off there); off on GPUs until priced there (docs/exactness.md).
     row_invariant: str = _option("auto", "auto, on or off: rows computed the same whatever the pass "
                                          "(exact greedy speculation by construction)")
     # Passes of fixed shapes over KV memory allocated up front, replayed as CUDA graphs

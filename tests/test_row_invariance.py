@@ -105,12 +105,9 @@ def test_the_modes():
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
 
 
-def test_auto_keeps_invariance_where_it_costs_little(monkeypatch):
-    cheap = ri.LinearChoice("plain", 8, True, (1.0, 1.0, 4.0), (1.0, 1.0, 2.0))
-    dear = ri.LinearChoice("plain", 8, True, (2.0, 3.0, 4.0), (1.0, 1.0, 2.0))
-    for choice, on in ((cheap, True), (dear, False)):
-        monkeypatch.setattr(ri, "choose_linear", lambda linear, c=choice: c)
-        assert (ri.apply_mode(near_tied_llama(0), "auto") is not None) is on
+def test_auto_is_on_for_half_precision_on_a_cpu():
+    assert ri.apply_mode(near_tied_llama(0).to(torch.bfloat16), "auto") is not None
+    assert ri.apply_mode(near_tied_llama(0), "auto") is None  # fp32: it costs 1.2-1.3x a step
 
 
 # --- rows: a wide pass against narrow ones, through the workers' own path -------------------
