@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model_runtime import static_passes
-from model_runtime.batched_forward import SequenceKV, SlotKV
+from model_runtime.batched_forward import Segment, SequenceKV, SlotKV, forward_segments
 from model_runtime.loading import load_model
 from model_runtime.model_session import ModelSession
 from model_runtime.step_scheduler import StepScheduler
@@ -137,3 +137,19 @@ def test_a_target_refuses_static_passes_with_row_invariance():
     with pytest.raises(SpeculativeError, match="does not run with row invariance"):
         create_server(TargetConfig(address="127.0.0.1:0", model="tiny-random:1", row_invariant="on",
                                    static_passes="on", calibrate_widths=False))
+
+
+@pytest.mark.parametrize("name", ["tiny-random:1", "random:qwen2-tiny:0"])
+def test_the_fixed_shape_step_is_one_graph_with_no_read_back(name):
+    """Traced whole (fullgraph: a graph break, a tensor read back to the host or a
+    branch on a value fails it): what a CUDA graph capture needs, checked on the CPU
+    for a Llama and a Qwen2 model."""
+    loaded = load_model(name)
+    passes = static_passes.StaticPasses(loaded.model, static_passes.KVPool(loaded.model, 2, 64), None)
+    setattr(loaded.model, static_passes.STATIC_ATTR, passes)
+    passes._step = torch.compile(passes._eager_step, fullgraph=True, dynamic=False)
+    kv = passes.pool.new_kv()
+    eager = forward_segments(loaded.model, [Segment(kv, 0, list(range(1, 11)), 1)])  # takes the slot
+    assert passes.num_static == 0 and kv.slot is not None and eager[0].shape[0] == 1
+    forward_segments(loaded.model, [Segment(kv, 10, [3, 4, 5], 3)])
+    assert passes.num_static == 1 and passes.failure is None
