@@ -123,6 +123,25 @@ class ModelSession:
         return Segment(self._kv, self._cached_len, self._tokens.ids[self._cached_len :], num_positions,
                        ready_logits=ready)
 
+    def greedy_chain(self, k: int, chain) -> list[int] | None:
+        """k greedy tokens appended by `chain(kv, start, pending token ids, k)` (a
+        StaticPasses.greedy_chain: k passes on the device, one read back), the first k - 1
+        cached and the last pending, as k single passes leave them; None where the
+        pending tokens' logits are already kept (the first call after a prefill: no pass)
+        or `chain` declines."""
+        if self._ready is not None and self._cached_len == self.length - 1:
+            return None
+        segment = self.pending_segment(1)
+        drafted = chain(self._kv, segment.start, segment.token_ids, k)
+        if drafted is None:  # it did not fit: nothing ran, nothing changed
+            return None
+        self.segment_done(segment)
+        self._tokens.append(drafted)
+        self._cached_len += k - 1
+        self.num_forward_passes += k - 1
+        self.num_forward_tokens += k - 1
+        return drafted
+
     def tree_segment(self, token_ids: Sequence[int], parents: Sequence[int]) -> Segment:
         """The pass that scores a tree of new tokens after the sequence (parents as in
         speculative.token_tree, -1 for the last token): every pending token, then the

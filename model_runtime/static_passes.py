@@ -158,6 +158,9 @@ class StaticPasses:
         elif compile_mode is not None:
             raise ValueError(f"compile_mode must be cuda-graphs, inductor or None, got {compile_mode!r}")
         self.num_static = self.num_eager = 0  # passes run each way
+        # Greedy draft chains run back to back on the device (greedy_chain): where each
+        # pass is one graph launch, a read back per token would idle the GPU between them.
+        self.device_loop = compile_mode == "cuda-graphs"
 
     def accepts(self, segments) -> bool:
         from model_runtime.batched_forward import SlotKV
@@ -192,6 +195,31 @@ class StaticPasses:
         self.num_static += 1
         # Copies: a graph's output is overwritten by its next replay.
         return [logits[i, s.num_tokens - s.num_logits : s.num_tokens].clone() for i, s in enumerate(segments)]
+
+    def greedy_chain(self, kv, start: int, token_ids: list[int], k: int) -> list[int] | None:
+        """k greedy tokens after `token_ids` (new, from position `start`): k passes back
+        to back, each fed the last one's argmax on the device, one read back at the end.
+        The keys and values of the first k - 1 drafted tokens are written; the last
+        token's are not (it runs with the next pass, if accepted). None where they do not
+        fit the fixed shapes (no slot, too long)."""
+        t = len(token_ids)
+        if getattr(kv, "slot", None) is None or t > BUCKETS[-1] or start + t + k > self.pool.capacity:
+            return None
+        device = self.pool.keys[0].device
+        ids = torch.zeros(1, bucket(t), dtype=torch.long)
+        positions = torch.full((1, bucket(t)), self.pool.capacity, dtype=torch.long)
+        ids[0, :t] = torch.tensor(token_ids)
+        positions[0, :t] = torch.arange(start, start + t)
+        slot = torch.tensor([kv.slot], device=device)
+        logits = self._step(ids.to(device), positions.to(device), slot)
+        drafted = [logits[0, t - 1].argmax(-1).view(1, 1)]
+        position = torch.empty(1, 1, dtype=torch.long, device=device)
+        for index in range(1, k):
+            position.fill_(start + t + index - 1)
+            logits = self._step(drafted[-1], position, slot)
+            drafted.append(logits[0, 0].argmax(-1).view(1, 1))
+        self.num_static += k
+        return torch.cat(drafted).flatten().tolist()  # the one read back
 
     def _eager_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         mask = (self._positions[None, None, None, :] <= positions[:, None, :, None])

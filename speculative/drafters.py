@@ -16,6 +16,7 @@ import torch
 
 from model_runtime.loading import LoadedModel
 from model_runtime.model_session import ForwardSteps, ModelSession, run_alone
+from model_runtime.static_passes import passes_of
 from speculative.drafter_base import DEFAULT_DRAFT_TOP_K, Branch, Drafter, DraftSession, Proposal, with_branches
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
 
@@ -70,6 +71,8 @@ class ModelDraftSession(DraftSession):
         """`propose` (or `propose_tree`, width > 1) as up to k forward passes for a
         scheduler to batch with other sessions'. The branches cost no pass: the second
         choice comes from the logits that gave the first."""
+        if (chain := self._device_chain(k, min_reach, width)) is not None:
+            return Proposal(chain)
         token_ids, draft_probs, reach, branches = [], [], 1.0, []
         while len(token_ids) < k and (not token_ids or reach >= min_reach):  # the first token always
             segment = self.session.pending_segment(1)  # the pending tokens: 1 or 2
@@ -89,6 +92,15 @@ class ModelDraftSession(DraftSession):
             self.session.append([token_id])
         chain = Proposal(token_ids, None if self.params.greedy else draft_probs)
         return with_branches(chain, branches, width - 1)
+
+    def _device_chain(self, k: int, min_reach: float, width: int) -> list[int] | None:
+        """A greedy chain drafted on the device, k passes back to back with one read back
+        (model_runtime/static_passes.py, where passes are CUDA graphs); None where this
+        proposal needs more than the tokens (sampling, confidence, branches) or does not fit."""
+        passes = passes_of(self.session.model)
+        if passes is None or not passes.device_loop or not self.params.greedy or min_reach or width > 1:
+            return None
+        return self.session.greedy_chain(k, passes.greedy_chain)
 
     def _distribution(self, logits: torch.Tensor, dense: bool) -> SparseProbs | None:
         """What the draft samples from (its draft_top_k most likely tokens); greedy: its

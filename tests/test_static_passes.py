@@ -153,3 +153,28 @@ def test_the_fixed_shape_step_is_one_graph_with_no_read_back(name):
     assert passes.num_static == 0 and kv.slot is not None and eager[0].shape[0] == 1
     forward_segments(loaded.model, [Segment(kv, 10, [3, 4, 5], 3)])
     assert passes.num_static == 1 and passes.failure is None
+
+
+def test_a_greedy_draft_chain_on_the_device_proposes_what_single_passes_propose(tiny_target, tiny_perturbed, prompt_ids):
+    """The draft's k passes back to back with one read back (on a GPU, CUDA graphs fed on
+    the device): the same proposals, the same cache after, as k single passes; and the
+    speculative output stays target-only's."""
+    draft = ModelDrafter(load_model("tiny-random:1"))  # the same weights, eager single passes
+    chained_model, passes = static_target()
+    passes.device_loop = True  # as on a GPU
+    chained = ModelDrafter(chained_model)
+    for ids in prompt_ids[:6]:
+        plain_session, chain_session = draft.open(ids, GREEDY), chained.open(ids, GREEDY)
+        for session in (plain_session, chain_session):
+            session.prefill()
+        for k, keep in ((4, 2), (3, 3), (6, 0), (2, 1)):
+            base = plain_session.length
+            one, other = plain_session.propose(k), chain_session.propose(k)
+            assert one.token_ids == other.token_ids
+            for session in (plain_session, chain_session):  # a verdict: keep some, append a correction
+                session.truncate_to(base + keep)
+                session.append([7])
+        assert chain_session.session.cached_length == plain_session.session.cached_length
+    assert passes.num_static > 20
+    reference = SpeculativeGenerator(tiny_target).generate(prompt_ids[0], GREEDY, k=0).token_ids
+    assert SpeculativeGenerator(tiny_target, chained).generate(prompt_ids[0], GREEDY, k=5).token_ids == reference
