@@ -26,10 +26,13 @@ from model_runtime.batched_forward import Segment, forward_segments
 from model_runtime.loading import load_model
 from model_runtime.model_session import ModelSession
 from specdec.v1 import orchestrator_pb2_grpc
+from speculative.drafters import ModelDrafter
+from speculative.sampling import SamplingParams
 
 TITLE = "Passes: eager (old) against fixed-shape passes as CUDA graphs (new), beside the HBM bound"
 WIDTHS = (1, 2, 4, 8, 16)
 SESSIONS = (4, 16)
+CHAIN = 8  # draft tokens a proposal: greedy, as a draft worker drafts them
 
 
 def run(plan, report, step: int, clock, check) -> None:
@@ -40,7 +43,8 @@ def run(plan, report, step: int, clock, check) -> None:
              f"{plan.repeats} after 3 untimed, synchronised; in brackets, the bound over the time (1.00 = at "
              "the bound). New: `--static-passes on` (CUDA graphs on a GPU; eager fixed shapes on a CPU).", "",
              "| model | path | bound | " + " | ".join(f"w={w}" for w in WIDTHS) + " | "
-             + " | ".join(f"s={s}, w=1" for s in SESSIONS) + " |", "|---" * (3 + len(WIDTHS) + len(SESSIONS)) + "|"]
+             + " | ".join(f"s={s}, w=1" for s in SESSIONS) + f" | drafting, a token of {CHAIN} |",
+             "|---" * (4 + len(WIDTHS) + len(SESSIONS)) + "|"]
     report.set(step, lines)
     for name in dict.fromkeys((plan.target, plan.replay_draft, plan.draft)):
         for row in model_rows(plan, name, bandwidth, check):
@@ -80,6 +84,7 @@ def model_rows(plan, name: str, bandwidth: float, check) -> list[str]:
                 passes = static_passes.install(loaded.model, static_passes.ON, max(SESSIONS), plan.prefix + 32)
             timed = step_times(loaded, plan, check)
             cells = [f"{ms:.2f} ms ({bound_ms / ms:.2f})" for ms in timed]
+            cells.append(f"{draft_ms_per_token(loaded, plan, check):.2f} ms")
             note = f" ({passes.failure})" if path.startswith("new") and passes.failure else ""
             rows.append(f"| `{name}` | {path}{note} | {bound_ms:.2f} ms | " + " | ".join(cells) + " |")
             check.log(f"  {name} {path}: " + ", ".join(f"{ms:.2f}" for ms in timed))
@@ -114,6 +119,25 @@ def step_times(loaded, plan, check) -> list[float]:
     for session in sessions:
         session.release()
     return result
+
+
+def draft_ms_per_token(loaded, plan, check) -> float:
+    """A greedy proposal of CHAIN tokens as a draft worker drafts it (the new path: one
+    chain on the device where passes are CUDA graphs), in ms a token, median of repeats."""
+    drafter = ModelDrafter(loaded)
+    session = drafter.open(check.random_ids(plan.prefix, loaded.vocab_size, seed=5), SamplingParams())
+    session.prefill()
+    base = session.length
+    samples = []
+    for repeat in range(plan.repeats + 3):
+        check.synchronize(plan.device)
+        start = time.perf_counter()
+        session.propose(CHAIN)
+        check.synchronize(plan.device)
+        samples.append((time.perf_counter() - start) * 1e3 / CHAIN)
+        session.truncate_to(base)  # the next proposal drafts the same positions again
+    session.release()
+    return statistics.median(samples[3:])
 
 
 def services(plan, mode: str, check) -> float:
