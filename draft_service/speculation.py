@@ -168,10 +168,22 @@ def _update(result: RoundResult, committed_len: int, first_round: int, verifier:
 #   specdec.draft_ns: drafting the k tokens
 #   specdec.verify_ns: round trip draft -> target -> draft
 #   specdec.target_compute_ns: the target's forward pass and decision, as it reports
-#   specdec.network_ns: verify_ns - target_compute_ns: transport, serialization, queueing
+#   specdec.target_handled_ns: the target's whole time on the proposal, as it reports (0: not reported)
+#   specdec.target_host_ns: of it, the time outside its pass and its step's queue: parsing,
+#     session lock, bookkeeping, the verdict message
+#   specdec.network_ns: verify_ns - target_handled_ns: transport and serialization (where the
+#     target reports; else verify_ns - target_compute_ns)
 #   specdec.proposal_bytes: serialized Proposal
 #   specdec.verdict_bytes: serialized Verdict
 #   specdec.finish_reason: on the last round of a call: length or stop_token
+
+
+def target_host_ns(stats) -> int:
+    """The target's host work on a round: its whole time less its pass and its step's queue."""
+    if not stats.target_handled_ns:
+        return 0
+    queue_ns = stats.step.queue_ns if stats.step is not None else 0
+    return max(0, stats.target_handled_ns - stats.target_compute_ns - queue_ns)
 
 
 def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, session_id: str,
@@ -198,7 +210,9 @@ def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, sessi
             "specdec.draft_ns": stats.draft_ns,
             "specdec.verify_ns": stats.verify_ns,
             "specdec.target_compute_ns": stats.target_compute_ns,
-            "specdec.network_ns": max(0, stats.verify_ns - stats.target_compute_ns),
+            "specdec.network_ns": max(0, stats.verify_ns - (stats.target_handled_ns or stats.target_compute_ns)),
+            "specdec.target_handled_ns": stats.target_handled_ns,
+            "specdec.target_host_ns": target_host_ns(stats),
             "specdec.proposal_bytes": wire.proposal_bytes,
             "specdec.verdict_bytes": wire.verdict_bytes,
         }

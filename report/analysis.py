@@ -87,13 +87,15 @@ class Report:
     # --- time ---------------------------------------------------------------------------
 
     def mean_split_ns(self) -> dict[str, float]:
-        """Mean time per round: draft, target compute, network, other; and the total."""
+        """Mean time per round: draft, target compute, the target's host work, network
+        (the transport, and the wait for the target's step), other; and the total."""
         n = len(self.rounds)
         if not n:
             return {}
         return {
             "draft": sum(r.draft_ns for r in self.rounds) / n,
             "target compute": sum(r.target_compute_ns for r in self.rounds) / n,
+            "target host": sum(r.target_host_ns for r in self.rounds) / n,
             "network": sum(r.network_ns for r in self.rounds) / n,
             "other": sum(r.other_ns for r in self.rounds) / n,
             "total": sum(r.duration_ns for r in self.rounds) / n,

@@ -61,10 +61,14 @@ class Round:
     verify_ns: int  # round trip to the target
     target_compute_ns: int
     max_k: int  # the call's k (a round may draft fewer: an n-gram without a match drafts none)
+    target_handled_ns: int = 0  # the target's whole time on the proposal (0: not reported)
+    target_host_ns: int = 0  # of it, host work outside the pass and the step's queue
 
     @property
     def network_ns(self) -> int:
-        return max(0, self.verify_ns - self.target_compute_ns)
+        """The transport alone where the target reported its whole time; else the round
+        trip less the target's pass."""
+        return max(0, self.verify_ns - (self.target_handled_ns or self.target_compute_ns))
 
     @property
     def other_ns(self) -> int:
@@ -73,8 +77,8 @@ class Round:
 
     @property
     def delay_ns(self) -> int:
-        """What the cost model calls R: the round's time besides drafting and verifying."""
-        return self.network_ns + self.other_ns
+        """What the cost model calls R: the round's time besides drafting and the target's pass."""
+        return max(0, self.verify_ns - self.target_compute_ns) + self.other_ns
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ def rounds_of(spans: Sequence[Span]) -> list[Round]:
             span.trace_id, int(a["specdec.k"]), int(a["specdec.accepted"]), int(a["specdec.committed"]),
             span.duration_ns, int(a["specdec.draft_ns"]), int(a["specdec.verify_ns"]),
             int(a["specdec.target_compute_ns"]), int(a.get("specdec.max_k", a["specdec.k"])),
+            int(a.get("specdec.target_handled_ns", 0)), int(a.get("specdec.target_host_ns", 0)),
         ))
     return rounds
 

@@ -174,7 +174,7 @@ def decision_from_proto(decision: target_pb2.Decision, base_len: int, proposed: 
         committed_len=decision.committed_len, stopped=decision.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN,
         target_compute_ns=decision.target_compute_ns, step=step_load_from_proto(decision.step),
         received_ns=received_ns, num_drafted=len(proposed) if num_drafted is None else num_drafted,
-        path=tuple(decision.path) if tree else None,
+        path=tuple(decision.path) if tree else None, target_handled_ns=decision.target_handled_ns,
     )
 
 

@@ -91,6 +91,7 @@ class Proposer:
             num_accepted=result.verdict.num_accepted, num_committed=len(result.token_ids),
             next_token_kind=result.verdict.next_token_kind, draft_ns=sent.draft_ns,
             verify_ns=received - sent.sent_ns, target_compute_ns=result.target_compute_ns, step=result.step,
+            target_handled_ns=result.target_handled_ns,
             drafted_ahead=sent.ahead, late_ns=now - received, draft_warm=sent.warm,
             **_branch_counts(sent.proposal, result.path),
         )

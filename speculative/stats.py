@@ -37,6 +37,8 @@ class RoundStats:
     draft_ns: int  # time to propose, in nanoseconds
     verify_ns: int  # time from sending the proposal to having the verdict, in nanoseconds
     target_compute_ns: int  # the target's forward pass and decision, in nanoseconds (0: no pass ran)
+    # The target worker's whole time on the proposal (compute, its step's queue, host work), in ns; 0: not measured.
+    target_handled_ns: int = 0
     # The target decoded this token alone, streamed (the adaptive policy found that
     # faster than drafting): no proposal, and verify_ns is the time since the last token.
     streamed: bool = False

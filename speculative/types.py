@@ -95,6 +95,8 @@ class VerifyResult:
     received_ns: int = 0  # when it reached the draft (time.perf_counter_ns; 0: as it was read)
     num_drafted: int = 0  # draft tokens the pass judged (in a stretch: looked-up tokens it verified)
     path: tuple[int, ...] | None = None  # a token tree's accepted nodes, root-most first (None: a chain)
+    # The target worker's whole time on the proposal, compute, queue and host work (0: not measured), in ns.
+    target_handled_ns: int = 0
 
 
 # The drafters a draft worker offers, by the names of the API (SpeculationParams.drafter).

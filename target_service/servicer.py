@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -140,6 +141,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     # Verify: one proposal -> one verdict, or a verdict per pass of a stretch.
 
     def _verify(self, proposal: target_pb2.Proposal, waited_ns: int) -> target_pb2.Verdict:
+        start_ns = time.perf_counter_ns()
         draft = proposal.draft
         sampling = self._sampling(proposal)
         draft_probs = draft_probs_from_proto(draft)
@@ -149,6 +151,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                               list(draft.parents) or None)
                 step = step_load_to_proto(verified.load, waited_ns)
                 verdict = _echo(proposal, decision=decision_to_proto(verified.result, verified.context_length, step))
+                verdict.decision.target_handled_ns = time.perf_counter_ns() - start_ns
             except Discarded as stale:
                 verdict = _echo(proposal, discarded=stale)
             spans.verified(span, proposal, verdict)

@@ -92,7 +92,7 @@ class Verdict(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., base_len: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., stretch_pass: _Optional[_Union[StretchPass, _Mapping]] = ..., discarded: _Optional[_Union[Discarded, _Mapping]] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finish_reason", "step", "path")
+    __slots__ = ("num_accepted", "next_token_id", "next_token_kind", "committed_len", "target_compute_ns", "finish_reason", "step", "path", "target_handled_ns")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class Decision(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    TARGET_HANDLED_NS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     next_token_kind: _common_pb2.NextTokenKind
@@ -109,7 +110,8 @@ class Decision(_message.Message):
     finish_reason: _common_pb2.FinishReason
     step: _common_pb2.StepLoad
     path: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
+    target_handled_ns: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[_common_pb2.NextTokenKind, str]] = ..., committed_len: _Optional[int] = ..., target_compute_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., step: _Optional[_Union[_common_pb2.StepLoad, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ..., target_handled_ns: _Optional[int] = ...) -> None: ...
 
 class StretchPass(_message.Message):
     __slots__ = ("decision", "num_looked_up", "accepted_token_ids", "ended")
