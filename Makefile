@@ -18,11 +18,11 @@ PROMPT ?= Summarize in one sentence: The city council met on Monday to discuss t
 PAIR ?= smollm2
 ifeq ($(PAIR),qwen)
 PAIR_STAMP := $(VENV)/.installed-qwen
-SYSTEM_ARGS := --target-model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --draft-quantization int8-dynamic --drafter ngram+model
+SYSTEM_ARGS := --target-model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --draft-quantization int8-dynamic --drafter ngram+model --target-dtype auto
 RUN_ARGS ?= --adaptive --k 8 --max-new-tokens 96
 else ifeq ($(PAIR),smollm2)
 PAIR_STAMP :=
-SYSTEM_ARGS :=
+SYSTEM_ARGS := --target-dtype auto
 RUN_ARGS ?= --drafter ngram --k 4 --max-new-tokens 96
 else
 $(error PAIR must be smollm2 or qwen, got $(PAIR))

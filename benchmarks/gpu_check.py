@@ -421,11 +421,15 @@ def prompts(plan: Plan) -> dict[str, list[int]]:
 
 
 def generate(stub, ids: list[int], method: str, plan: Plan) -> Run:
-    k, adaptive = METHODS[method]
+    return call(stub, ids, *METHODS[method], plan)
+
+
+def call(stub, ids: list[int], k: int, adaptive: bool, plan: Plan, drafter: str = "model") -> Run:
+    """One greedy Generate call of plan.max_new_tokens, timed by the client."""
     request = orchestrator_pb2.GenerateRequest(include_stats=True)
     request.token_ids.ids.extend(ids)
     request.sampling.max_new_tokens = plan.max_new_tokens  # greedy: temperature 0 by default
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter="model",
+    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter=drafter,
                                                               adaptive=adaptive))
     start = time.perf_counter()
     response = stub.Generate(request, timeout=plan.call_timeout_s)

@@ -23,7 +23,7 @@ import grpc
 from launcher.cluster import Cluster, layout, parse_args, start_system
 from model_runtime.loading import load_model
 from model_runtime.model_session import ModelSession
-from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.v1 import orchestrator_pb2_grpc
 from speculative.replay_drafter import write_replay
 
 ACCEPTANCES = (0.6, 0.8, 0.9)
@@ -100,7 +100,7 @@ def services(plan, check) -> dict:
     try:
         channel = grpc.insecure_channel(start_system(args, cluster, roles))
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-        references = {name: _generate(stub, ids, 0, False, plan) for name, ids in inputs.items()}
+        references = {name: _generate(stub, ids, 0, False, plan, check) for name, ids in inputs.items()}
         baseline = [r[1] for r in references.values()]
         write_replay(replay_file, 1.0, [inputs[name] + r[0] for name, r in references.items()])
         results: dict = {0.0: {"target-only (k=0)": (statistics.median(baseline), len(baseline), len(baseline), None)}}
@@ -109,7 +109,7 @@ def services(plan, check) -> dict:
             results[acceptance] = {}
             for method, k, adaptive in ((f"k={FIXED_K}", FIXED_K, False), (f"adaptive k<={ADAPTIVE_MAX_K}",
                                                                               ADAPTIVE_MAX_K, True)):
-                runs = {name: _generate(stub, ids, k, adaptive, plan) for name, ids in inputs.items()}
+                runs = {name: _generate(stub, ids, k, adaptive, plan, check) for name, ids in inputs.items()}
                 equal = sum(runs[name][0] == references[name][0] for name in runs)
                 rates = [runs[name][1] / references[name][1] for name in runs]
                 measured = [r[2] for r in runs.values() if r[2] is not None]
@@ -122,18 +122,9 @@ def services(plan, check) -> dict:
     return results
 
 
-def _generate(stub, ids: list[int], k: int, adaptive: bool, plan) -> tuple[list[int], float, float | None]:
-    request = orchestrator_pb2.GenerateRequest(include_stats=True)
-    request.token_ids.ids.extend(ids)
-    request.sampling.max_new_tokens = plan.max_new_tokens
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter="replay",
-                                                              adaptive=adaptive))
-    start = time.perf_counter()
-    response = stub.Generate(request, timeout=plan.call_timeout_s)
-    seconds = time.perf_counter() - start
-    stub.CloseSession(common_pb2.CloseSessionRequest(session_id=response.session_id), timeout=60)
-    acceptance = response.stats.acceptance_rate if response.stats.num_drafted else None
-    return list(response.token_ids), len(response.token_ids) / seconds, acceptance
+def _generate(stub, ids: list[int], k: int, adaptive: bool, plan, check) -> tuple[list[int], float, float | None]:
+    run = check.call(stub, ids, k, adaptive, plan, drafter="replay")
+    return run.token_ids, run.tokens_per_s, run.acceptance
 
 
 def result_lines(results: dict, costs: dict[str, float]) -> list[str]:

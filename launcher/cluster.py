@@ -146,7 +146,10 @@ def parse_args(argv):
     parser.add_argument("--draft-tree-width", type=int, default=None,
                         help="continuations a round may propose as a token tree, verified in one target pass "
                              "(docs/speculation.md, 'Token trees'); default: the draft worker's (1, chains)")
-    parser.add_argument("--target-dtype", default="float32", help="the target's weights: float32, bfloat16 or float16")
+    parser.add_argument("--target-dtype", default="float32",
+                        help="the target's weights: float32 (here the default, for runs comparable across hosts), "
+                             "bfloat16, float16, or auto (the worker's own default: bfloat16 on a GPU and on a CPU "
+                             "with AMX, exact there with row invariance; `make run` uses it)")
     parser.add_argument("--target-row-invariant", choices=("auto", "on", "off"), default="auto",
                         help="the target's rows computed the same whatever the pass, so that speculation cannot "
                              "change a greedy token (docs/speculation.md, Exactness); auto = on where it costs "

@@ -102,12 +102,18 @@ class InvariantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.choice = choice
-        self.kernel = _kernel(linear, choice.kernel)
+        # The weights stay the model's parameters (counted, moved, tied as before); a
+        # packed kernel holds its own oneDNN copy.
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = PackedLinear(linear) if choice.kernel == "packed" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        return run_in_blocks(self.kernel, rows, self.choice.block_rows, self.choice.padded).reshape(
+        return run_in_blocks(self._kernel, rows, self.choice.block_rows, self.choice.padded).reshape(
             *x.shape[:-1], self.out_features)
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.packed(rows) if self.packed is not None else F.linear(rows, self.weight, self.bias)
 
 
 def run_in_blocks(kernel: Callable, rows: torch.Tensor, block_rows: int, padded: bool) -> torch.Tensor:

@@ -183,14 +183,8 @@ class StaticPasses:
             ids[i, :t] = torch.tensor(segment.token_ids)
             positions[i, :t] = torch.arange(segment.start, segment.start + t)
             slots[i] = segment.kv.slot
-        try:
-            logits = self._step(ids.to(device), positions.to(device), slots.to(device))
-        except Exception as error:  # noqa: BLE001 - a compiler's or a capture's failure: eager from now on
-            if self._step == self._eager_step:
-                raise
-            self.failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error) else ''}"
-            log.warning("compiled passes failed, running them eager from now on: %s", self.failure)
-            self._step = self._eager_step
+        logits = self._call(ids.to(device), positions.to(device), slots.to(device))
+        if logits is None:
             return None
         self.num_static += 1
         # Copies: a graph's output is overwritten by its next replay.
@@ -211,15 +205,33 @@ class StaticPasses:
         ids[0, :t] = torch.tensor(token_ids)
         positions[0, :t] = torch.arange(start, start + t)
         slot = torch.tensor([kv.slot], device=device)
-        logits = self._step(ids.to(device), positions.to(device), slot)
+        logits = self._call(ids.to(device), positions.to(device), slot)
+        if logits is None:
+            return None
         drafted = [logits[0, t - 1].argmax(-1).view(1, 1)]
         position = torch.empty(1, 1, dtype=torch.long, device=device)
         for index in range(1, k):
             position.fill_(start + t + index - 1)
-            logits = self._step(drafted[-1], position, slot)
+            if (logits := self._call(drafted[-1], position, slot)) is None:
+                return None  # nothing committed: the caller drafts again, eager
             drafted.append(logits[0, 0].argmax(-1).view(1, 1))
         self.num_static += k
         return torch.cat(drafted).flatten().tolist()  # the one read back
+
+    def _call(self, *inputs: torch.Tensor) -> torch.Tensor | None:
+        """The step on `inputs`; None where a compiled step (a capture, a compile) failed:
+        logged, and every later step runs eager. The keys and values it may have written
+        are past every cache's length, rewritten by the eager pass."""
+        try:
+            return self._step(*inputs)
+        except Exception as error:  # noqa: BLE001 - a compiler's or a capture's failure, kept in the report
+            if self._step == self._eager_step:
+                raise
+            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            self.failure = f"{type(error).__name__}: {first}"
+            log.warning("compiled passes failed, running them eager from now on: %s", self.failure)
+            self._step, self.device_loop = self._eager_step, False
+            return None
 
     def _eager_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         mask = (self._positions[None, None, None, :] <= positions[:, None, :, None])

@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --rank R (R >= 1) or --node-index I --local-ranks L")
     logging.basicConfig(level=logging.INFO, format=f"rank {args.rank}: %(levelname)s %(message)s")
     loading.configure_threads(args.threads)
+    args.dtype = loading.resolve_dtype(args.dtype, args.device, sharded=True)  # TARGET_DTYPE may say auto
     local_rank = args.rank if args.local_rank < 0 else args.local_rank
     group = join(args.rank, args.world_size, args.port, args.device, args.master_addr, local_rank)
     loaded = load_shard(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size)
@@ -326,6 +327,7 @@ def run_node(args) -> int:
     """A node after the leader's: its ranks as child processes; ends with the first that
     ends (a rank that fails takes the node down, and its group is restarted whole)."""
     first = args.node_index * args.local_ranks
+    args.dtype = loading.resolve_dtype(args.dtype, args.device, sharded=True)
     if args.node_index < 1 or first + args.local_ranks > args.world_size:
         raise SystemExit(f"--node-index {args.node_index} x --local-ranks {args.local_ranks} is outside "
                          f"--world-size {args.world_size} (node 0 is the leader's target worker)")

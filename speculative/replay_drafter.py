@@ -27,8 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from model_runtime.loading import LoadedModel
-from model_runtime.model_session import ForwardSteps, ModelSession, run_alone
-from speculative.drafter_base import Drafter, DraftSession, Proposal
+from model_runtime.model_session import ForwardSteps, ModelSession
+from speculative.drafter_base import Drafter, Proposal
+from speculative.drafters import ModelDraftSession
 from speculative.errors import InvalidArgument
 from speculative.sampling import SamplingParams
 
@@ -86,23 +87,19 @@ class ReplayDrafter(Drafter):
         return ReplayDraftSession(session, replay, replay.recording(prompt_token_ids), self.loaded.vocab_size)
 
 
-class ReplayDraftSession(DraftSession):
+class ReplayDraftSession(ModelDraftSession):
+    """A model draft session (its cache, its passes, its rollback) that proposes the
+    recording's tokens instead of its own."""
+
     def __init__(self, session: ModelSession, replay: Replay, recording: tuple[int, ...], vocab_size: int):
-        self.session = session
+        super().__init__(session, SamplingParams(), draft_top_k=1)
         self.replay = replay
         self.recording = recording
         self.vocab_size = vocab_size
 
-    @property
-    def length(self) -> int:
-        return self.session.length
-
     def set_sampling(self, params: SamplingParams) -> None:
         if not params.greedy:
             raise InvalidArgument("the replay drafter is greedy only: its recordings are greedy continuations")
-
-    def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
-        return run_alone(self.session.model, self.propose_steps(k, min_reach))
 
     def propose_steps(self, k: int, min_reach: float = 0.0, width: int = 1, min_branch: float = 0.0) -> ForwardSteps[Proposal]:
         """Up to k tokens of the recording (replaced where the replay says), each after a
@@ -119,18 +116,3 @@ class ReplayDraftSession(DraftSession):
             token_ids.append(token_id)
             self.session.append([token_id])
         return Proposal(token_ids)
-
-    def append(self, token_ids: Sequence[int]) -> None:
-        self.session.append(token_ids)
-
-    def truncate_to(self, length: int) -> None:
-        self.session.truncate_to(length)
-
-    def release(self) -> None:
-        self.session.release()
-
-    def prefill(self) -> None:
-        self.session.prefill()
-
-    def prefill_steps(self) -> ForwardSteps[None]:
-        return self.session.prefill_steps()

@@ -25,9 +25,10 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     model: str = _option("smollm2-135m", "packaged name, .gguf path, Hugging Face id or tiny-random[:SEED]")
     # CPU always exists; "cuda" / "cuda:1" on a GPU host.
     device: str = _option("cpu", "cpu, cuda, cuda:1, ...")
-    # fp32 keeps greedy verification bit-for-bit equal to target-only decoding on CPU;
-    # "bfloat16" halves memory on GPUs.
-    dtype: str = _option("float32", "float32, bfloat16 or float16")
+    # auto: bfloat16 on a GPU and on a CPU with AMX (with row invariance as exact as
+    # fp32 there, and about 1.35x faster a token: benchmarks/results_bf16_qwen.md),
+    # float32 elsewhere (model_runtime.loading.resolve_dtype).
+    dtype: str = _option("auto", "auto, float32, bfloat16 or float16")
     # Every row's logits the same bits whatever the pass (width, batch, place), so that
     # speculation cannot flip a near-tied greedy token (model_runtime/row_invariance.py).
     # auto: on where it costs little: half precision on a CPU (bf16: 1.02-1.16x a step;

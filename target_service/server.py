@@ -8,7 +8,7 @@ import signal
 
 from model_runtime import static_passes, tensor_parallel, warmup, width_padding
 from model_runtime.host_memory import fix_mmap_threshold
-from model_runtime.loading import LoadedModel, configure_threads, load_model
+from model_runtime.loading import LoadedModel, configure_threads, load_model, resolve_dtype
 from model_runtime.step_scheduler import StepScheduler
 from service_common import server as common_server
 from service_common import telemetry
@@ -44,13 +44,14 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
     compute = StepScheduler(max_batch_tokens=config.max_batch_tokens, name="target-compute",
                             expected_jobs=lambda: admission.load().running, prefill_share=config.prefill_share)
     compute.run(configure_threads, config.threads)
-    ranks = _start_ranks(config) if config.tensor_parallel > 1 and loaded_model is None else None
+    dtype = resolve_dtype(config.dtype, config.device, sharded=config.tensor_parallel > 1)
+    ranks = _start_ranks(config, dtype) if config.tensor_parallel > 1 and loaded_model is None else None
     if ranks is not None:
-        loaded = compute.run(tensor_parallel.load_rank_zero, config.model, device=config.device, dtype=config.dtype,
+        loaded = compute.run(tensor_parallel.load_rank_zero, config.model, device=config.device, dtype=dtype,
                              ranks=ranks)
     else:
         loaded = loaded_model or compute.run(
-            load_model, config.model, device=config.device, dtype=config.dtype, device_map=config.device_map or None,
+            load_model, config.model, device=config.device, dtype=dtype, device_map=config.device_map or None,
             row_invariant=_row_invariant_mode(config),
         )
     compute.model = loaded.model
@@ -106,7 +107,7 @@ def _install_static_passes(config: TargetConfig, loaded: LoadedModel, ranks, com
                     min(config.static_capacity, loaded.context_length))
 
 
-def _start_ranks(config: TargetConfig) -> tensor_parallel.Ranks:
+def _start_ranks(config: TargetConfig, dtype: str) -> tensor_parallel.Ranks:
     """Ranks 1..N-1; one that exits stops this worker (SIGTERM to itself: health NOT_SERVING,
     out of the registry, calls in flight failing over), which then exits with status 1."""
     if config.device_map:
@@ -119,7 +120,8 @@ def _start_ranks(config: TargetConfig) -> tensor_parallel.Ranks:
     if config.tensor_parallel_local and config.tensor_parallel_local < config.tensor_parallel \
             and not config.tensor_parallel_port:
         raise SpeculativeError("ranks on other nodes need a fixed --tensor-parallel-port to dial")
-    return tensor_parallel.Ranks(config.tensor_parallel, config.model, config.device, config.dtype, config.threads, lost,
+    return tensor_parallel.Ranks(config.tensor_parallel, config.model, config.device,
+                                 dtype, config.threads, lost,
                                  config.tensor_parallel_local, config.tensor_parallel_master,
                                  config.tensor_parallel_port)
 
