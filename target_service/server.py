@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     config = parse(TargetConfig, ENV_PREFIX, argv, description="The target worker: specdec.v1.TargetService.")
     configure_logging("target", config.log_level)
     log.info("loading model", extra={"fields": {
-        "model": config.model, "device": config.device_map or config.device, "dtype": config.dtype,
+        "model": config.model, "device": config.device_map or config.device,
+        "dtype": resolve_dtype(config.dtype, config.device, sharded=config.tensor_parallel > 1),
         "tensor_parallel": config.tensor_parallel,
     }})
     try:
