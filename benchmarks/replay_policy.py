@@ -45,7 +45,7 @@ from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.policy import AdaptiveK, FixedK
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
-from speculative.sequence import TokenSequence
+from foundation.sequence import TokenSequence
 from speculative.speculation_loop import speculation_rounds
 from speculative.types import NextTokenKind, Verdict, VerifyResult
 

@@ -15,7 +15,7 @@ import grpc
 from service_common.security import client_credentials
 from service_common.server import channel
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 
 def build_request(args) -> orchestrator_pb2.GenerateRequest:

@@ -10,8 +10,8 @@ from model_runtime.quantization import check_scheme
 from service_common.options import RegistryConfig, ServerConfig, TelemetryConfig
 from service_common.server import advertised_address, default_worker_id
 from speculative.drafter_base import DEFAULT_DRAFT_TOP_K
-from speculative.errors import InvalidArgument
-from speculative.limits import MAX_TREE_WIDTH, validate_num_speculative_tokens
+from foundation.errors import InvalidArgument
+from foundation.limits import MAX_TREE_WIDTH, validate_num_speculative_tokens
 
 ENV_PREFIX = "DRAFT"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from speculative.drafter_base import Drafter, DraftSession, Proposal
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.prompt_lookup import LookupThenModelDrafter, LookupThenModelSession, NgramDrafter, NgramDraftSession
 from speculative.types import MODEL, NGRAM, NGRAM_THEN_MODEL, REPLAY, SamplingParams, check_drafter_name
 

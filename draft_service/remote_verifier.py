@@ -25,7 +25,7 @@ from service_common.convert import (
 from service_common.deadlines import Deadline
 from service_common.status import Unavailable
 from specdec.v1 import target_pb2, target_pb2_grpc
-from speculative.errors import StaleProposal
+from foundation.errors import StaleProposal
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.types import SamplingParams, VerifyResult
 

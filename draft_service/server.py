@@ -17,7 +17,7 @@ from service_common.logs import configure_logging
 from service_common.registry import create_worker_service
 from service_common.security import tls_of
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from speculative.errors import SpeculativeError
+from foundation.errors import SpeculativeError
 
 if TYPE_CHECKING:
     from model_runtime.loading import LoadedModel

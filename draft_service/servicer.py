@@ -1,5 +1,5 @@
 """The DraftService RPCs: thin wrappers over the session cache, the drafters and the
-speculation loop. Errors are typed (speculative.errors, service_common.status) and turned
+speculation loop. Errors are typed (foundation.errors, service_common.status) and turned
 into statuses by `rpc_errors`; a target's error status is passed on unchanged."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from service_common.convert import model_info
 from service_common.deadlines import Deadline, bounded, time_remaining
 from service_common.status import Unavailable, rpc_errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from speculative.errors import InvalidArgument, StaleProposal
+from foundation.errors import InvalidArgument, StaleProposal
 from speculative.policy import AdaptiveK
 from speculative.types import MODEL
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from service_common.status import AlreadyExists
 from speculative.drafter_base import DraftSession
-from speculative.errors import NotFound, ResourceExhausted, SpeculativeError
+from foundation.errors import NotFound, ResourceExhausted, SpeculativeError
 from speculative.policy import AdaptiveK
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from model_runtime.fingerprint import check_compatible
 from service_common import telemetry
 from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
 from specdec.v1 import draft_pb2
-from speculative.errors import InvalidArgument, ResourceExhausted, StaleProposal
-from speculative.limits import validate_num_speculative_tokens
+from foundation.errors import InvalidArgument, ResourceExhausted, StaleProposal
+from foundation.limits import validate_num_speculative_tokens
 from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.prompt_lookup import LookupStop
 from speculative.speculation_loop import Features, RoundResult, speculation_rounds

@@ -15,7 +15,7 @@ from service_common.security import Tls
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, target_pb2_grpc
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.estimator import MeasuredCosts
 
 

@@ -34,7 +34,7 @@ from starlette.routing import Route
 from service_common import config as config_flags
 from service_common.logs import configure_logging
 from service_common.security import aio_channel, tls_of
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from http_api.config import HttpApiConfig
 from http_api.openai_api import ApiError, Parsed, Responder, Totals, error_of_rpc, parse

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from speculative.errors import IncompatibleModels
+from foundation.errors import IncompatibleModels
 
 # A drafter that needs no vocabulary (n-gram lookup) is compatible with every target.
 ANY_VOCABULARY = "any"

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from model_runtime import model_cache, quantization, row_invariance, tiny
 from model_runtime.cpu_linear import pack_linears
 from model_runtime.fingerprint import tokenizer_fingerprint
-from speculative.errors import InvalidArgument, NotFound
+from foundation.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 

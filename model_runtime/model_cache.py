@@ -180,7 +180,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from model_runtime.loading import DTYPES, resolve_model_source
-    from speculative.errors import SpeculativeError
+    from foundation.errors import SpeculativeError
 
     parser = argparse.ArgumentParser(
         prog="python -m model_runtime.model_cache",

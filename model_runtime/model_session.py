@@ -27,8 +27,8 @@ import torch
 from transformers import PreTrainedModel
 
 from model_runtime.batched_forward import Segment, forward_segments, new_sequence_kv
-from speculative.errors import InvalidArgument
-from speculative.sequence import TokenSequence
+from foundation.errors import InvalidArgument
+from foundation.sequence import TokenSequence
 
 T = TypeVar("T")
 

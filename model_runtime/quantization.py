@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 if TYPE_CHECKING:  # torch is imported where a model is quantized: configs check names without it
     from torch import nn

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_runtime.cpu_linear import PackedLinear, onednn_available
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

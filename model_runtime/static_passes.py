@@ -245,7 +245,7 @@ def install(model: PreTrainedModel, mode: str, num_slots: int, capacity: int) ->
     CUDA graphs on a GPU; off on a CPU, where the eager ragged path measured faster:
     docs/batching.md); returns them, or None when off."""
     if mode not in MODES:
-        from speculative.errors import InvalidArgument
+        from foundation.errors import InvalidArgument
 
         raise InvalidArgument(f"static passes must be one of {', '.join(MODES)}, got {mode!r}")
     device = next(model.parameters()).device

@@ -63,8 +63,8 @@ from transformers import PreTrainedModel
 
 from model_runtime.batched_forward import Segment, forward_segments
 from model_runtime.model_session import Emit, ForwardSteps, run_alone
-from speculative.errors import InvalidArgument
-from speculative.stats import StepLoad
+from foundation.errors import InvalidArgument
+from foundation.load import StepLoad
 
 T = TypeVar("T")
 

@@ -51,7 +51,7 @@ from transformers import PreTrainedModel
 
 from model_runtime import loading
 from model_runtime.batched_forward import LOCKSTEP_ATTR, Segment, SequenceKV, forward_segments
-from speculative.errors import InvalidArgument, WorkerLost
+from foundation.errors import InvalidArgument, WorkerLost
 
 log = logging.getLogger(__name__)
 

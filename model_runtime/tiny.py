@@ -31,7 +31,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from speculative.errors import InvalidArgument, NotFound
+from foundation.errors import InvalidArgument, NotFound
 
 END_OF_TEXT = "<|endoftext|>"
 TINY_VOCAB_SIZE = 257  # 256 bytes + END_OF_TEXT

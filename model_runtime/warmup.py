@@ -19,7 +19,7 @@ import time
 
 from model_runtime.loading import LoadedModel
 from model_runtime.model_session import ModelSession
-from speculative.limits import MAX_SPECULATIVE_TOKENS
+from foundation.limits import MAX_SPECULATIVE_TOKENS
 
 PROMPT_LEN = 16  # tokens of context the passes extend: attention over a short cache
 

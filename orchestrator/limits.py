@@ -5,7 +5,7 @@ and the servicer.)"""
 
 from __future__ import annotations
 
-from speculative.errors import InvalidArgument, ResourceExhausted
+from foundation.errors import InvalidArgument, ResourceExhausted
 
 
 def check_prompt_tokens(config, num_tokens: int) -> None:

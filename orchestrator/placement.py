@@ -19,7 +19,7 @@ from service_common.convert import sampling_to_proto
 from service_common.deadlines import Deadline
 from service_common.telemetry import instruments
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)

@@ -12,10 +12,10 @@ from orchestrator.store import SessionRecord
 from orchestrator.text import render_chat
 from service_common.convert import sampling_from_proto
 from specdec.v1 import common_pb2, orchestrator_pb2
-from speculative.errors import InvalidArgument
-from speculative.limits import validate_num_speculative_tokens
+from foundation.errors import InvalidArgument
+from foundation.limits import validate_num_speculative_tokens
 from speculative.prompt_lookup import MAX_LOOKUP_NGRAM, LookupStop
-from speculative.sequence import common_prefix_length
+from foundation.sequence import common_prefix_length
 from speculative.types import SamplingParams, check_drafter_name
 
 

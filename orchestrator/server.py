@@ -22,7 +22,7 @@ from service_common.security import Tls, tls_of
 from service_common.server import Service, add_health_port
 from service_common.server import create_server as create_grpc_server
 from specdec.v1 import orchestrator_pb2_grpc
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specdec.v1.Orchestrator"

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from service_common.status import FailedPrecondition
-from speculative.errors import NotFound
+from foundation.errors import NotFound
 
 
 class SessionBusy(FailedPrecondition):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from jinja2 import TemplateError
 
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 
 def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -28,7 +28,7 @@ from service_common.security import Tls
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
-from speculative.errors import SpeculativeError
+from foundation.errors import SpeculativeError
 from speculative.types import NGRAM
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from speculative.estimator import expected_tokens  # the same formula the adaptive policy uses
-from speculative.limits import MAX_SPECULATIVE_TOKENS
+from foundation.limits import MAX_SPECULATIVE_TOKENS
 
 K_MAX = MAX_SPECULATIVE_TOKENS  # the model considers every k the protocol allows
 

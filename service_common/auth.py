@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 
 from service_common.limits import CallLimits
-from speculative.errors import InvalidArgument, ResourceExhausted
+from foundation.errors import InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 

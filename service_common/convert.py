@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from specdec.v1 import common_pb2, target_pb2
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.prompt_lookup import LookupRounds, LookupStop
-from speculative.stats import GenerationStats, RoundStats, StepLoad
+from foundation.load import StepLoad
+from speculative.stats import GenerationStats, RoundStats
 from speculative.types import FinishReason, NextTokenKind, SamplingParams, Verdict, VerifyResult
 
 if TYPE_CHECKING:

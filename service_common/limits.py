@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from speculative.errors import InvalidArgument, ResourceExhausted
+from foundation.errors import InvalidArgument, ResourceExhausted
 
 
 @dataclass

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import logging
 
 import grpc
 
-from speculative.errors import InvalidArgument, NotFound, ResourceExhausted, SpeculativeError, StaleProposal, WorkerLost
+from foundation.errors import InvalidArgument, NotFound, ResourceExhausted, SpeculativeError, StaleProposal, WorkerLost
 
 log = logging.getLogger(__name__)
 

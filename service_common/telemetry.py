@@ -62,7 +62,7 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.stats import RoundStats
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ import time
 from model_runtime.loading import DEFAULT_MODEL, DTYPES, configure_threads, load_model
 from model_runtime.quantization import SCHEMES, SELF_QUANTIZATION, resolve_draft
 from speculative.drafters import ModelDrafter
-from speculative.errors import SpeculativeError
+from foundation.errors import SpeculativeError
 from speculative.generator import SpeculativeGenerator
-from speculative.limits import MAX_TREE_WIDTH
+from foundation.limits import MAX_TREE_WIDTH
 from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams

@@ -32,7 +32,8 @@ from speculative.pass_costs import PassCostFit, blend, pass_x, slope_prior
 from speculative.stretch_costs import StretchCosts, StretchEstimates
 
 if TYPE_CHECKING:
-    from speculative.stats import RoundStats, StepLoad
+    from foundation.load import StepLoad
+from speculative.stats import RoundStats
 
 PRIOR_TRIALS = 2.0  # the weight of a's prior, and of each a_i's, in draft tokens
 HOPE = 1.0  # accepted draft tokens added to the evidence when deciding

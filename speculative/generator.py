@@ -14,9 +14,9 @@ from model_runtime.fingerprint import check_compatible
 from model_runtime.loading import LoadedModel
 from model_runtime.width_padding import step_costs
 from speculative.drafter_base import Drafter, DraftSession
-from speculative.errors import StaleProposal
+from foundation.errors import StaleProposal
 from speculative.estimator import MeasuredCosts
-from speculative.limits import validate_num_speculative_tokens
+from foundation.limits import validate_num_speculative_tokens
 from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from model_runtime.fingerprint import ANY_VOCABULARY
 from speculative.drafter_base import Drafter, DraftSession, Proposal
-from speculative.errors import InvalidArgument
-from speculative.limits import MAX_SPECULATIVE_TOKENS
-from speculative.sequence import TokenSequence
+from foundation.errors import InvalidArgument
+from foundation.limits import MAX_SPECULATIVE_TOKENS
+from foundation.sequence import TokenSequence
 from speculative.token_tree import TokenTree
 from speculative.types import NGRAM, SamplingParams
 

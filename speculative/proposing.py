@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from speculative.drafter_base import EMPTY_PROPOSAL, DraftSession, Proposal
 from speculative.policy import Action
-from speculative.sequence import common_prefix_length
+from foundation.sequence import common_prefix_length
 from speculative.stats import RoundStats
 from speculative.types import SamplingParams, VerifyResult
 from speculative.verifier import Verifier

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.sampling import SparseProbs, greedy_tokens, sample_from
 from speculative.token_tree import ROOT, TokenTree
 from speculative.types import NextTokenKind, Verdict

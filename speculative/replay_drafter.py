@@ -30,7 +30,7 @@ from model_runtime.loading import LoadedModel
 from model_runtime.model_session import ForwardSteps, ModelSession
 from speculative.drafter_base import Drafter, Proposal
 from speculative.drafters import ModelDraftSession
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.sampling import SamplingParams
 
 

@@ -20,8 +20,8 @@ import torch
 
 from model_runtime.loading import LoadedModel
 from model_runtime.model_session import Emit, ForwardSteps, ModelSession, run_alone, stream_alone
-from speculative.errors import InvalidArgument, StaleProposal
-from speculative.limits import MAX_TREE_NODES
+from foundation.errors import InvalidArgument, StaleProposal
+from foundation.limits import MAX_TREE_NODES
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.rejection import (
     check_draft_probs,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 ROOT = -1  # the parent of a first-level node: the last committed token
 

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from speculative.stats import StepLoad
+    from foundation.load import StepLoad
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from speculative.errors import InvalidArgument, ResourceExhausted
+from foundation.errors import InvalidArgument, ResourceExhausted
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from model_runtime.step_scheduler import StepLoad
-from speculative.errors import InvalidArgument, StaleProposal
+from foundation.errors import InvalidArgument, StaleProposal
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.target import DecodedPass, TargetSession, VerifyResult

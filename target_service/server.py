@@ -17,7 +17,7 @@ from service_common.convert import model_info
 from service_common.logs import configure_logging
 from service_common.registry import create_worker_service
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from speculative.errors import SpeculativeError
+from foundation.errors import SpeculativeError
 from target_service.admission import Admission
 from target_service.config import ENV_PREFIX, TargetConfig
 from target_service.servicer import TargetServicer

@@ -26,7 +26,7 @@ from service_common.convert import (
 from service_common.deadlines import time_remaining
 from service_common.status import rpc_errors
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.sampling import SamplingParams
 from target_service import spans
 from target_service.admission import Admission

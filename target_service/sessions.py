@@ -35,7 +35,7 @@ from opentelemetry import trace
 from model_runtime.loading import LoadedModel
 from model_runtime.step_scheduler import StepLoad, StepScheduler
 from service_common.status import AlreadyExists
-from speculative.errors import InvalidArgument, NotFound, ResourceExhausted
+from foundation.errors import InvalidArgument, NotFound, ResourceExhausted
 from speculative.sampling import SamplingParams
 from speculative.target import TargetSession, check_prompt
 

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_common import auth
 from service_common.server import channel
 from specdec.v1 import common_pb2, orchestrator_pb2
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from tests.system import LocalSystem
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED

@@ -7,7 +7,7 @@ import pytest
 from model_runtime.fingerprint import tokenizer_fingerprint
 from model_runtime.loading import LoadedModel, load_model
 from speculative.drafters import ModelDrafter
-from speculative.errors import IncompatibleModels, InvalidArgument, NotFound
+from foundation.errors import IncompatibleModels, InvalidArgument, NotFound
 from speculative.generator import SpeculativeGenerator
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams

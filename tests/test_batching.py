@@ -16,7 +16,7 @@ import torch
 from model_runtime.batched_forward import Segment, SequenceKV, forward_segments
 from model_runtime.model_session import ModelSession
 from model_runtime.step_scheduler import StepScheduler, fit_step_cost
-from speculative.errors import StaleProposal
+from foundation.errors import StaleProposal
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.target import TargetSession
 

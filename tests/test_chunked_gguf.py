@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from model_runtime import loading
-from speculative.errors import NotFound
+from foundation.errors import NotFound
 
 PARTS = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3]
 

@@ -32,7 +32,7 @@ from model_runtime.fingerprint import ANY_VOCABULARY
 from orchestrator.rounds import token_sources
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from speculative.drafters import ModelDrafter
-from speculative.errors import IncompatibleModels, NotFound
+from foundation.errors import IncompatibleModels, NotFound
 from speculative.estimator import MeasuredCosts
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import AdaptiveK

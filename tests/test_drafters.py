@@ -8,7 +8,7 @@ import random
 import pytest
 
 from speculative.drafters import ModelDrafter
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter, lookup_continuation
 from speculative.sampling import SamplingParams
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from speculative.estimator import HOPE, PRIOR_TRIALS, CostEstimator, expected_tokens
 from speculative.pass_costs import SLOW_PASS_CLIP, pass_x
 from speculative.rejection import NextTokenKind
-from speculative.stats import RoundStats, StepLoad
+from foundation.load import StepLoad
+from speculative.stats import RoundStats
 from speculative.stretch_costs import SOLO_TOKEN_WEIGHT
 
 MS = 1_000_000  # nanoseconds

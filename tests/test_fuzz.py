@@ -46,7 +46,7 @@ from orchestrator.workers import Worker
 from service_common.auth import ApiGate
 from service_common.limits import CallLimits
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, target_pb2, target_pb2_grpc
-from speculative.errors import NotFound
+from foundation.errors import NotFound
 from tests.fuzzing import DOCUMENTED, Code, Reference, Tally, fuzz_settings, methods_of, raw_method
 from tests.system import LocalSystem
 

@@ -1,7 +1,8 @@
 """The layout's rules, checked on the source: who may import whom, and links that resolve.
 
-Import rules (docs/architecture.md): the core (`speculative/`, the algorithm, and
-`model_runtime/`, the models it runs on) knows nothing of gRPC or the protocol; the workers share only the common and their own contracts, never the
+Import rules (docs/architecture.md): the core (`speculative/`, the algorithm, above
+`model_runtime/`, the models it runs on, above `foundation/`, the base layer under both)
+knows nothing of gRPC or the protocol, and no layer imports one above it; the workers share only the common and their own contracts, never the
 orchestrator's; tests and benchmarks start systems through `launcher.cluster`, never
 through the command module `launcher.__main__`; the orchestrator and the draft worker
 without a model import neither torch nor transformers when they start.
@@ -46,6 +47,10 @@ RULES = [
     (("target_service", "draft_service", "service_common"), r"specdec\.v1\.orchestrator_pb2(_grpc)?"),
     (("speculative",), r"(grpc|specdec|service_common|orchestrator|target_service|draft_service)(\..*)?"),
     (("model_runtime",), r"(grpc|specdec|service_common|orchestrator|target_service|draft_service)(\..*)?"),
+    # The layers one way: the base layer under both, the model runtime under the algorithm.
+    (("model_runtime",), r"speculative(\..*)?"),
+    (("foundation",), r"(speculative|model_runtime|torch|transformers|grpc|specdec|service_common|orchestrator"
+                      r"|target_service|draft_service)(\..*)?"),
     (("tests", "benchmarks"), r"launcher\.__main__(\..*)?"),
 ]
 

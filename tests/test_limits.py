@@ -20,7 +20,7 @@ from service_common import auth
 from service_common.limits import CallLimits
 from service_common.server import channel
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
-from speculative.errors import ResourceExhausted
+from foundation.errors import ResourceExhausted
 from tests.scripted_target import BookkeepingTarget
 
 INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED

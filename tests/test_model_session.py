@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model_runtime.model_session import ModelSession
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 
 def _full_logits(loaded, token_ids) -> torch.Tensor:

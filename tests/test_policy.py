@@ -30,7 +30,7 @@ from speculative.policy import (
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 from speculative.speculation_loop import speculation_rounds
-from speculative.stats import StepLoad
+from foundation.load import StepLoad
 from speculative.stretch_costs import StretchEstimates
 from speculative.stretch_policy import StretchRules, Turn
 from speculative.target import TargetSession

@@ -13,7 +13,7 @@ from torch import nn
 from model_runtime import quantization
 from model_runtime.loading import load_model
 from speculative.drafters import ModelDrafter
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.generator import SpeculativeGenerator
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from tests.test_greedy_equivalence import GREEDY, _check_all

@@ -14,7 +14,7 @@ from model_runtime.loading import load_model, load_tokenizer
 from model_runtime.model_session import ModelSession
 from orchestrator.tokenizer import ServedTokenizer
 from speculative.drafters import ModelDrafter
-from speculative.errors import InvalidArgument, NotFound
+from foundation.errors import InvalidArgument, NotFound
 from speculative.generator import SpeculativeGenerator
 from target_service.served_tokenizer import served_tokenizer
 from tests.test_greedy_equivalence import GREEDY

@@ -11,7 +11,7 @@ from orchestrator.store import SessionBusy, SessionRecord, WorkerHandle
 from service_common.registry import Heartbeat, WorkerRegistry, worker_record
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2
-from speculative.errors import NotFound
+from foundation.errors import NotFound
 from tests.polling import holds_for, wait_until
 
 TARGET = common_pb2.WORKER_POOL_TARGET

@@ -23,7 +23,7 @@ import scipy.stats
 import torch
 
 from speculative import rejection
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.rejection import (
     NextTokenKind,
     Verdict,

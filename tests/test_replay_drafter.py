@@ -15,7 +15,7 @@ from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters
 from draft_service.server import create_server as create_draft_server
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import FixedK
 from speculative.replay_drafter import Replay, ReplayDrafter, write_replay

@@ -21,7 +21,7 @@ from model_runtime.model_session import ModelSession
 from model_runtime.step_scheduler import StepScheduler
 from model_runtime.tiny import byte_tokenizer, near_tied_llama
 from speculative.drafters import ModelDrafter
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import FixedK
 from speculative.prompt_lookup import NgramDrafter

@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from speculative.errors import InvalidArgument
-from speculative.limits import MAX_SPECULATIVE_TOKENS, validate_num_speculative_tokens
+from foundation.errors import InvalidArgument
+from foundation.limits import MAX_SPECULATIVE_TOKENS, validate_num_speculative_tokens
 from speculative.sampling import (
     SamplingParams,
     SparseProbs,

@@ -14,7 +14,7 @@ from model_runtime.loading import load_model
 from model_runtime.model_session import ModelSession
 from model_runtime.step_scheduler import StepScheduler
 from speculative.drafters import ModelDrafter
-from speculative.errors import InvalidArgument, SpeculativeError
+from foundation.errors import InvalidArgument, SpeculativeError
 from speculative.generator import SpeculativeGenerator
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculative.errors import InvalidArgument, StaleProposal
+from foundation.errors import InvalidArgument, StaleProposal
 from speculative.generator import SpeculativeGenerator
 from speculative.prompt_lookup import LookupRounds, LookupStop, lookup_continuation
 from speculative.rejection import NextTokenKind

@@ -35,7 +35,7 @@ from service_common import telemetry
 from service_common.convert import model_info
 from service_common.options import TelemetryConfig
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.rejection import NextTokenKind
 from speculative.stats import RoundStats
 from target_service import servicer as target_servicer_module

@@ -14,7 +14,7 @@ import pytest
 
 from model_runtime.loading import load_model
 from specdec.v1 import common_pb2, orchestrator_pb2
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.generator import SpeculativeGenerator
 from speculative.sampling import SamplingParams
 from tests.polling import wait_until

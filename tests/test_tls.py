@@ -28,7 +28,7 @@ from service_common.registry import WorkerRegistry
 from service_common.security import Tls, write_throwaway_pki
 from service_common.server import channel
 from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2_grpc
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.generator import SpeculativeGenerator
 from speculative.sampling import SamplingParams
 from tests import polling

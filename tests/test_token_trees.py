@@ -27,7 +27,7 @@ from specdec.v1 import common_pb2, orchestrator_pb2, target_pb2
 from speculative import rejection
 from speculative.drafter_base import Branch, Proposal, with_branches
 from speculative.drafters import ModelDrafter, second_choice
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 from speculative.estimator import BRANCH_PRIOR_NODES, BRANCH_PRIOR_YIELD, CostEstimator
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import AdaptiveK, FixedK

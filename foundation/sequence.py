@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 
 class TokenSequence:

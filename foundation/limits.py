@@ -6,7 +6,7 @@ them without loading a model runtime.
 
 from __future__ import annotations
 
-from speculative.errors import InvalidArgument
+from foundation.errors import InvalidArgument
 
 # Speculation length beyond this costs more in verification than any realistic draft
 # recovers (acceptance decays geometrically with position), and keeps proposals small.
