@@ -178,3 +178,33 @@ def test_a_greedy_draft_chain_on_the_device_proposes_what_single_passes_propose(
     assert passes.num_static > 20
     reference = SpeculativeGenerator(tiny_target).generate(prompt_ids[0], GREEDY, k=0).token_ids
     assert SpeculativeGenerator(tiny_target, chained).generate(prompt_ids[0], GREEDY, k=5).token_ids == reference
+
+
+def test_workers_with_static_passes_serve_exact_output_through_the_services(tiny_target, prompt_ids):
+    """Real processes: target and draft workers with `--static-passes on` (eager fixed
+    shapes on a CPU, the code a GPU replays), four sessions at once, every drafter and k:
+    each output equals target-only in process."""
+    import concurrent.futures
+
+    from specdec.v1 import common_pb2, orchestrator_pb2
+    from tests.system import LocalSystem
+
+    system = LocalSystem("tiny-random:1", "tiny-random:1")
+    for role in system.roles:
+        if role.pool in ("target", "draft"):
+            role.args += ["--static-passes", "on", "--static-slots", "8", "--static-capacity", "256"]
+
+    def generate(ids, k: int, drafter: str) -> list[int]:
+        request = orchestrator_pb2.GenerateRequest()
+        request.token_ids.ids.extend(ids)
+        request.sampling.max_new_tokens = GREEDY.max_new_tokens
+        request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter=drafter))
+        return list(system.stub.Generate(request, timeout=120).token_ids)
+
+    prompts = prompt_ids[:4]
+    references = [SpeculativeGenerator(tiny_target).generate(ids, GREEDY, k=0).token_ids for ids in prompts]
+    with system, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for k, drafter in ((0, "model"), (4, "model"), (3, "ngram"), (5, "ngram+model")):
+            outputs = list(pool.map(lambda ids, k=k, d=drafter: generate(ids, k, d), prompts))
+            assert outputs == references, (k, drafter)
+        assert system.logs().count("static passes: 8 slots of 256 tokens") == 2  # both workers ran them
