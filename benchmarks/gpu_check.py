@@ -220,6 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def off_and_on(plan: Plan, report: Report, step: int, lines: list[str], clock: Clock, services, render) -> None:
+    """A step's services part: `services(plan, mode, check)` with its setting off and
+    on, rendered below the step's `lines`; skipped when the budget cannot hold it."""
+    if clock.left() < plan.quantized_e2e_s:
+        report.set(step, [*lines, "", f"Services part skipped: {clock.left():.0f} s of the budget left."])
+        return
+    results = {mode: services(plan, mode, sys.modules[__name__]) for mode in ("off", "on")}
+    report.set(step, [*lines, *render(plan, results)])
+
+
 def guarded(report: Report, step: int, title: str, run) -> None:
     """Runs one step; an error becomes the step's section rather than the run's end."""
     log(f"step {step}: {title}")

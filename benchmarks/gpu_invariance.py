@@ -34,11 +34,7 @@ def run(plan, report, step: int, clock, check) -> None:
     lines = [f"## {step}. {TITLE}", ""]
     lines += in_process(plan, check)
     report.set(step, lines)
-    if clock.left() < plan.quantized_e2e_s:
-        report.set(step, [*lines, "", f"Services part skipped: {clock.left():.0f} s of the budget left."])
-        return
-    results = {mode: services(plan, mode, check) for mode in ("off", "on")}
-    report.set(step, [*lines, *service_lines(plan, results)])
+    check.off_and_on(plan, report, step, lines, clock, services, service_lines)
 
 
 def in_process(plan, check) -> list[str]:

@@ -50,11 +50,7 @@ def run(plan, report, step: int, clock, check) -> None:
         for row in model_rows(plan, name, bandwidth, check):
             lines.append(row)
             report.set(step, lines)
-    if clock.left() < plan.quantized_e2e_s:
-        report.set(step, [*lines, "", f"Services part skipped: {clock.left():.0f} s of the budget left."])
-        return
-    rates = {mode: services(plan, mode, check) for mode in ("off", "on")}
-    report.set(step, [*lines, *service_lines(plan, rates)])
+    check.off_and_on(plan, report, step, lines, clock, services, service_lines)
 
 
 def copy_bandwidth(plan, check) -> float:

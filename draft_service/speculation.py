@@ -178,14 +178,6 @@ def _update(result: RoundResult, committed_len: int, first_round: int, verifier:
 #   specdec.finish_reason: on the last round of a call: length or stop_token
 
 
-def target_host_ns(stats) -> int:
-    """The target's host work on a round: its whole time less its pass and its step's queue."""
-    if not stats.target_handled_ns:
-        return 0
-    queue_ns = stats.step.queue_ns if stats.step is not None else 0
-    return max(0, stats.target_handled_ns - stats.target_compute_ns - queue_ns)
-
-
 def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, session_id: str,
                    plan: SpeculatePlan, start_ns: int, end_ns: int) -> None:
     """One finished round as a span (start and end in Unix nanoseconds) and in metrics;
@@ -210,9 +202,9 @@ def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, sessi
             "specdec.draft_ns": stats.draft_ns,
             "specdec.verify_ns": stats.verify_ns,
             "specdec.target_compute_ns": stats.target_compute_ns,
-            "specdec.network_ns": max(0, stats.verify_ns - (stats.target_handled_ns or stats.target_compute_ns)),
+            "specdec.network_ns": stats.network_ns,
             "specdec.target_handled_ns": stats.target_handled_ns,
-            "specdec.target_host_ns": target_host_ns(stats),
+            "specdec.target_host_ns": stats.target_host_ns,
             "specdec.proposal_bytes": wire.proposal_bytes,
             "specdec.verdict_bytes": wire.verdict_bytes,
         }

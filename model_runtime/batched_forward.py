@@ -67,13 +67,12 @@ class SequenceKV:
         start..start+t; returns views of positions 0..start+t."""
         end = start + keys.shape[1]
         cached_keys = self._room(self._keys, layer, keys, end)
-        cached_values = self._room(self._values, layer, values, end, keys_store=False)
+        cached_values = self._room(self._values, layer, values, end)
         cached_keys[:, start:end] = keys
         cached_values[:, start:end] = values
         return cached_keys[:, :end], cached_values[:, :end]
 
-    def _room(self, store: dict[int, torch.Tensor], layer: int, like: torch.Tensor, end: int,
-              keys_store: bool = True) -> torch.Tensor:
+    def _room(self, store: dict[int, torch.Tensor], layer: int, like: torch.Tensor, end: int) -> torch.Tensor:
         current = store.get(layer)
         if current is not None and current.shape[1] >= end:
             return current
@@ -117,16 +116,16 @@ class SlotKV(SequenceKV):
         self.slot: int | None = None
         self._own = False  # growing its own tensors: never a slot again until cleared
 
-    def _room(self, store, layer, like, end, keys_store=True):
+    def _room(self, store, layer, like, end):
         if not self._own and self.slot is None:
             self.slot = self.pool.take()
             self._own = self.slot is None
         if not self._own and end > self.pool.capacity:
             self._leave_slot()
         if self._own:
-            return super()._room(store, layer, like, end, keys_store)
+            return super()._room(store, layer, like, end)
         if layer not in store:
-            store[layer] = (self.pool.keys if keys_store else self.pool.values)[layer][self.slot]
+            store[layer] = (self.pool.keys if store is self._keys else self.pool.values)[layer][self.slot]
         return store[layer]
 
     def _leave_slot(self) -> None:

@@ -187,7 +187,7 @@ class Ranks:
         self.world_size, self.master_addr, self.port = world_size, master_addr, port or _free_port()
         self._closing = threading.Event()
         self.processes = [subprocess.Popen(
-            [*rank_command(rank, world_size, self.port, model, device, dtype, threads, master_addr)],
+            rank_command(rank, world_size, self.port, model, device, dtype, threads, master_addr),
             preexec_fn=_die_with_parent,
         ) for rank in range(1, local_ranks)]
         self._on_lost = on_lost
@@ -305,13 +305,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="ranks per node, with --node-index (default: $TARGET_TENSOR_PARALLEL_LOCAL or 1)")
     parser.add_argument("--master-addr", default="127.0.0.1", help="where rank 0 listens (the leader's address)")
     args = parser.parse_args(argv)
+    args.dtype = loading.resolve_dtype(args.dtype, args.device, sharded=True)  # TARGET_DTYPE may say auto
     if args.node_index >= 0:
         return run_node(args)
     if args.rank < 1:
         parser.error("give --rank R (R >= 1) or --node-index I --local-ranks L")
     logging.basicConfig(level=logging.INFO, format=f"rank {args.rank}: %(levelname)s %(message)s")
     loading.configure_threads(args.threads)
-    args.dtype = loading.resolve_dtype(args.dtype, args.device, sharded=True)  # TARGET_DTYPE may say auto
     local_rank = args.rank if args.local_rank < 0 else args.local_rank
     group = join(args.rank, args.world_size, args.port, args.device, args.master_addr, local_rank)
     loaded = load_shard(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size)
@@ -327,7 +327,6 @@ def run_node(args) -> int:
     """A node after the leader's: its ranks as child processes; ends with the first that
     ends (a rank that fails takes the node down, and its group is restarted whole)."""
     first = args.node_index * args.local_ranks
-    args.dtype = loading.resolve_dtype(args.dtype, args.device, sharded=True)
     if args.node_index < 1 or first + args.local_ranks > args.world_size:
         raise SystemExit(f"--node-index {args.node_index} x --local-ranks {args.local_ranks} is outside "
                          f"--world-size {args.world_size} (node 0 is the leader's target worker)")

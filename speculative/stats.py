@@ -36,6 +36,20 @@ class RoundStats:
     branch_nodes: int = 0
     branch_tokens: int = 0
 
+    @property
+    def network_ns(self) -> int:
+        """The transport alone where the target reported its whole time on the proposal;
+        else the round trip less the target's pass."""
+        return max(0, self.verify_ns - (self.target_handled_ns or self.target_compute_ns))
+
+    @property
+    def target_host_ns(self) -> int:
+        """The target's work on the proposal outside its pass and its step's queue (0: not reported)."""
+        if not self.target_handled_ns:
+            return 0
+        queue_ns = self.step.queue_ns if self.step is not None else 0
+        return max(0, self.target_handled_ns - self.target_compute_ns - queue_ns)
+
 
 @dataclass
 class GenerationStats:
