@@ -28,7 +28,7 @@ else
 $(error PAIR must be smollm2 or qwen, got $(PAIR))
 endif
 
-.PHONY: setup redis-server browser run run-local test test-slow validate-deploy protos bench clean
+.PHONY: setup redis-server browser run run-local test test-slow lint format validate-deploy protos bench clean
 
 setup: $(STAMP) redis-server browser
 
@@ -66,8 +66,17 @@ run: setup $(PAIR_STAMP)
 run-local: setup
 	$(PY) -m speculative "$(PROMPT)" $(RUN_ARGS)
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q
+
+# Format and lint as configured in pyproject.toml; `make format` applies both.
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format --quiet .
+	$(VENV)/bin/ruff check --quiet --fix .
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

@@ -28,7 +28,10 @@ PROMPT_LOOKUP_K = 4  # Hugging Face prompt_lookup_num_tokens, and our fixed k
 
 def chat_ids(tokenizer, text):
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
     )
 
 
@@ -36,11 +39,14 @@ def _hf(loaded, ids, max_new_tokens, **kwargs):
     input_ids = torch.tensor([ids])
     start = time.perf_counter()
     output = loaded.model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-        do_sample=False, **kwargs,
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        **kwargs,
     )
     elapsed = time.perf_counter() - start
-    return output[0, len(ids):].tolist(), elapsed, None
+    return output[0, len(ids) :].tolist(), elapsed, None
 
 
 def _ours(loaded, drafter, policy, ids, max_new_tokens):
@@ -56,11 +62,14 @@ def _methods(loaded, max_new_tokens):
         "target-only (HF generate)": lambda ids: _hf(loaded, ids, max_new_tokens),
         "target-only (ours)": lambda ids: _ours(loaded, None, lambda: 0, ids, max_new_tokens),
         f"HF prompt lookup k={PROMPT_LOOKUP_K}": lambda ids: _hf(
-            loaded, ids, max_new_tokens, prompt_lookup_num_tokens=PROMPT_LOOKUP_K),
+            loaded, ids, max_new_tokens, prompt_lookup_num_tokens=PROMPT_LOOKUP_K
+        ),
         f"ours n-gram k={PROMPT_LOOKUP_K}": lambda ids: _ours(
-            loaded, ngram, lambda: PROMPT_LOOKUP_K, ids, max_new_tokens),
+            loaded, ngram, lambda: PROMPT_LOOKUP_K, ids, max_new_tokens
+        ),
         "ours n-gram adaptive k<=8": lambda ids: _ours(
-            loaded, ngram, lambda: AdaptiveK(8), ids, max_new_tokens),
+            loaded, ngram, lambda: AdaptiveK(8), ids, max_new_tokens
+        ),
     }
 
 
@@ -78,7 +87,8 @@ def measure(loaded, max_new_tokens, repeats):
         results[name] = {
             method: (
                 statistics.median(len(tokens) / seconds for tokens, seconds, _ in method_runs),
-                method_runs[0][0], method_runs[0][2],
+                method_runs[0][0],
+                method_runs[0][2],
             )
             for method, method_runs in runs.items()
         }
@@ -96,12 +106,17 @@ def print_table(title, results, baseline="target-only (HF generate)"):
         stats = row[f"ours n-gram k={PROMPT_LOOKUP_K}"][2]
         reference = row["target-only (ours)"][1]
         equal = sum(row[m][1] == reference for m in methods)
-        print(f"| {prompt} | " + " | ".join(cells)
-              + f" | {stats.acceptance_rate:.0%}, {stats.tokens_per_round:.2f} tok/pass | {equal}/{len(methods)} |")
+        print(
+            f"| {prompt} | "
+            + " | ".join(cells)
+            + f" | {stats.acceptance_rate:.0%}, {stats.tokens_per_round:.2f} tok/pass | {equal}/{len(methods)} |"
+        )
     for method in methods:
         ratios = [row[method][0] / row[baseline][0] for row in results.values()]
-        print(f"- {method}: geometric-mean speedup {statistics.geometric_mean(ratios):.2f}x, "
-              f"min {min(ratios):.2f}x, max {max(ratios):.2f}x")
+        print(
+            f"- {method}: geometric-mean speedup {statistics.geometric_mean(ratios):.2f}x, "
+            f"min {min(ratios):.2f}x, max {max(ratios):.2f}x"
+        )
 
 
 def main():
@@ -112,8 +127,10 @@ def main():
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised), {args.max_new_tokens} new tokens, "
-          f"greedy, {torch.get_num_threads()} threads, median of {args.repeats} interleaved repeats")
+    print(
+        f"SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised), {args.max_new_tokens} new tokens, "
+        f"greedy, {torch.get_num_threads()} threads, median of {args.repeats} interleaved repeats"
+    )
     for dtype in args.dtypes.split(","):
         loaded = load_model("smollm2-135m", dtype=dtype)
         print_table(dtype, measure(loaded, args.max_new_tokens, args.repeats))

@@ -1,8 +1,8 @@
 """Draft variants priced by measurement: what each costs a token, how often the target
 accepts it, and what it buys end to end.
 
-    .venv/bin/python -m benchmarks.bench_drafts                      # Qwen2.5-Coder 0.5B / 1.5B, 5 prompts (about 20 min)
-    .venv/bin/python -m benchmarks.bench_drafts --quick              # checks the script: 1 prompt, 16 tokens, 1 repeat
+    .venv/bin/python -m benchmarks.bench_drafts          # Qwen2.5-Coder 0.5B / 1.5B, 5 prompts (20 min)
+    .venv/bin/python -m benchmarks.bench_drafts --quick  # checks the script: 1 prompt, 16 tokens, 1 repeat
 
 In one process, greedy, chat template, each prompt's target-only output (our k=0) as
 the reference. Per draft variant (the 0.5B in fp32 and in each CPU quantization, the
@@ -60,7 +60,9 @@ class Variant:
     lookup_first: bool = False  # the cascade: prompt lookup, this model where it finds nothing
 
     def load(self) -> LoadedModel:
-        return load_model(self.model or TARGET, quantize=self.quantize, keep_output_layer=self.keep_output_layer)
+        return load_model(
+            self.model or TARGET, quantize=self.quantize, keep_output_layer=self.keep_output_layer
+        )
 
 
 VARIANTS = (
@@ -79,7 +81,9 @@ class Reading:
 
     agreement: float
     token_ms: list[float] = field(default_factory=list)
-    agreed: list[bool] = field(default_factory=list)  # per reference token: the draft's argmax was it
+    agreed: list[bool] = field(
+        default_factory=list
+    )  # per reference token: the draft's argmax was it
 
 
 def read_along(loaded: LoadedModel, prompt: list[int], reference: list[int]) -> Reading:
@@ -96,7 +100,8 @@ def read_along(loaded: LoadedModel, prompt: list[int], reference: list[int]) -> 
             times.append((time.perf_counter() - start) * 1e3)
             session.append([token])
     session.release()
-    return Reading(sum(agreed) / len(reference), times[1:], agreed)  # the first came with the prefill
+    # the first came with the prefill
+    return Reading(sum(agreed) / len(reference), times[1:], agreed)
 
 
 def pass_costs(loaded: LoadedModel, prompt: list[int], repeats: int) -> dict[int, float]:
@@ -142,8 +147,13 @@ def ceiling(agreed: list[bool], draft_ms: float, costs: dict[int, float]) -> tup
     and that k: E[tokens](k) c(1) / (k d + c(k + 1)) (Leviathan et al. 2023, eq. 1,
     with the measured run lengths instead of an i.i.d. rate, and the measured pass
     cost per width). No overhead, no policy: what no scheduling of k can beat."""
-    return max(((expected_tokens(agreed, k) * costs[1] / (k * draft_ms + costs[k + 1]), k) for k in CEILING_KS),
-               key=lambda cell: (cell[0], -cell[1]))
+    return max(
+        (
+            (expected_tokens(agreed, k) * costs[1] / (k * draft_ms + costs[k + 1]), k)
+            for k in CEILING_KS
+        ),
+        key=lambda cell: (cell[0], -cell[1]),
+    )
 
 
 def method(target: LoadedModel, drafter, k: int, max_new_tokens: int):
@@ -154,13 +164,18 @@ def method(target: LoadedModel, drafter, k: int, max_new_tokens: int):
         start = time.perf_counter()
         result = generator.generate(ids, params, k=FixedK(k) if drafter else 0)
         return Run(result.token_ids, time.perf_counter() - start, result.stats)
+
     return run
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_drafts", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_drafts", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--prompts", default=",".join(PROMPTS))
-    parser.add_argument("--variants", default="", help="comma-separated indices into VARIANTS (default all)")
+    parser.add_argument(
+        "--variants", default="", help="comma-separated indices into VARIANTS (default all)"
+    )
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
@@ -169,24 +184,42 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens, args.repeats = "code_edit", 16, 1
-    variants = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else list(VARIANTS)
+    variants = (
+        [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else list(VARIANTS)
+    )
     prompts = args.prompts.split(",")
-    command = "python -m benchmarks.bench_drafts " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.bench_drafts " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
 
     target = load_model(TARGET)
     inputs = {name: chat_ids(target.tokenizer, PROMPTS[name]) for name in prompts}
     baseline = method(target, None, 0, args.max_new_tokens)
     references = {name: baseline(ids).token_ids for name, ids in inputs.items()}
     costs = pass_costs(target, next(iter(inputs.values())), repeats=5)
-    print("target pass ms by width: " + ", ".join(f"{w}: {c:.0f}" for w, c in costs.items()), flush=True)
+    print(
+        "target pass ms by width: " + ", ".join(f"{w}: {c:.0f}" for w, c in costs.items()),
+        flush=True,
+    )
 
     drafts, readings = {}, {}
     for variant in variants:
-        loaded = drafts.get((variant.model, variant.quantize, variant.keep_output_layer)) or variant.load()
+        loaded = (
+            drafts.get((variant.model, variant.quantize, variant.keep_output_layer))
+            or variant.load()
+        )
         drafts[(variant.model, variant.quantize, variant.keep_output_layer)] = loaded
-        readings[variant.name] = {name: read_along(loaded, ids, references[name]) for name, ids in inputs.items()}
-        print(f"{variant.name}: " + ", ".join(f"{n} {r.agreement:.2f} @ {statistics.median(r.token_ms):.0f} ms"
-                                             for n, r in readings[variant.name].items()), flush=True)
+        readings[variant.name] = {
+            name: read_along(loaded, ids, references[name]) for name, ids in inputs.items()
+        }
+        print(
+            f"{variant.name}: "
+            + ", ".join(
+                f"{n} {r.agreement:.2f} @ {statistics.median(r.token_ms):.0f} ms"
+                for n, r in readings[variant.name].items()
+            ),
+            flush=True,
+        )
 
     methods = {TARGET_ONLY: baseline}
     for variant in variants:
@@ -199,34 +232,62 @@ def main(argv=None) -> int:
         for repeat in range(args.repeats):
             for m in round_order(list(methods), repeat):
                 runs[name][m].append(methods[m](ids))
-        print(f"  {name}: " + ", ".join(f"{m} {statistics.median(r.tokens_per_s for r in rs):.2f} tok/s"
-                                       for m, rs in runs[name].items()), flush=True)
+        print(
+            f"  {name}: "
+            + ", ".join(
+                f"{m} {statistics.median(r.tokens_per_s for r in rs):.2f} tok/s"
+                for m, rs in runs[name].items()
+            ),
+            flush=True,
+        )
 
     text = report(command, args, variants, costs, readings, runs, references)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results_drafts.md").write_text(text)
-    (out / "runs_drafts.json").write_text(json.dumps({
-        "pass_ms": costs,
-        "readings": {v: {p: {"agreement": r.agreement, "token_ms": [round(t, 2) for t in r.token_ms],
-                             "agreed": [int(a) for a in r.agreed]}
-                         for p, r in per.items()} for v, per in readings.items()},
-        "runs": {p: {m: [[len(r.token_ids), round(r.seconds, 4)] for r in rs] for m, rs in per.items()}
-                 for p, per in runs.items()},
-    }, indent=1))
+    (out / "runs_drafts.json").write_text(
+        json.dumps(
+            {
+                "pass_ms": costs,
+                "readings": {
+                    v: {
+                        p: {
+                            "agreement": r.agreement,
+                            "token_ms": [round(t, 2) for t in r.token_ms],
+                            "agreed": [int(a) for a in r.agreed],
+                        }
+                        for p, r in per.items()
+                    }
+                    for v, per in readings.items()
+                },
+                "runs": {
+                    p: {
+                        m: [[len(r.token_ids), round(r.seconds, 4)] for r in rs]
+                        for m, rs in per.items()
+                    }
+                    for p, per in runs.items()
+                },
+            },
+            indent=1,
+        )
+    )
     print(text)
     return 0
 
 
 def report(command, args, variants, costs, readings, runs, references) -> str:
     lines = [
-        "# Draft variants", "",
-        f"Command: `{command}`", "",
+        "# Draft variants",
+        "",
+        f"Command: `{command}`",
+        "",
         f"Hardware: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}. "
         f"Target {TARGET} fp32 (oneDNN-packed linears); greedy, chat template, {args.max_new_tokens} new tokens, "
-        f"fixed k={args.k}, {args.repeats} repeats interleaved with target-only; in one process.", "",
+        f"fixed k={args.k}, {args.repeats} repeats interleaved with target-only; in one process.",
+        "",
         "Target pass over w new tokens after the prompt, ms: "
-        + ", ".join(f"w={w}: {c:.0f}" for w, c in costs.items()), "",
+        + ", ".join(f"w={w}: {c:.0f}" for w, c in costs.items()),
+        "",
         "| variant | ms / draft token | d / c(1) | agreement (min-max over prompts) | speedup, geometric mean "
         "(min-max) | acceptance by position | Leviathan bound | ours / bound | outputs equal |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -245,23 +306,37 @@ def report(command, args, variants, costs, readings, runs, references) -> str:
             f"| {variant.name} | {draft_ms:.0f} | {draft_ms / costs[1]:.2f} | {statistics.fmean(agreements):.2f} "
             f"({min(agreements):.2f}-{max(agreements):.2f}) | {statistics.geometric_mean(speedups):.2f}x "
             f"({min(speedups):.2f}-{max(speedups):.2f}) | {positions} | "
-            f"{statistics.geometric_mean(bounds):.2f}x | {statistics.geometric_mean(ours_over):.2f} | {equal}/{total} |")
-    lines += ["", "Ceiling per prompt: the best speedup rounds of one k can reach with the variant's "
-              "measured run lengths of agreement and costs (`ceiling`; k in brackets):", "",
-              "| variant | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|"]
+            f"{statistics.geometric_mean(bounds):.2f}x | {statistics.geometric_mean(ours_over):.2f} | {equal}/{total} |"
+        )
+    lines += [
+        "",
+        "Ceiling per prompt: the best speedup rounds of one k can reach with the variant's "
+        "measured run lengths of agreement and costs (`ceiling`; k in brackets):",
+        "",
+        "| variant | " + " | ".join(runs) + " |",
+        "|---" * (len(runs) + 1) + "|",
+    ]
     for variant in variants:
         per = readings[variant.name]
         draft_ms = statistics.median(t for r in per.values() for t in r.token_ms)
         cells = [ceiling(per[p].agreed, draft_ms, costs) for p in runs]
-        lines.append(f"| {variant.name} | " + " | ".join(f"{c:.2f}x (k={k})" for c, k in cells) + " |")
-    lines += ["", "Per prompt (speedup over target-only, paired 95% interval where 2+ repeats; agreement):", ""]
+        lines.append(
+            f"| {variant.name} | " + " | ".join(f"{c:.2f}x (k={k})" for c, k in cells) + " |"
+        )
+    lines += [
+        "",
+        "Per prompt (speedup over target-only, paired 95% interval where 2+ repeats; agreement):",
+        "",
+    ]
     for prompt in runs:
         cells = []
         for variant in variants:
             paired = paired_ratio(runs[prompt][variant.name], runs[prompt][TARGET_ONLY])
             interval = f" [{paired[1]:.2f}, {paired[2]:.2f}]" if paired else ""
-            cells.append(f"{variant.name} {_ratio(runs[prompt][variant.name], runs[prompt][TARGET_ONLY]):.2f}x"
-                         f"{interval} (a={readings[variant.name][prompt].agreement:.2f})")
+            cells.append(
+                f"{variant.name} {_ratio(runs[prompt][variant.name], runs[prompt][TARGET_ONLY]):.2f}x"
+                f"{interval} (a={readings[variant.name][prompt].agreement:.2f})"
+            )
         lines.append(f"- {prompt}: " + "; ".join(cells))
     lines.append("")
     return "\n".join(lines)
@@ -269,12 +344,19 @@ def report(command, args, variants, costs, readings, runs, references) -> str:
 
 def _ratio(method_runs: list[Run], baseline_runs: list[Run]) -> float:
     return statistics.median(r.tokens_per_s for r in method_runs) / statistics.median(
-        r.tokens_per_s for r in baseline_runs)
+        r.tokens_per_s for r in baseline_runs
+    )
 
 
 def _by_position(stats: list, k: int) -> str:
-    drafted = [sum(s.drafted_per_position[i] for s in stats if len(s.drafted_per_position) > i) for i in range(k)]
-    accepted = [sum(s.accepted_per_position[i] for s in stats if len(s.accepted_per_position) > i) for i in range(k)]
+    drafted = [
+        sum(s.drafted_per_position[i] for s in stats if len(s.drafted_per_position) > i)
+        for i in range(k)
+    ]
+    accepted = [
+        sum(s.accepted_per_position[i] for s in stats if len(s.accepted_per_position) > i)
+        for i in range(k)
+    ]
     return " ".join(f"{a / d:.2f}" if d else "-" for a, d in zip(accepted, drafted))
 
 

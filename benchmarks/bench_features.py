@@ -25,7 +25,15 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_core import chat_ids
-from benchmarks.bench_suite import ADAPTIVE_MAX_K, PAIRS, Run, exactness_line, hardware, measure, paired_ratio
+from benchmarks.bench_suite import (
+    ADAPTIVE_MAX_K,
+    PAIRS,
+    Run,
+    exactness_line,
+    hardware,
+    measure,
+    paired_ratio,
+)
 from benchmarks.prompts import PROMPTS
 from model_runtime.loading import load_model
 from speculative.drafters import ModelDrafter
@@ -42,55 +50,81 @@ ALL_ON = Features(**{switch.name: True for switch in dataclasses.fields(Features
 
 def method(target, drafter, features: Features | None, max_new_tokens: int):
     """A call's runner: adaptive with these features, or target-only (features None)."""
-    generator = SpeculativeGenerator(target, drafter if features is not None else None,
-                                     features=features or ALL_ON)
+    generator = SpeculativeGenerator(
+        target, drafter if features is not None else None, features=features or ALL_ON
+    )
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(target.eos_token_id,))
 
     def run(ids):
         start = time.perf_counter()
-        result = generator.generate(ids, params, k=AdaptiveK(ADAPTIVE_MAX_K) if features is not None else 0)
+        result = generator.generate(
+            ids, params, k=AdaptiveK(ADAPTIVE_MAX_K) if features is not None else 0
+        )
         return Run(result.token_ids, time.perf_counter() - start, result.stats)
+
     return run
 
 
 def methods(target, drafter, max_new_tokens: int) -> dict:
-    every = {"target-only": method(target, drafter, None, max_new_tokens),
-             "all on": method(target, drafter, ALL_ON, max_new_tokens)}
+    every = {
+        "target-only": method(target, drafter, None, max_new_tokens),
+        "all on": method(target, drafter, ALL_ON, max_new_tokens),
+    }
     for name in SWITCHED_OFF:
-        every[f"{name} off"] = method(target, drafter, dataclasses.replace(ALL_ON, **{name: False}),
-                                      max_new_tokens)
+        every[f"{name} off"] = method(
+            target, drafter, dataclasses.replace(ALL_ON, **{name: False}), max_new_tokens
+        )
     return every
 
 
 def report(command: str, pair_name: str, drafter_name: str, results: dict, args) -> str:
     names = list(next(iter(results.values())))
-    lines = [f"# The optimisations around the round loop, {pair_name} ({drafter_name})", "",
-             f"Command: `{command}`", "", f"Hardware: {hardware()}; {args.threads} torch threads. In process, "
-             f"adaptive k <= {ADAPTIVE_MAX_K}, greedy, {args.max_new_tokens} new tokens, chat template, "
-             f"{args.repeats} interleaved repeats. Cells: speedup over target-only (geometric mean of paired "
-             "repeats, 95% interval); last row: each method against all on.", "",
-             "| prompt | " + " | ".join(n for n in names if n != "target-only") + " |",
-             "|---" * len(names) + "|"]
+    lines = [
+        f"# The optimisations around the round loop, {pair_name} ({drafter_name})",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Hardware: {hardware()}; {args.threads} torch threads. In process, "
+        f"adaptive k <= {ADAPTIVE_MAX_K}, greedy, {args.max_new_tokens} new tokens, chat template, "
+        f"{args.repeats} interleaved repeats. Cells: speedup over target-only (geometric mean of paired "
+        "repeats, 95% interval); last row: each method against all on.",
+        "",
+        "| prompt | " + " | ".join(n for n in names if n != "target-only") + " |",
+        "|---" * len(names) + "|",
+    ]
     against_all_on = {n: [] for n in names if n != "target-only"}
     for prompt, runs in results.items():
         cells = []
         for name in against_all_on:
             ratio, low, high = paired_ratio(runs[name], runs["target-only"])
             cells.append(f"{ratio:.2f}x [{low:.2f}, {high:.2f}]")
-            against_all_on[name] += [m.tokens_per_s / b.tokens_per_s for m, b in zip(runs[name], runs["all on"])]
+            against_all_on[name] += [
+                m.tokens_per_s / b.tokens_per_s for m, b in zip(runs[name], runs["all on"])
+            ]
         lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
-    lines.append("| geomean against all on | " + " | ".join(
-        f"{statistics.geometric_mean(r):.3f}" for r in against_all_on.values()) + " |")
+    lines.append(
+        "| geomean against all on | "
+        + " | ".join(f"{statistics.geometric_mean(r):.3f}" for r in against_all_on.values())
+        + " |"
+    )
     lines += ["", exactness_line(results), ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_features", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_features", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--pair", choices=sorted(PAIRS), default="smollm2")
-    parser.add_argument("--drafter", choices=("model", "ngram", "ngram+model"), default=None,
-                        help="default: the pair's (model with a draft model, else ngram)")
-    parser.add_argument("--prompts", default=None, help="comma-separated prompt kinds (default: the pair's)")
+    parser.add_argument(
+        "--drafter",
+        choices=("model", "ngram", "ngram+model"),
+        default=None,
+        help="default: the pair's (model with a draft model, else ngram)",
+    )
+    parser.add_argument(
+        "--prompts", default=None, help="comma-separated prompt kinds (default: the pair's)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -101,12 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     drafter_name = args.drafter or pair.drafter
     target = load_model(pair.target)
     model = ModelDrafter(load_model(pair.draft, quantize=pair.quantization)) if pair.draft else None
-    drafter = {"model": model, "ngram": NgramDrafter(),
-               "ngram+model": model and LookupThenModelDrafter(model, NgramDrafter())}[drafter_name]
+    drafter = {
+        "model": model,
+        "ngram": NgramDrafter(),
+        "ngram+model": model and LookupThenModelDrafter(model, NgramDrafter()),
+    }[drafter_name]
     prompts = args.prompts.split(",") if args.prompts else list(pair.prompts)
     inputs = {name: chat_ids(target.tokenizer, PROMPTS[name]) for name in prompts}
     results = measure(methods(target, drafter, args.max_new_tokens), inputs, args.repeats)
-    command = "python -m benchmarks.bench_features " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.bench_features " + shlex.join(
+        argv if argv is not None else sys.argv[1:]
+    )
     text = report(command, args.pair, drafter_name, results, args)
     path = Path(args.out) / f"results_features_{args.pair}.md"
     path.parent.mkdir(parents=True, exist_ok=True)

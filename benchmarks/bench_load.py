@@ -1,8 +1,8 @@
 """Load benchmark: throughput and latency of the services under concurrent sessions.
 
-    .venv/bin/python -m benchmarks.bench_load                      # SmolLM2-135M target, n-gram drafter (< 25 min, 2 cores)
+    .venv/bin/python -m benchmarks.bench_load                      # SmolLM2-135M, n-gram (< 25 min, 2 cores)
     .venv/bin/python -m benchmarks.bench_load --pair qwen          # Qwen2.5-Coder 1.5B target, 0.5B draft model
-    .venv/bin/python -m benchmarks.bench_load --target-workers 2   # also: two targets behind one orchestrator at 16 sessions
+    .venv/bin/python -m benchmarks.bench_load --target-workers 2   # also two targets behind one orchestrator
     .venv/bin/python -m benchmarks.bench_load --concurrency 1,2 --max-new-tokens 16 --requests-per-client 2 \\
         --open-loop-fractions '' --out /tmp/load                   # checks the script (minutes)
 
@@ -99,7 +99,7 @@ LOAD_PROMPTS = {
         "2025 in Lisbon. Please arrive fifteen minutes early to collect your badge."
     ),
     "sql": "Write an SQL query that returns the ten customers with the highest total order value from tables "
-           "customers(id, name) and orders(id, customer_id, amount).",
+    "customers(id, name) and orders(id, customer_id, amount).",
     "email": "Draft a short email to a colleague asking to move our Thursday meeting to next Monday morning.",
 }
 
@@ -119,7 +119,9 @@ class Pair:
 PAIRS = {
     "smollm2": Pair("smollm2-135m", "", (1, 2, 4, 8, 16, 32)),
     "qwen": Pair("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", (1, 4, 8)),
-    "tiny": Pair("tiny-random:1", "", (1, 2), chat=False),  # tests: a seeded random model, byte tokenizer
+    "tiny": Pair(
+        "tiny-random:1", "", (1, 2), chat=False
+    ),  # tests: a seeded random model, byte tokenizer
 }
 
 
@@ -135,7 +137,11 @@ class Method:
 
 def methods_for(k: int, adaptive_max_k: int) -> list[Method]:
     """k=0 (the baseline, first), fixed k, adaptive k."""
-    return [Method(BASELINE, 0), Method(f"k={k}", k), Method(f"adaptive k<={adaptive_max_k}", adaptive_max_k, True)]
+    return [
+        Method(BASELINE, 0),
+        Method(f"k={k}", k),
+        Method(f"adaptive k<={adaptive_max_k}", adaptive_max_k, True),
+    ]
 
 
 # --- one request ------------------------------------------------------------------------
@@ -153,7 +159,9 @@ class RequestRecord:
     scheduled_s: float | None = None  # open loop: the planned arrival
     status: str = "OK"  # gRPC status code name
     detail: str = ""  # the error's details, cut short
-    chunk_s: list[float] = field(default_factory=list)  # [num_chunks] arrival of each chunk with tokens
+    chunk_s: list[float] = field(
+        default_factory=list
+    )  # [num_chunks] arrival of each chunk with tokens
     chunk_tokens: list[int] = field(default_factory=list)  # [num_chunks] tokens in that chunk
     token_ids: list[int] = field(default_factory=list)  # [num_tokens]
     finish_reason: str = ""
@@ -184,16 +192,23 @@ def inter_token_times(chunk_s: list[float], chunk_tokens: list[int]) -> list[flo
     return samples
 
 
-def build_request(pair: Pair, method: Method, text: str, max_new_tokens: int) -> orchestrator_pb2.GenerateRequest:
+def build_request(
+    pair: Pair, method: Method, text: str, max_new_tokens: int
+) -> orchestrator_pb2.GenerateRequest:
     """Greedy, a new session, stats on the last chunk."""
     request = orchestrator_pb2.GenerateRequest(include_stats=True)
     if pair.chat:
         request.chat.messages.add(role="user", content=text)
     else:
         request.text = text
-    request.sampling.CopyFrom(common_pb2.SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(
-        num_speculative_tokens=method.k, drafter=pair.drafter, adaptive=method.adaptive))
+    request.sampling.CopyFrom(
+        common_pb2.SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    )
+    request.speculation.CopyFrom(
+        common_pb2.SpeculationParams(
+            num_speculative_tokens=method.k, drafter=pair.drafter, adaptive=method.adaptive
+        )
+    )
     return request
 
 
@@ -213,7 +228,8 @@ def send(stub, request, record: RequestRecord, zero: float, timeout_s: float) ->
                 record.finish_reason = common_pb2.FinishReason.Name(chunk.finish_reason)
             if chunk.HasField("stats"):
                 record.queue_ns = chunk.stats.queue_ns
-                record.num_drafted, record.num_accepted = chunk.stats.num_drafted, chunk.stats.num_accepted
+                record.num_drafted = chunk.stats.num_drafted
+                record.num_accepted = chunk.stats.num_accepted
     except grpc.RpcError as error:
         record.status, record.detail = error.code().name, (error.details() or "")[:200]
     record.end_s = time.perf_counter() - zero
@@ -243,7 +259,9 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return value / base if value is not None and base else None
 
 
-def poisson_schedule(rate_per_s: float, max_requests: int, max_duration_s: float, seed: int) -> list[float]:
+def poisson_schedule(
+    rate_per_s: float, max_requests: int, max_duration_s: float, seed: int
+) -> list[float]:
     """Arrival times, in seconds from the start, of a Poisson process of rate_per_s
     (exponential gaps of mean 1 / rate), seeded; at most max_requests, none after
     max_duration_s."""
@@ -286,7 +304,9 @@ def steady_window(records: list[RequestRecord]) -> tuple[int, float]:
     if not last_end:
         return 0, 0.0
     start, end = min(r.start_s for r in records), min(last_end.values())
-    tokens = sum(count for r in records if r.ok for t, count in zip(r.chunk_s, r.chunk_tokens) if t <= end)
+    tokens = sum(
+        count for r in records if r.ok for t, count in zip(r.chunk_s, r.chunk_tokens) if t <= end
+    )
     return tokens, end - start
 
 
@@ -297,8 +317,15 @@ def pooled(cells: list[Cell]) -> Cell:
     steady = None
     if all(c.steady is not None for c in cells):
         steady = (sum(c.steady[0] for c in cells), sum(c.steady[1] for c in cells))
-    return Cell(first.phase, first.method, first.load, sum(c.seconds for c in cells),
-                [r for c in cells for r in c.records], first.target_workers, steady=steady)
+    return Cell(
+        first.phase,
+        first.method,
+        first.load,
+        sum(c.seconds for c in cells),
+        [r for c in cells for r in c.records],
+        first.target_workers,
+        steady=steady,
+    )
 
 
 @dataclass
@@ -309,7 +336,9 @@ class Summary:
     failed: dict[str, int]  # {gRPC status code name: requests}
     mismatches: int  # completed outputs unlike the reference
     tokens_per_s: float
-    steady_tokens_per_s: float | None  # closed loop: while every client was in flight (steady_window)
+    steady_tokens_per_s: (
+        float | None
+    )  # closed loop: while every client was in flight (steady_window)
     requests_per_s: float  # completed
     ttft_p50_ms: float | None
     ttft_p95_ms: float | None
@@ -335,12 +364,18 @@ def summarize(cell: Cell) -> Summary:
         failed=dict(Counter(r.status for r in cell.records if not r.ok)),
         mismatches=sum(r.matches_reference is False for r in done),
         tokens_per_s=sum(len(r.token_ids) for r in done) / seconds,
-        steady_tokens_per_s=cell.steady[0] / cell.steady[1] if cell.steady and cell.steady[1] > 0 else None,
+        steady_tokens_per_s=cell.steady[0] / cell.steady[1]
+        if cell.steady and cell.steady[1] > 0
+        else None,
         requests_per_s=len(done) / seconds,
-        ttft_p50_ms=percentile(ttft, 50), ttft_p95_ms=percentile(ttft, 95),
-        per_token_p50_ms=percentile(per_token, 50), per_token_p95_ms=percentile(per_token, 95),
-        queue_p50_ms=percentile(queue, 50), queue_p95_ms=percentile(queue, 95),
-        e2e_p50_s=percentile(e2e, 50), e2e_p95_s=percentile(e2e, 95),
+        ttft_p50_ms=percentile(ttft, 50),
+        ttft_p95_ms=percentile(ttft, 95),
+        per_token_p50_ms=percentile(per_token, 50),
+        per_token_p95_ms=percentile(per_token, 95),
+        queue_p50_ms=percentile(queue, 50),
+        queue_p95_ms=percentile(queue, 95),
+        e2e_p50_s=percentile(e2e, 50),
+        e2e_p95_s=percentile(e2e, 95),
         acceptance=sum(r.num_accepted for r in done) / drafted if drafted else None,
     )
 
@@ -358,11 +393,14 @@ class Ratios:
 
 
 def ratios(summary: Summary, base: Summary) -> Ratios:
-    return Ratios(ratio(summary.tokens_per_s, base.tokens_per_s),
-                  ratio(summary.steady_tokens_per_s, base.steady_tokens_per_s),
-                  ratio(summary.ttft_p50_ms, base.ttft_p50_ms), ratio(summary.ttft_p95_ms, base.ttft_p95_ms),
-                  ratio(summary.per_token_p50_ms, base.per_token_p50_ms),
-                  ratio(summary.per_token_p95_ms, base.per_token_p95_ms))
+    return Ratios(
+        ratio(summary.tokens_per_s, base.tokens_per_s),
+        ratio(summary.steady_tokens_per_s, base.steady_tokens_per_s),
+        ratio(summary.ttft_p50_ms, base.ttft_p50_ms),
+        ratio(summary.ttft_p95_ms, base.ttft_p95_ms),
+        ratio(summary.per_token_p50_ms, base.per_token_p50_ms),
+        ratio(summary.per_token_p95_ms, base.per_token_p95_ms),
+    )
 
 
 def check_exactness(cell: Cell, reference: dict[str, list[int]]) -> list[str]:
@@ -375,11 +413,15 @@ def check_exactness(cell: Cell, reference: dict[str, list[int]]) -> list[str]:
         expected = reference[record.prompt]
         record.matches_reference = record.token_ids == expected
         if not record.matches_reference:
-            at = next((i for i, (a, b) in enumerate(zip(expected, record.token_ids)) if a != b),
-                      min(len(expected), len(record.token_ids)))
-            lines.append(f"{cell.phase} {cell.method} load {cell.load:g}, prompt {record.prompt}: first difference "
-                         f"at token {at}, expected {expected[at:at + 5]}, got {record.token_ids[at:at + 5]} "
-                         f"({len(record.token_ids)} tokens, reference {len(expected)})")
+            at = next(
+                (i for i, (a, b) in enumerate(zip(expected, record.token_ids)) if a != b),
+                min(len(expected), len(record.token_ids)),
+            )
+            lines.append(
+                f"{cell.phase} {cell.method} load {cell.load:g}, prompt {record.prompt}: first difference "
+                f"at token {at}, expected {expected[at : at + 5]}, got {record.token_ids[at : at + 5]} "
+                f"({len(record.token_ids)} tokens, reference {len(expected)})"
+            )
     return lines
 
 
@@ -391,8 +433,12 @@ def running_system(pair: Pair, args, target_workers: int = 1):
     """An Orchestrator stub of target(s), draft and orchestrator started as local
     processes on loopback; every process is stopped on leaving, error or not."""
     system_args = parse_args(["--http-port", "-1"])  # no HTTP front: gRPC clients only
-    system_args.target_model, system_args.draft_model, system_args.drafter = pair.target, pair.draft, pair.drafter
-    system_args.target_workers, system_args.port, system_args.threads = target_workers, 0, args.threads
+    system_args.target_model = pair.target
+    system_args.draft_model = pair.draft
+    system_args.drafter = pair.drafter
+    system_args.target_workers = target_workers
+    system_args.port = 0
+    system_args.threads = args.threads
     system_args.startup_timeout = 1800.0  # a large target loads slowly on 2 cores
     system_args.draft_tree_width = args.tree_width  # token trees where asked (1: chains)
     system_args.log_dir = tempfile.mkdtemp(prefix="bench-load-logs-")
@@ -408,8 +454,16 @@ def running_system(pair: Pair, args, target_workers: int = 1):
         cluster.stop()
 
 
-def closed_loop(stub, pair: Pair, method: Method, concurrency: int, args, phase: str = "closed",
-                target_workers: int = 1, repeat: int = 0) -> Cell:
+def closed_loop(
+    stub,
+    pair: Pair,
+    method: Method,
+    concurrency: int,
+    args,
+    phase: str = "closed",
+    target_workers: int = 1,
+    repeat: int = 0,
+) -> Cell:
     """`concurrency` clients, each sending its next request when its last one ends."""
     prompts = list(LOAD_PROMPTS.items())
     zero = time.perf_counter()
@@ -419,30 +473,54 @@ def closed_loop(stub, pair: Pair, method: Method, concurrency: int, args, phase:
         for sent in range(args.requests_per_client):
             if time.perf_counter() - zero >= args.duration_s:
                 break
-            kind, text = prompts[(index + sent * concurrency) % len(prompts)]  # all clients together cycle the kinds
+            kind, text = prompts[
+                (index + sent * concurrency) % len(prompts)
+            ]  # all clients together cycle the kinds
             request = build_request(pair, method, text, args.max_new_tokens)
-            records.append(send(stub, request, RequestRecord(method.name, kind, index), zero, args.timeout_s))
+            records.append(
+                send(stub, request, RequestRecord(method.name, kind, index), zero, args.timeout_s)
+            )
         return records
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         per_client = list(pool.map(client, range(concurrency)))
     records = [record for records in per_client for record in records]
-    return Cell(phase, method.name, concurrency, time.perf_counter() - zero, records, target_workers, repeat,
-                steady_window(records))
+    return Cell(
+        phase,
+        method.name,
+        concurrency,
+        time.perf_counter() - zero,
+        records,
+        target_workers,
+        repeat,
+        steady_window(records),
+    )
 
 
-def open_loop(stub, pair: Pair, method: Method, rate_per_s: float, schedule: list[float], args) -> Cell:
+def open_loop(
+    stub, pair: Pair, method: Method, rate_per_s: float, schedule: list[float], args
+) -> Cell:
     """One request per arrival of `schedule`, sent at its time whatever is in flight."""
     prompts = list(LOAD_PROMPTS.items())
     zero = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, len(schedule))) as pool:  # a thread per arrival: never late
+    with ThreadPoolExecutor(
+        max_workers=max(1, len(schedule))
+    ) as pool:  # a thread per arrival: never late
         futures = []
         for index, at in enumerate(schedule):
             time.sleep(max(0.0, zero + at - time.perf_counter()))
             kind, text = prompts[index % len(prompts)]
             record = RequestRecord(method.name, kind, index, scheduled_s=at)
-            futures.append(pool.submit(send, stub, build_request(pair, method, text, args.max_new_tokens), record,
-                                       zero, args.timeout_s))
+            futures.append(
+                pool.submit(
+                    send,
+                    stub,
+                    build_request(pair, method, text, args.max_new_tokens),
+                    record,
+                    zero,
+                    args.timeout_s,
+                )
+            )
         records = [future.result() for future in futures]
     return Cell("open", method.name, rate_per_s, time.perf_counter() - zero, records)
 
@@ -450,12 +528,21 @@ def open_loop(stub, pair: Pair, method: Method, rate_per_s: float, schedule: lis
 def reference_pass(stub, pair: Pair, method: Method, args) -> Cell:
     """k=0, one session at a time, every prompt once: the outputs every other run must equal."""
     zero = time.perf_counter()
-    records = [send(stub, build_request(pair, method, text, args.max_new_tokens),
-                    RequestRecord(method.name, kind, 0), zero, args.timeout_s)
-               for kind, text in LOAD_PROMPTS.items()]
+    records = [
+        send(
+            stub,
+            build_request(pair, method, text, args.max_new_tokens),
+            RequestRecord(method.name, kind, 0),
+            zero,
+            args.timeout_s,
+        )
+        for kind, text in LOAD_PROMPTS.items()
+    ]
     failed = [f"{r.prompt}: {r.status} {r.detail}" for r in records if not r.ok]
     if failed:
-        raise SystemExit("the k=0 reference pass failed, nothing to check outputs against: " + "; ".join(failed))
+        raise SystemExit(
+            "the k=0 reference pass failed, nothing to check outputs against: " + "; ".join(failed)
+        )
     return Cell("reference", method.name, 1, time.perf_counter() - zero, records)
 
 
@@ -463,8 +550,13 @@ def warm_up(stub, pair: Pair, methods: list[Method], args) -> None:
     """One request per method (first calls pay one-off costs: allocation, packing)."""
     text = next(iter(LOAD_PROMPTS.values()))
     for method in methods:
-        send(stub, build_request(pair, method, text, args.max_new_tokens), RequestRecord(method.name, "", 0),
-             time.perf_counter(), args.timeout_s)
+        send(
+            stub,
+            build_request(pair, method, text, args.max_new_tokens),
+            RequestRecord(method.name, "", 0),
+            time.perf_counter(),
+            args.timeout_s,
+        )
 
 
 def rotated(methods: list[Method], turn: int) -> list[Method]:
@@ -491,9 +583,12 @@ class Run:
         self.cells.append(cell)
         s = summarize(cell)
         load = f"c={cell.load:g}" if cell.phase != "open" else f"{cell.load:.3f} req/s"
-        print(f"[{time.monotonic() - self.started:5.0f} s] {cell.phase}, {cell.method}, {load}: {s.completed} ok, "
-              f"failed {_failed(s.failed)}, {s.tokens_per_s:.1f} tok/s, TTFT p95 {_ms(s.ttft_p95_ms)}, per-token p95 "
-              f"{_ms(s.per_token_p95_ms)}, {s.completed - s.mismatches}/{s.completed} exact", flush=True)
+        print(
+            f"[{time.monotonic() - self.started:5.0f} s] {cell.phase}, {cell.method}, {load}: {s.completed} ok, "
+            f"failed {_failed(s.failed)}, {s.tokens_per_s:.1f} tok/s, TTFT p95 {_ms(s.ttft_p95_ms)}, per-token p95 "
+            f"{_ms(s.per_token_p95_ms)}, {s.completed - s.mismatches}/{s.completed} exact",
+            flush=True,
+        )
         for line in mismatches:
             print(f"  MISMATCH {line}", flush=True)
         return cell
@@ -516,12 +611,15 @@ def k0_capacity(run: Run) -> float:
 
 def measure(run: Run, pair: Pair, methods: list[Method], args) -> None:
     """Every phase into run, which keeps what was measured should a later phase fail."""
-    levels = sorted(set(args.concurrency) | ({args.scale_out_concurrency} if args.target_workers > 1 else set()))
+    levels = sorted(
+        set(args.concurrency) | ({args.scale_out_concurrency} if args.target_workers > 1 else set())
+    )
     with running_system(pair, args) as stub:
         warm_up(stub, pair, methods, args)
         run.add(reference_pass(stub, pair, methods[0], args))
         for turn, concurrency in enumerate(levels):
-            for repeat in range(args.repeats):  # repeats back to back: each pair sees the same machine
+            # repeats back to back: each pair sees the same machine
+            for repeat in range(args.repeats):
                 for method in rotated(methods, turn + repeat):
                     run.add(closed_loop(stub, pair, method, concurrency, args, repeat=repeat))
         measure_open_loop(run, stub, pair, methods, args)
@@ -530,7 +628,17 @@ def measure(run: Run, pair: Pair, methods: list[Method], args) -> None:
         with running_system(pair, args, target_workers=args.target_workers) as stub:
             warm_up(stub, pair, methods, args)
             for method in methods:
-                run.add(closed_loop(stub, pair, method, args.scale_out_concurrency, args, phase, args.target_workers))
+                run.add(
+                    closed_loop(
+                        stub,
+                        pair,
+                        method,
+                        args.scale_out_concurrency,
+                        args,
+                        phase,
+                        args.target_workers,
+                    )
+                )
     run.complete = True
 
 
@@ -538,11 +646,16 @@ def measure_open_loop(run: Run, stub, pair: Pair, methods: list[Method], args) -
     capacity = k0_capacity(run)
     if capacity <= 0:
         if args.open_loop_fractions:
-            print("no k=0 request completed in the closed loop: no capacity to scale the open loop by", flush=True)
+            print(
+                "no k=0 request completed in the closed loop: no capacity to scale the open loop by",
+                flush=True,
+            )
         return
     for turn, fraction in enumerate(args.open_loop_fractions):
         rate = fraction * capacity
-        schedule = poisson_schedule(rate, args.open_loop_requests, args.open_loop_duration_s, args.seed + turn)
+        schedule = poisson_schedule(
+            rate, args.open_loop_requests, args.open_loop_duration_s, args.seed + turn
+        )
         for method in rotated(methods, turn):
             run.add(open_loop(stub, pair, method, rate, schedule, args))
 
@@ -566,23 +679,31 @@ def _failed(failed: dict[str, int]) -> str:
     return ", ".join(f"{code} {count}" for code, count in sorted(failed.items())) or "0"
 
 
-COLUMNS = ("ok | failed | tok/s | steady tok/s | TTFT p50 / p95 ms | per-token p50 / p95 ms | queue p50 / p95 ms | "
-           "e2e p50 / p95 s | acceptance | exact")
+COLUMNS = (
+    "ok | failed | tok/s | steady tok/s | TTFT p50 / p95 ms | per-token p50 / p95 ms | queue p50 / p95 ms | "
+    "e2e p50 / p95 s | acceptance | exact"
+)
 
 
 def row(first: str, s: Summary) -> str:
-    return (f"| {first} | {s.completed} | {_failed(s.failed)} | {s.tokens_per_s:.1f} | "
-            f"{_num(s.steady_tokens_per_s, '.1f')} | "
-            f"{_num(s.ttft_p50_ms)} / {_num(s.ttft_p95_ms)} | "
-            f"{_num(s.per_token_p50_ms)} / {_num(s.per_token_p95_ms)} | "
-            f"{_num(s.queue_p50_ms, '.1f')} / {_num(s.queue_p95_ms, '.1f')} | {_num(s.e2e_p50_s, '.2f')} / "
-            f"{_num(s.e2e_p95_s, '.2f')} | {'-' if s.acceptance is None else f'{s.acceptance:.0%}'} | "
-            f"{s.completed - s.mismatches}/{s.completed} |")
+    return (
+        f"| {first} | {s.completed} | {_failed(s.failed)} | {s.tokens_per_s:.1f} | "
+        f"{_num(s.steady_tokens_per_s, '.1f')} | "
+        f"{_num(s.ttft_p50_ms)} / {_num(s.ttft_p95_ms)} | "
+        f"{_num(s.per_token_p50_ms)} / {_num(s.per_token_p95_ms)} | "
+        f"{_num(s.queue_p50_ms, '.1f')} / {_num(s.queue_p95_ms, '.1f')} | {_num(s.e2e_p50_s, '.2f')} / "
+        f"{_num(s.e2e_p95_s, '.2f')} | {'-' if s.acceptance is None else f'{s.acceptance:.0%}'} | "
+        f"{s.completed - s.mismatches}/{s.completed} |"
+    )
 
 
 def table(first_column: str, rows: list[tuple[str, Summary]]) -> list[str]:
-    return [f"| {first_column} | {COLUMNS} |", "|---" * (COLUMNS.count("|") + 2) + "|",
-            *(row(first, s) for first, s in rows), ""]
+    return [
+        f"| {first_column} | {COLUMNS} |",
+        "|---" * (COLUMNS.count("|") + 2) + "|",
+        *(row(first, s) for first, s in rows),
+        "",
+    ]
 
 
 def baseline(run: Run) -> Cell:
@@ -590,33 +711,58 @@ def baseline(run: Run) -> Cell:
     return run.find("closed", BASELINE, 1) or run.find("reference", BASELINE, 1)
 
 
-def markdown(run: Run, pair: Pair, methods: list[Method], args, command: str, plot: Path) -> list[str]:
+def markdown(
+    run: Run, pair: Pair, methods: list[Method], args, command: str, plot: Path
+) -> list[str]:
     lines = header(run, pair, methods, args, command) + closed_loop_section(run, methods, args)
-    lines += ratios_section(run, methods) + open_loop_section(run, args) + scale_out_section(run, methods, args)
+    lines += (
+        ratios_section(run, methods)
+        + open_loop_section(run, args)
+        + scale_out_section(run, methods, args)
+    )
     if all(r.queue_ns == 0 for c in run.cells for r in c.records):
-        lines += ["Queue wait read 0 on every request: the target does not report `queue_ns` yet.", ""]
-    return lines + [f"Plot: `plots/{args.pair}/{plot.name}`. Total time {time.monotonic() - run.started:.0f} s.", ""]
+        lines += [
+            "Queue wait read 0 on every request: the target does not report `queue_ns` yet.",
+            "",
+        ]
+    return lines + [
+        f"Plot: `plots/{args.pair}/{plot.name}`. Total time {time.monotonic() - run.started:.0f} s.",
+        "",
+    ]
 
 
 def header(run: Run, pair: Pair, methods: list[Method], args, command: str) -> list[str]:
     checked = sum(r.matches_reference is not None for c in run.cells for r in c.records)
     incomplete = "**Incomplete: the run stopped early (see its output); these are the phases measured before.**"
     drafter = f" with draft {pair.draft}" if pair.draft else " with the n-gram drafter"
-    return [f"# Load benchmark: {pair.target}{drafter}",
-            "", *([] if run.complete else [incomplete, ""]), f"Command: `{command}`", "",
-            f"Hardware: {hardware()}; torch threads: {args.threads} per worker process (the target and draft "
-            "workers, the orchestrator and this client's threads share the cores).", "",
-            f"Greedy, fp32, {args.max_new_tokens} new tokens (fewer where the model ends its answer), GenerateStream, "
-            f"each request a new session; {len(LOAD_PROMPTS)} prompt kinds ({', '.join(LOAD_PROMPTS)}). Methods: "
-            + ", ".join(m.name for m in methods) + f"; drafter {pair.drafter}. Per-token latency: the time between "
-            "chunks of a stream, spread over the chunk's tokens; queue: the target's `GenerationStats.queue_ns`.", "",
-            f"Exactness: {checked - len(run.mismatches)} of {checked} completed outputs equal the k=0 reference of "
-            "their prompt" + (":" if run.mismatches else "."), *(f"- MISMATCH {line}" for line in run.mismatches), ""]
+    return [
+        f"# Load benchmark: {pair.target}{drafter}",
+        "",
+        *([] if run.complete else [incomplete, ""]),
+        f"Command: `{command}`",
+        "",
+        f"Hardware: {hardware()}; torch threads: {args.threads} per worker process (the target and draft "
+        "workers, the orchestrator and this client's threads share the cores).",
+        "",
+        f"Greedy, fp32, {args.max_new_tokens} new tokens (fewer where the model ends its answer), GenerateStream, "
+        f"each request a new session; {len(LOAD_PROMPTS)} prompt kinds ({', '.join(LOAD_PROMPTS)}). Methods: "
+        + ", ".join(m.name for m in methods)
+        + f"; drafter {pair.drafter}. Per-token latency: the time between "
+        "chunks of a stream, spread over the chunk's tokens; queue: the target's `GenerationStats.queue_ns`.",
+        "",
+        f"Exactness: {checked - len(run.mismatches)} of {checked} completed outputs equal the k=0 reference of "
+        "their prompt" + (":" if run.mismatches else "."),
+        *(f"- MISMATCH {line}" for line in run.mismatches),
+        "",
+    ]
 
 
 def closed_loop_section(run: Run, methods: list[Method], args) -> list[str]:
-    lines = [f"## Closed loop (each client sends its next request when its last ends; up to "
-             f"{args.requests_per_client} requests per client or {args.duration_s:g} s)", ""]
+    lines = [
+        f"## Closed loop (each client sends its next request when its last ends; up to "
+        f"{args.requests_per_client} requests per client or {args.duration_s:g} s)",
+        "",
+    ]
     for method in methods:
         rows = [(f"{c.load:g}", summarize(c)) for c in run.loads("closed", method.name)]
         lines += [f"### {method.name}", "", *table("concurrency", rows)]
@@ -629,16 +775,24 @@ def paired_section(run: Run, methods: list[Method]) -> list[str]:
     ratio carries on this machine."""
     levels = sorted({c.load for c in run.cells if c.phase == "closed"})
     others = [m for m in methods if m.name != BASELINE]
-    lines = ["### Paired: steady tok/s over k=0's, per repeat", "",
-             "| concurrency | " + " | ".join(m.name for m in others) + " | k=0, repeat over repeat |",
-             "|---" * (len(others) + 2) + "|"]
+    lines = [
+        "### Paired: steady tok/s over k=0's, per repeat",
+        "",
+        "| concurrency | " + " | ".join(m.name for m in others) + " | k=0, repeat over repeat |",
+        "|---" * (len(others) + 2) + "|",
+    ]
     for load in levels:
         repeats = sorted({c.repeat for c in run.cells if c.phase == "closed" and c.load == load})
-        steady = {(c.method, c.repeat): summarize(c).steady_tokens_per_s for c in run.cells
-                  if c.phase == "closed" and c.load == load}
+        steady = {
+            (c.method, c.repeat): summarize(c).steady_tokens_per_s
+            for c in run.cells
+            if c.phase == "closed" and c.load == load
+        }
         cells = []
         for method in others:
-            values = [ratio(steady.get((method.name, r)), steady.get((BASELINE, r))) for r in repeats]
+            values = [
+                ratio(steady.get((method.name, r)), steady.get((BASELINE, r))) for r in repeats
+            ]
             values = [v for v in values if v is not None]
             cells.append(_spread(values))
         base = [steady.get((BASELINE, r)) for r in repeats]
@@ -661,21 +815,34 @@ def ratios_section(run: Run, methods: list[Method]) -> list[str]:
     """Every closed-loop cell against the single-session k=0 one."""
     base_cell = baseline(run)
     base = summarize(base_cell)
-    label = f"{BASELINE} at concurrency 1" if base_cell.phase == "closed" else f"the {BASELINE} reference pass"
-    lines = [f"### Ratios against {label} ({base.tokens_per_s:.1f} tok/s, TTFT p95 {_ms(base.ttft_p95_ms)}, "
-             f"per-token p95 {_ms(base.per_token_p95_ms)})", "",
-             "| method | concurrency | tok/s | steady tok/s | TTFT p50 | TTFT p95 | per-token p50 | per-token p95 |",
-             "|---|---|---|---|---|---|---|---|"]
+    label = (
+        f"{BASELINE} at concurrency 1"
+        if base_cell.phase == "closed"
+        else f"the {BASELINE} reference pass"
+    )
+    lines = [
+        f"### Ratios against {label} ({base.tokens_per_s:.1f} tok/s, TTFT p95 {_ms(base.ttft_p95_ms)}, "
+        f"per-token p95 {_ms(base.per_token_p95_ms)})",
+        "",
+        "| method | concurrency | tok/s | steady tok/s | TTFT p50 | TTFT p95 | per-token p50 | per-token p95 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     order = {m.name: i for i, m in enumerate(methods)}
     keys = {(c.phase, c.method) for c in run.cells if c.phase.startswith("closed")}
-    closed = sorted((cell for phase, method in keys for cell in run.loads(phase, method)),
-                    key=lambda c: (c.target_workers, order[c.method], c.load))
+    closed = sorted(
+        (cell for phase, method in keys for cell in run.loads(phase, method)),
+        key=lambda c: (c.target_workers, order[c.method], c.load),
+    )
     for cell in closed:
         r = ratios(summarize(cell), base)
-        where = f"{cell.load:g}" + (f" ({cell.target_workers} targets)" if cell.target_workers > 1 else "")
-        lines.append(f"| {cell.method} | {where} | {_x(r.tokens_per_s)} | {_x(r.steady_tokens_per_s)} | "
-                     f"{_x(r.ttft_p50)} | {_x(r.ttft_p95)} | "
-                     f"{_x(r.per_token_p50)} | {_x(r.per_token_p95)} |")
+        where = f"{cell.load:g}" + (
+            f" ({cell.target_workers} targets)" if cell.target_workers > 1 else ""
+        )
+        lines.append(
+            f"| {cell.method} | {where} | {_x(r.tokens_per_s)} | {_x(r.steady_tokens_per_s)} | "
+            f"{_x(r.ttft_p50)} | {_x(r.ttft_p95)} | "
+            f"{_x(r.per_token_p50)} | {_x(r.per_token_p95)} |"
+        )
     return lines + [""]
 
 
@@ -684,11 +851,18 @@ def open_loop_section(run: Run, args) -> list[str]:
     if not cells:
         return []
     capacity = k0_capacity(run)
-    rows = [(f"{c.method}, {c.load:.3f} ({c.load / capacity:.0%}), {len(c.records)} sent", summarize(c)) for c in cells]
-    return [f"## Open loop (Poisson arrivals, seed {args.seed} + level, the same schedule for each method; at most "
-            f"{args.open_loop_requests} requests, arrivals within {args.open_loop_duration_s:g} s)", "",
-            f"Offered rates as fractions of the k=0 closed-loop capacity, {capacity:.3f} completed requests/s.", "",
-            *table("method, offered req/s (of capacity)", rows)]
+    rows = [
+        (f"{c.method}, {c.load:.3f} ({c.load / capacity:.0%}), {len(c.records)} sent", summarize(c))
+        for c in cells
+    ]
+    return [
+        f"## Open loop (Poisson arrivals, seed {args.seed} + level, the same schedule for each method; at most "
+        f"{args.open_loop_requests} requests, arrivals within {args.open_loop_duration_s:g} s)",
+        "",
+        f"Offered rates as fractions of the k=0 closed-loop capacity, {capacity:.3f} completed requests/s.",
+        "",
+        *table("method, offered req/s (of capacity)", rows),
+    ]
 
 
 def scale_out_section(run: Run, methods: list[Method], args) -> list[str]:
@@ -696,17 +870,26 @@ def scale_out_section(run: Run, methods: list[Method], args) -> list[str]:
     concurrency, phase = args.scale_out_concurrency, f"closed, {args.target_workers} target workers"
     rows, gains = [], []
     for method in methods:
-        one, more = run.find("closed", method.name, concurrency), run.find(phase, method.name, concurrency)
+        one = run.find("closed", method.name, concurrency)
+        more = run.find(phase, method.name, concurrency)
         if one is None or more is None:  # not run, or the run stopped early
             continue
-        rows += [(f"{method.name}, 1 target", summarize(one)),
-                 (f"{method.name}, {args.target_workers} targets", summarize(more))]
-        gains.append(f"{method.name} {_x(ratio(summarize(more).tokens_per_s, summarize(one).tokens_per_s))}")
+        rows += [
+            (f"{method.name}, 1 target", summarize(one)),
+            (f"{method.name}, {args.target_workers} targets", summarize(more)),
+        ]
+        gains.append(
+            f"{method.name} {_x(ratio(summarize(more).tokens_per_s, summarize(one).tokens_per_s))}"
+        )
     if not rows:
         return []
-    return [f"## {args.target_workers} target workers behind one orchestrator, {concurrency} sessions", "",
-            *table("method, workers", rows),
-            f"Throughput with {args.target_workers} targets over 1: " + ", ".join(gains) + ".", ""]
+    return [
+        f"## {args.target_workers} target workers behind one orchestrator, {concurrency} sessions",
+        "",
+        *table("method, workers", rows),
+        f"Throughput with {args.target_workers} targets over 1: " + ", ".join(gains) + ".",
+        "",
+    ]
 
 
 def plot_throughput_latency(path: Path, run: Run) -> None:
@@ -717,20 +900,36 @@ def plot_throughput_latency(path: Path, run: Run) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 5))
-    series = {(c.phase, c.method): run.loads(c.phase, c.method) for c in run.cells if c.phase.startswith("closed")}
+    series = {
+        (c.phase, c.method): run.loads(c.phase, c.method)
+        for c in run.cells
+        if c.phase.startswith("closed")
+    }
     colors = {}  # one colour per method, whatever the number of targets
     for (phase, method), cells in series.items():
-        points = [(s.tokens_per_s, s.per_token_p95_ms, c.load) for c in cells for s in [summarize(c)]
-                  if s.per_token_p95_ms is not None]
+        points = [
+            (s.tokens_per_s, s.per_token_p95_ms, c.load)
+            for c in cells
+            for s in [summarize(c)]
+            if s.per_token_p95_ms is not None
+        ]
         if not points:
             continue
         one_target = phase == "closed"
         color = colors.setdefault(method, f"C{len(colors)}")
         label = method if one_target else f"{method}, {cells[0].target_workers} targets"
-        axes.plot([p[0] for p in points], [p[1] for p in points], "o-" if one_target else "*", color=color,
-                  markersize=6 if one_target else 12, label=label)
+        axes.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            "o-" if one_target else "*",
+            color=color,
+            markersize=6 if one_target else 12,
+            label=label,
+        )
         for x, y, load in points:
-            axes.annotate(f"c={load:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            axes.annotate(
+                f"c={load:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
+            )
     axes.set_xlabel("aggregate throughput, tokens/s")
     axes.set_ylabel("p95 per-token latency, ms")
     axes.set_title("closed loop: throughput against per-token latency")
@@ -743,14 +942,23 @@ def plot_throughput_latency(path: Path, run: Run) -> None:
 def hardware() -> str:
     cpu = "unknown CPU"
     with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    return (f"`nproc` {len(os.sched_getaffinity(0))} ({cpu}), torch {importlib.metadata.version('torch')}, "
-            f"Python {sys.version.split()[0]}")
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            cpu,
+        )
+    return (
+        f"`nproc` {len(os.sched_getaffinity(0))} ({cpu}), torch {importlib.metadata.version('torch')}, "
+        f"Python {sys.version.split()[0]}"
+    )
 
 
 def runs_as_json(run: Run, args, command: str) -> dict:
     """Every request's raw numbers; token ids only for the reference and for mismatches."""
+
     def record(r: RequestRecord) -> dict:
         values = asdict(r)
         values["num_tokens"] = len(r.token_ids)
@@ -758,12 +966,28 @@ def runs_as_json(run: Run, args, command: str) -> dict:
         if r.matches_reference is not False:
             del values["token_ids"]
         return values
-    return {"command": command, "hardware": hardware(), "settings": vars(args), "reference": run.reference,
-            "mismatches": run.mismatches,
-            "cells": [{"phase": c.phase, "method": c.method, "load": c.load, "seconds": round(c.seconds, 4),
-                       "target_workers": c.target_workers, "repeat": c.repeat, "steady": c.steady,
-                       "summary": asdict(summarize(c)),
-                       "requests": [record(r) for r in c.records]} for c in run.cells]}
+
+    return {
+        "command": command,
+        "hardware": hardware(),
+        "settings": vars(args),
+        "reference": run.reference,
+        "mismatches": run.mismatches,
+        "cells": [
+            {
+                "phase": c.phase,
+                "method": c.method,
+                "load": c.load,
+                "seconds": round(c.seconds, 4),
+                "target_workers": c.target_workers,
+                "repeat": c.repeat,
+                "steady": c.steady,
+                "summary": asdict(summarize(c)),
+                "requests": [record(r) for r in c.records],
+            }
+            for c in run.cells
+        ],
+    }
 
 
 def write_results(run: Run, pair: Pair, methods: list[Method], args, command: str) -> None:
@@ -785,31 +1009,73 @@ def _levels(text: str, kind=int) -> list:
 
 
 def parse(argv: list[str] | None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_load", description=__doc__.splitlines()[0])
-    parser.add_argument("--pair", choices=sorted(PAIRS), default="smollm2", help="tiny: a random model, for tests")
-    parser.add_argument("--concurrency", type=_levels, default=None,
-                        help="closed-loop levels, comma-separated (default: smollm2 1,2,4,8,16,32; qwen 1,4,8)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_load", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--pair", choices=sorted(PAIRS), default="smollm2", help="tiny: a random model, for tests"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=_levels,
+        default=None,
+        help="closed-loop levels, comma-separated (default: smollm2 1,2,4,8,16,32; qwen 1,4,8)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--requests-per-client", type=int, default=8, help="closed loop: at most, per client")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="closed loop: cells per method and level, back to back (paired ratios, their noise)")
-    parser.add_argument("--duration-s", type=float, default=20.0,
-                        help="closed loop: no client starts a request after this many seconds of its level")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per round of the fixed-k method")
-    parser.add_argument("--adaptive-max-k", type=int, default=4, help="the adaptive method's most draft tokens")
-    parser.add_argument("--open-loop-fractions", type=lambda t: _levels(t, float), default=[0.5, 0.8, 1.0],
-                        help="offered rates as fractions of the k=0 closed-loop capacity; '' = no open loop")
-    parser.add_argument("--open-loop-requests", type=int, default=12, help="open loop: at most, per method and rate")
-    parser.add_argument("--open-loop-duration-s", type=float, default=30.0, help="open loop: arrivals within this")
-    parser.add_argument("--seed", type=int, default=0, help="of the Poisson arrivals (the i-th rate uses seed + i)")
-    parser.add_argument("--target-workers", type=int, default=1,
-                        help="> 1: also run a system with this many targets at --scale-out-concurrency")
+    parser.add_argument(
+        "--requests-per-client", type=int, default=8, help="closed loop: at most, per client"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="closed loop: cells per method and level, back to back (paired ratios, their noise)",
+    )
+    parser.add_argument(
+        "--duration-s",
+        type=float,
+        default=20.0,
+        help="closed loop: no client starts a request after this many seconds of its level",
+    )
+    parser.add_argument(
+        "--k", type=int, default=4, help="draft tokens per round of the fixed-k method"
+    )
+    parser.add_argument(
+        "--adaptive-max-k", type=int, default=4, help="the adaptive method's most draft tokens"
+    )
+    parser.add_argument(
+        "--open-loop-fractions",
+        type=lambda t: _levels(t, float),
+        default=[0.5, 0.8, 1.0],
+        help="offered rates as fractions of the k=0 closed-loop capacity; '' = no open loop",
+    )
+    parser.add_argument(
+        "--open-loop-requests", type=int, default=12, help="open loop: at most, per method and rate"
+    )
+    parser.add_argument(
+        "--open-loop-duration-s", type=float, default=30.0, help="open loop: arrivals within this"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="of the Poisson arrivals (the i-th rate uses seed + i)"
+    )
+    parser.add_argument(
+        "--target-workers",
+        type=int,
+        default=1,
+        help="> 1: also run a system with this many targets at --scale-out-concurrency",
+    )
     parser.add_argument("--scale-out-concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per worker process")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
-    parser.add_argument("--tree-width", type=int, default=1,
-                        help="the draft worker's --tree-width (token trees; 1: chains); results get a _tree<N> suffix")
-    parser.add_argument("--out", default=str(REPO / "benchmarks"), help="directory for the results and plot")
+    parser.add_argument(
+        "--tree-width",
+        type=int,
+        default=1,
+        help="the draft worker's --tree-width (token trees; 1: chains); results get a _tree<N> suffix",
+    )
+    parser.add_argument(
+        "--out", default=str(REPO / "benchmarks"), help="directory for the results and plot"
+    )
     args = parser.parse_args(argv)
     args.concurrency = args.concurrency or list(PAIRS[args.pair].concurrency)
     if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.repeats < 1:
@@ -819,7 +1085,9 @@ def parse(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    command = "python -m benchmarks.bench_load " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.bench_load " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
     pair = PAIRS[args.pair]
     methods = methods_for(args.k, args.adaptive_max_k)
     run = Run()
@@ -829,7 +1097,10 @@ def main(argv: list[str] | None = None) -> int:
         if run.cells:
             write_results(run, pair, methods, args, command)
     if run.mismatches:
-        print(f"FAILED: {len(run.mismatches)} outputs differ from the target-only reference", file=sys.stderr)
+        print(
+            f"FAILED: {len(run.mismatches)} outputs differ from the target-only reference",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -74,15 +74,29 @@ def measure(args, widths: list[int]) -> tuple[list[Row], int]:
                 run.add(reference_pass(stub, pair, methods[0], args))
                 for turn, concurrency in enumerate(args.concurrency):
                     for method in rotated(methods, turn + repeat):
-                        cell = run.add(closed_loop(stub, pair, method, concurrency, args, repeat=repeat))
+                        cell = run.add(
+                            closed_loop(stub, pair, method, concurrency, args, repeat=repeat)
+                        )
                         s = summarize(cell)
-                        rows.append(Row(width, method.name, concurrency, repeat, s.steady_tokens_per_s, s.completed,
-                                        s.completed - s.mismatches, sum(s.failed.values())))
+                        rows.append(
+                            Row(
+                                width,
+                                method.name,
+                                concurrency,
+                                repeat,
+                                s.steady_tokens_per_s,
+                                s.completed,
+                                s.completed - s.mismatches,
+                                sum(s.failed.values()),
+                            )
+                        )
             mismatches += len(run.mismatches)
     return rows, mismatches
 
 
-def paired(rows: list[Row], width: int, chains: int = 1) -> dict[tuple[str, float], dict[int, float]]:
+def paired(
+    rows: list[Row], width: int, chains: int = 1
+) -> dict[tuple[str, float], dict[int, float]]:
     """(method, concurrency) -> {repeat: steady tok/s at `width` over the chains' in the same repeat}."""
     steady = {(r.width, r.method, r.load, r.repeat): r.steady_tokens_per_s for r in rows}
     ratios: dict[tuple[str, float], dict[int, float]] = {}
@@ -93,7 +107,9 @@ def paired(rows: list[Row], width: int, chains: int = 1) -> dict[tuple[str, floa
     return ratios
 
 
-def against_drift(ratios: dict[tuple[str, float], dict[int, float]]) -> dict[tuple[str, float], tuple | None]:
+def against_drift(
+    ratios: dict[tuple[str, float], dict[int, float]],
+) -> dict[tuple[str, float], tuple | None]:
     """Per method and level, each repeat's ratio over k=0's in the same repeat (what the
     machine moved between the two systems), read as paired repeats
     (bench_suite.ratio_interval: geometric mean, 95% interval; None below two)."""
@@ -115,40 +131,66 @@ def verdict(interval: tuple | None) -> str:
 
 def markdown(rows: list[Row], command: str) -> list[str]:
     widths = sorted({r.width for r in rows})
-    methods = list(dict.fromkeys(r.method for r in sorted(rows, key=lambda r: r.method != BASELINE)))
+    methods = list(
+        dict.fromkeys(r.method for r in sorted(rows, key=lambda r: r.method != BASELINE))
+    )
     loads, repeats = sorted({r.load for r in rows}), sorted({r.repeat for r in rows})
-    counts = ", ".join(f"width {w}: {sum(r.exact for r in rows if r.width == w)} of "
-                       f"{sum(r.completed for r in rows if r.width == w)} equal to the k=0 reference, "
-                       f"{sum(r.failed for r in rows if r.width == w)} failed" for w in widths)
-    lines = ["# Token trees against chains under load", "", f"    {command}", "",
-             f"{len(repeats)} repeats; a system per (repeat, width), widths in rotated turns; closed loop "
-             f"(`bench_load`). Closed-loop requests: {counts}.", ""]
+    counts = ", ".join(
+        f"width {w}: {sum(r.exact for r in rows if r.width == w)} of "
+        f"{sum(r.completed for r in rows if r.width == w)} equal to the k=0 reference, "
+        f"{sum(r.failed for r in rows if r.width == w)} failed"
+        for w in widths
+    )
+    lines = [
+        "# Token trees against chains under load",
+        "",
+        f"    {command}",
+        "",
+        f"{len(repeats)} repeats; a system per (repeat, width), widths in rotated turns; closed loop "
+        f"(`bench_load`). Closed-loop requests: {counts}.",
+        "",
+    ]
     others = [m for m in methods if m != BASELINE]
     for width in widths[1:]:
         ratios = paired(rows, width, widths[0])
         corrected = against_drift(ratios)
-        lines += [f"## Width {width} over width {widths[0]}: steady tok/s, same method, same repeat", "",
-                  "Raw: median (lowest-highest) over repeats; k=0 never proposes, so its ratio is the machine's drift "
-                  "between the two systems. Over k=0's: each repeat's ratio over k=0's in that repeat, geometric "
-                  "mean [95% interval of paired repeats].", "",
-                  "| concurrency | k=0, raw (drift) | " + " | ".join(f"{m}, raw | {m}, over k=0's" for m in others)
-                  + " |", "|---|---" + "|---|---" * len(others) + "|"]
+        lines += [
+            f"## Width {width} over width {widths[0]}: steady tok/s, same method, same repeat",
+            "",
+            "Raw: median (lowest-highest) over repeats; k=0 never proposes, so its ratio is the machine's drift "
+            "between the two systems. Over k=0's: each repeat's ratio over k=0's in that repeat, geometric "
+            "mean [95% interval of paired repeats].",
+            "",
+            "| concurrency | k=0, raw (drift) | "
+            + " | ".join(f"{m}, raw | {m}, over k=0's" for m in others)
+            + " |",
+            "|---|---" + "|---|---" * len(others) + "|",
+        ]
         for load in loads:
             cells = [_spread(list(ratios.get((BASELINE, load), {}).values()))]
             for method in others:
-                cells += [_spread(list(ratios.get((method, load), {}).values())),
-                          verdict(corrected.get((method, load)))]
+                cells += [
+                    _spread(list(ratios.get((method, load), {}).values())),
+                    verdict(corrected.get((method, load))),
+                ]
             lines.append(f"| {load:g} | " + " | ".join(cells) + " |")
         lines.append("")
     steady = {(r.width, r.method, r.load, r.repeat): r.steady_tokens_per_s for r in rows}
     for width in widths:
-        lines += [f"## Width {width}: steady tok/s by repeat", "",
-                  "| method | concurrency | " + " | ".join(f"repeat {r}" for r in repeats) + " |",
-                  "|---|---" + "|---" * len(repeats) + "|"]
+        lines += [
+            f"## Width {width}: steady tok/s by repeat",
+            "",
+            "| method | concurrency | " + " | ".join(f"repeat {r}" for r in repeats) + " |",
+            "|---|---" + "|---" * len(repeats) + "|",
+        ]
         for method in methods:
             for load in loads:
                 values = [steady.get((width, method, load, r)) for r in repeats]
-                lines.append(f"| {method} | {load:g} | " + " | ".join(f"{v:.1f}" if v else "-" for v in values) + " |")
+                lines.append(
+                    f"| {method} | {load:g} | "
+                    + " | ".join(f"{v:.1f}" if v else "-" for v in values)
+                    + " |"
+                )
         lines.append("")
     return lines
 
@@ -156,10 +198,16 @@ def markdown(rows: list[Row], command: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--widths", type=_levels, default=[1, 4], help="tree widths, the chains' 1 first")
-    own.add_argument("--render", default="", help="a runs_load_trees JSON: write its report again, run nothing")
+    own.add_argument(
+        "--widths", type=_levels, default=[1, 4], help="tree widths, the chains' 1 first"
+    )
+    own.add_argument(
+        "--render", default="", help="a runs_load_trees JSON: write its report again, run nothing"
+    )
     own_args, rest = own.parse_known_args(argv)
-    args = parse(rest + (["--open-loop-fractions", ""] if "--open-loop-fractions" not in rest else []))
+    args = parse(
+        rest + (["--open-loop-fractions", ""] if "--open-loop-fractions" not in rest else [])
+    )
     out, mismatches = Path(args.out), 0
     out.mkdir(parents=True, exist_ok=True)
     if own_args.render:
@@ -170,13 +218,18 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--widths: the chains' 1 first, then at least one tree width")
         command = "python -m benchmarks.bench_load_trees " + shlex.join(argv)
         rows, mismatches = measure(args, own_args.widths)
-        (out / f"runs_load_trees_{args.pair}.json").write_text(json.dumps(
-            {"command": command, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+        (out / f"runs_load_trees_{args.pair}.json").write_text(
+            json.dumps(
+                {"command": command, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1
+            )
+        )
     lines = markdown(rows, command)
     (out / f"results_load_trees_{args.pair}.md").write_text("\n".join(lines))
     print("\n".join(lines))
     if mismatches:
-        print(f"FAILED: {mismatches} outputs differ from the target-only reference", file=sys.stderr)
+        print(
+            f"FAILED: {mismatches} outputs differ from the target-only reference", file=sys.stderr
+        )
         return 1
     return 0
 

@@ -65,14 +65,20 @@ def _sessions(model, vocab: int, count: int) -> list[SequenceKV]:
     caches = []
     for index in range(count):
         kv = SequenceKV()
-        forward_segments(model, [Segment(kv, 0, [(7 * index + j) % vocab for j in range(CACHED)], 0)])
+        forward_segments(
+            model, [Segment(kv, 0, [(7 * index + j) % vocab for j in range(CACHED)], 0)]
+        )
         caches.append(kv)
     return caches
 
 
-def step_ms(model, caches: list[SequenceKV], width: int, vocab: int, synchronize=lambda: None) -> float:
-    segments = [Segment(kv, CACHED, [(11 * i + j) % (vocab - 1) + 1 for j in range(width)], width)
-                for i, kv in enumerate(caches)]
+def step_ms(
+    model, caches: list[SequenceKV], width: int, vocab: int, synchronize=lambda: None
+) -> float:
+    segments = [
+        Segment(kv, CACHED, [(11 * i + j) % (vocab - 1) + 1 for j in range(width)], width)
+        for i, kv in enumerate(caches)
+    ]
     synchronize()
     start = time.perf_counter()
     forward_segments(model, segments)
@@ -97,41 +103,74 @@ def costs(models: dict, vocab: int, repeats: int, synchronize=lambda: None) -> d
 
 
 def report(args, dtype: str, checks: dict, timed: dict, describe: str) -> list[str]:
-    lines = [f"## {args.model}, {dtype}", "", f"Invariant linears chosen here: {describe}.", "",
-             f"Row check ({args.prefixes} random 64-token prefixes, {NEW} new tokens: one pass against {NEW}):", "",
-             "| invariance | rows differing | argmax flips | largest difference |", "|---|---|---|---|"]
+    lines = [
+        f"## {args.model}, {dtype}",
+        "",
+        f"Invariant linears chosen here: {describe}.",
+        "",
+        f"Row check ({args.prefixes} random 64-token prefixes, {NEW} new tokens: one pass against {NEW}):",
+        "",
+        "| invariance | rows differing | argmax flips | largest difference |",
+        "|---|---|---|---|",
+    ]
     for name, (differing, flips, rows, largest) in checks.items():
         lines.append(f"| {name} | {differing} of {rows} | {flips} | {largest:.3g} |")
-    lines += ["", f"Step time over {CACHED} cached tokens (ms, median of {args.repeats}; on over off paired per repeat):",
-              "", "| sessions | new tokens each | off | on | on / off (range) |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Step time over {CACHED} cached tokens (ms, median of {args.repeats}; on over off paired per repeat):",
+        "",
+        "| sessions | new tokens each | off | on | on / off (range) |",
+        "|---|---|---|---|---|",
+    ]
     for (sessions, width), samples in timed.items():
         ratios = sorted(a / b for a, b in zip(samples["on"], samples["off"]))
-        lines.append(f"| {sessions} | {width} | {statistics.median(samples['off']):.1f} | "
-                     f"{statistics.median(samples['on']):.1f} | {statistics.median(ratios):.2f}x "
-                     f"({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
+        lines.append(
+            f"| {sessions} | {width} | {statistics.median(samples['off']):.1f} | "
+            f"{statistics.median(samples['on']):.1f} | {statistics.median(ratios):.2f}x "
+            f"({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
+        )
     return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_row_invariance", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_row_invariance", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--prefixes", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results_row_invariance.md"), help="'' = print only")
+    parser.add_argument(
+        "--out",
+        default=str(REPO / "benchmarks" / "results_row_invariance.md"),
+        help="'' = print only",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    lines = ["# Row invariance: what it buys and what it costs", "",
-             f"Command: `python -m benchmarks.bench_row_invariance {' '.join(sys.argv[1:] if argv is None else argv)}`",
-             "", f"Host: {cpu}, {args.threads} torch threads, torch {torch.__version__}.", ""]
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    lines = [
+        "# Row invariance: what it buys and what it costs",
+        "",
+        f"Command: `python -m benchmarks.bench_row_invariance {' '.join(sys.argv[1:] if argv is None else argv)}`",
+        "",
+        f"Host: {cpu}, {args.threads} torch threads, torch {torch.__version__}.",
+        "",
+    ]
     for dtype in args.dtypes.split(","):
         off = load_model(args.model, dtype=dtype, row_invariant="off")
         on = load_model(args.model, dtype=dtype, row_invariant="on")
-        checks = {name: row_check(loaded.model, off.vocab_size, args.prefixes)
-                  for name, loaded in (("off", off), ("on", on))}
+        checks = {
+            name: row_check(loaded.model, off.vocab_size, args.prefixes)
+            for name, loaded in (("off", off), ("on", on))
+        }
         timed = costs({"off": off.model, "on": on.model}, off.vocab_size, args.repeats)
         lines += report(args, dtype, checks, timed, on.row_invariance.describe())
         print("\n".join(lines), flush=True)

@@ -40,6 +40,7 @@ def _in_process(loaded, k, max_new_tokens):
         start = time.perf_counter()
         result = generator.generate(ids, params, k=k)
         return result.token_ids, time.perf_counter() - start, None
+
     return run
 
 
@@ -48,12 +49,17 @@ def _service(stub, k, max_new_tokens):
         request = orchestrator_pb2.GenerateRequest(include_stats=True)
         request.chat.messages.add(role="user", content=text)
         request.sampling.max_new_tokens = max_new_tokens
-        request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter="ngram"))
+        request.speculation.CopyFrom(
+            common_pb2.SpeculationParams(num_speculative_tokens=k, drafter="ngram")
+        )
         start = time.perf_counter()
         response = stub.Generate(request, timeout=300)
         elapsed = time.perf_counter() - start
-        stub.CloseSession(common_pb2.CloseSessionRequest(session_id=response.session_id), timeout=30)
+        stub.CloseSession(
+            common_pb2.CloseSessionRequest(session_id=response.session_id), timeout=30
+        )
         return list(response.token_ids), elapsed, response.stats
+
     return run
 
 
@@ -67,10 +73,20 @@ def main():
     loaded = load_model("smollm2-135m")
     cluster = Cluster(Path(tempfile.mkdtemp(prefix="bench-logs-")))
     system_args = argparse.Namespace(
-        target_model="smollm2-135m", draft_model="", drafter="ngram", target_workers=1, draft_workers=1,
-        port=0, threads=args.threads, log_dir=str(cluster.log_dir), startup_timeout=300.0)
+        target_model="smollm2-135m",
+        draft_model="",
+        drafter="ngram",
+        target_workers=1,
+        draft_workers=1,
+        port=0,
+        threads=args.threads,
+        log_dir=str(cluster.log_dir),
+        startup_timeout=300.0,
+    )
     try:
-        stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(start_system(system_args, cluster)))
+        stub = orchestrator_pb2_grpc.OrchestratorStub(
+            grpc.insecure_channel(start_system(system_args, cluster))
+        )
         methods = {
             "target-only, in process": _in_process(loaded, 0, args.max_new_tokens),
             f"n-gram k={K}, in process": _in_process(loaded, K, args.max_new_tokens),
@@ -97,9 +113,15 @@ def measure(methods, repeats):
 
 def report(results, args):
     methods = list(next(iter(results.values())))
-    print(f"SmolLM2-135M-Instruct fp32, {args.max_new_tokens} new tokens, greedy, {args.threads} threads per "
-          f"process, median of {args.repeats} interleaved repeats; ratios against target-only in process\n")
-    print("| prompt | " + " | ".join(methods) + " | services / in process (k=4) | gRPC share of round |")
+    print(
+        f"SmolLM2-135M-Instruct fp32, {args.max_new_tokens} new tokens, greedy, {args.threads} threads per "
+        f"process, median of {args.repeats} interleaved repeats; ratios against target-only in process\n"
+    )
+    print(
+        "| prompt | "
+        + " | ".join(methods)
+        + " | services / in process (k=4) | gRPC share of round |"
+    )
     print("|---" * (len(methods) + 3) + "|")
     keep = []
     for prompt, runs in results.items():
@@ -111,9 +133,13 @@ def report(results, args):
         keep.append(ratio)
         equal = all(runs[m][0][0] == runs[methods[0]][0][0] for m in methods)
         cells = " | ".join(f"{rates[m]:.1f} tok/s ({rates[m] / base:.2f}x)" for m in methods)
-        print(f"| {prompt} | {cells} | {ratio:.2f} | {grpc_share:.1%}{'' if equal else ' (OUTPUT DIFFERS)'} |")
-    print(f"\nservices keep {statistics.geometric_mean(keep):.1%} of in-process speculative throughput "
-          f"(geometric mean; min {min(keep):.1%})")
+        print(
+            f"| {prompt} | {cells} | {ratio:.2f} | {grpc_share:.1%}{'' if equal else ' (OUTPUT DIFFERS)'} |"
+        )
+    print(
+        f"\nservices keep {statistics.geometric_mean(keep):.1%} of in-process speculative throughput "
+        f"(geometric mean; min {min(keep):.1%})"
+    )
 
 
 if __name__ == "__main__":

@@ -41,11 +41,17 @@ from launcher.cluster import free_port
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
-PROMPT = ("Summarize in one sentence: The city council met on Monday to discuss the new park. The council "
-          "approved the park's budget and chose a site near the river.")  # the Makefile's
+PROMPT = (
+    "Summarize in one sentence: The city council met on Monday to discuss the new park. The council "
+    "approved the park's budget and chose a site near the river."
+)  # the Makefile's
 POLL_S = 0.02
 TIMEOUT_S = 900.0
-BARS = {"target": 10.0, "orchestrator": 3.0, "make run": 25.0}  # seconds, second start (the issue's)
+BARS = {
+    "target": 10.0,
+    "orchestrator": 3.0,
+    "make run": 25.0,
+}  # seconds, second start (the issue's)
 
 
 @dataclass
@@ -63,20 +69,30 @@ def _serving(address: str) -> bool:
     # A fresh channel per look: no reconnect backoff between looks.
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1.0
+            )
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _start(module: str, args: list[str], log: Path, code: Path = REPO) -> tuple[subprocess.Popen, float]:
+def _start(
+    module: str, args: list[str], log: Path, code: Path = REPO
+) -> tuple[subprocess.Popen, float]:
     started = time.monotonic()
-    process = subprocess.Popen([sys.executable, "-m", module, *args], cwd=code, stdout=log.open("w"),
-                               stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=code,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     return process, started
 
 
-def _wait_serving(name: str, address: str, process: subprocess.Popen, started: float, log: Path) -> float:
+def _wait_serving(
+    name: str, address: str, process: subprocess.Popen, started: float, log: Path
+) -> float:
     while not _serving(address):
         if process.poll() is not None:
             raise SystemExit(f"{name} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
@@ -99,7 +115,8 @@ def _maps_torch(pid: int) -> bool:
 
 def _first_request(address: str) -> tuple[float, float]:
     request = orchestrator_pb2.GenerateRequest(
-        speculation=common_pb2.SpeculationParams(num_speculative_tokens=4, drafter="ngram"))
+        speculation=common_pb2.SpeculationParams(num_speculative_tokens=4, drafter="ngram")
+    )
     request.chat.messages.add(role="user", content=PROMPT)
     request.sampling.max_new_tokens = 96
     with grpc.insecure_channel(address) as channel:
@@ -118,16 +135,25 @@ def one_start(model: str, cache: Path, logs: Path, label: str, code: Path = REPO
     target, draft, orchestrator = (f"127.0.0.1:{free_port()}" for _ in range(3))
     roles = [
         ("target", "target_service", ["--model", model, "--address", target]),
-        ("draft", "draft_service", ["--model", "", "--default-drafter", "ngram", "--address", draft]),
-        ("orchestrator", "orchestrator", ["--address", orchestrator, "--target-addresses", target,
-                                          "--draft-addresses", draft]),
+        (
+            "draft",
+            "draft_service",
+            ["--model", "", "--default-drafter", "ngram", "--address", draft],
+        ),
+        (
+            "orchestrator",
+            "orchestrator",
+            ["--address", orchestrator, "--target-addresses", target, "--draft-addresses", draft],
+        ),
     ]
     processes: dict[str, subprocess.Popen] = {}
     try:
         for name, module, args in roles:
             log = logs / f"{label}-{name}.log"
             processes[name], started = _start(module, args, log, code)
-            result.ready_s[name] = _wait_serving(name, args[args.index("--address") + 1], processes[name], started, log)
+            result.ready_s[name] = _wait_serving(
+                name, args[args.index("--address") + 1], processes[name], started, log
+            )
         result.ttft_s, result.first_call_s = _first_request(orchestrator)
         result.orchestrator_rss_mb = _rss_mb(processes["orchestrator"].pid)
         result.target_rss_mb = _rss_mb(processes["target"].pid)
@@ -151,12 +177,33 @@ def make_run(cache: Path, code: Path = REPO) -> tuple[float, float] | None:
             probe.bind(("127.0.0.1", 50050))
         except OSError:
             return None
-    command = ["make", "run"] if code == REPO else [
-        sys.executable, "-m", "launcher", "--prompt", PROMPT, "--", "--drafter", "ngram", "--k", "4",
-        "--max-new-tokens", "96"]  # what `make run` runs, without its set-up
+    command = (
+        ["make", "run"]
+        if code == REPO
+        else [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--prompt",
+            PROMPT,
+            "--",
+            "--drafter",
+            "ngram",
+            "--k",
+            "4",
+            "--max-new-tokens",
+            "96",
+        ]
+    )  # what `make run` runs, without its set-up
     started = time.monotonic()
-    run = subprocess.run(command, cwd=code, capture_output=True, text=True, timeout=TIMEOUT_S,
-                         env={**os.environ, "SPECULATIVE_MODEL_CACHE": str(cache)})
+    run = subprocess.run(
+        command,
+        cwd=code,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, "SPECULATIVE_MODEL_CACHE": str(cache)},
+    )
     if run.returncode != 0:
         raise SystemExit(f"make run failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
     ready = re.search(r"ready in (\d+) s", run.stderr)
@@ -167,56 +214,94 @@ def _median(values: list[float]) -> str:
     return f"{statistics.median(values):.1f}" if values else "-"
 
 
-def report(starts: list[Start], make_runs: dict[str, list[tuple[float, float]]], args, hardware: str,
-           load: str) -> str:
+def report(
+    starts: list[Start],
+    make_runs: dict[str, list[tuple[float, float]]],
+    args,
+    hardware: str,
+    load: str,
+) -> str:
     firsts = [s for s in starts if s.cache == "empty"]
     seconds = [s for s in starts if s.cache == "filled"]
     lines = [
-        "# Cold start", "",
-        f"Command: `{' '.join(['python -m benchmarks.bench_startup', shlex.join(args.argv)]).strip()}`", "",
+        "# Cold start",
+        "",
+        f"Command: `{' '.join(['python -m benchmarks.bench_startup', shlex.join(args.argv)]).strip()}`",
+        "",
         f"Hardware: {hardware}. Model: {args.model} (fp32, default threads). Load average (1, 5, 15 min) at "
         f"the start: {load}; at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}."
-        + (f" Code: {args.code}." if args.code else ""), "",
+        + (f" Code: {args.code}." if args.code else ""),
+        "",
         "Seconds, process start to SERVING on the health service (roles started one at a time), the first "
         "request's time to first token and whole call (chat prompt of `make run`, n-gram drafter, k = 4, 96 "
         "tokens), and `make run` from command to printed completion (in brackets: when the launcher said "
         "it was ready, whole seconds). First start: an empty model cache "
-        f"(the target converts the GGUF file); second starts: the cache filled, median of {len(seconds)}.", "",
+        f"(the target converts the GGUF file); second starts: the cache filled, median of {len(seconds)}.",
+        "",
         "| start | target | draft (n-gram) | orchestrator | first token | first call | make run |",
         "|---|---|---|---|---|---|---|",
     ]
-    for label, group, runs in (("first (cache empty)", firsts, make_runs["empty"]),
-                               ("second (cache filled)", seconds, make_runs["filled"])):
+    for label, group, runs in (
+        ("first (cache empty)", firsts, make_runs["empty"]),
+        ("second (cache filled)", seconds, make_runs["filled"]),
+    ):
         if not group:
             continue
-        cells = [_median([s.ready_s[r] for s in group]) for r in ("target", "draft", "orchestrator")]
-        cells += [_median([s.ttft_s for s in group]), _median([s.first_call_s for s in group]),
-                  f"{_median([r[0] for r in runs])} ({_median([r[1] for r in runs])})"]
+        cells = [
+            _median([s.ready_s[r] for s in group]) for r in ("target", "draft", "orchestrator")
+        ]
+        cells += [
+            _median([s.ttft_s for s in group]),
+            _median([s.first_call_s for s in group]),
+            f"{_median([r[0] for r in runs])} ({_median([r[1] for r in runs])})",
+        ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if seconds:
-        lines += ["", "Every second start: " + "; ".join(
-            f"target {s.ready_s['target']:.1f}, orchestrator {s.ready_s['orchestrator']:.1f}, "
-            f"first token {s.ttft_s:.2f}" for s in seconds) + "."]
-        bars = {"target": statistics.median(s.ready_s["target"] for s in seconds),
-                "orchestrator": statistics.median(s.ready_s["orchestrator"] for s in seconds)}
+        lines += [
+            "",
+            "Every second start: "
+            + "; ".join(
+                f"target {s.ready_s['target']:.1f}, orchestrator {s.ready_s['orchestrator']:.1f}, "
+                f"first token {s.ttft_s:.2f}"
+                for s in seconds
+            )
+            + ".",
+        ]
+        bars = {
+            "target": statistics.median(s.ready_s["target"] for s in seconds),
+            "orchestrator": statistics.median(s.ready_s["orchestrator"] for s in seconds),
+        }
         if make_runs["filled"]:
             bars["make run"] = statistics.median(r[0] for r in make_runs["filled"])
-        lines += ["", "Bars (second start): " + "; ".join(
-            f"{name} {value:.1f} s (at most {BARS[name]:.0f} s: {'met' if value <= BARS[name] else 'NOT met'})"
-            for name, value in bars.items()) + "."]
+        lines += [
+            "",
+            "Bars (second start): "
+            + "; ".join(
+                f"{name} {value:.1f} s (at most {BARS[name]:.0f} s: {'met' if value <= BARS[name] else 'NOT met'})"
+                for name, value in bars.items()
+            )
+            + ".",
+        ]
     orchestrators = [s for s in starts]
-    lines += ["", f"Orchestrator: {_median([s.orchestrator_rss_mb for s in orchestrators])} MB resident after the "
-                  f"first request (target: {_median([s.target_rss_mb for s in orchestrators])} MB); torch mapped "
-                  f"in its process: {'yes' if any(s.orchestrator_torch for s in orchestrators) else 'no'}."]
+    lines += [
+        "",
+        f"Orchestrator: {_median([s.orchestrator_rss_mb for s in orchestrators])} MB resident after the "
+        f"first request (target: {_median([s.target_rss_mb for s in orchestrators])} MB); torch mapped "
+        f"in its process: {'yes' if any(s.orchestrator_torch for s in orchestrators) else 'no'}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_startup", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_startup", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--repeats", type=int, default=3, help="second starts")
     parser.add_argument("--no-make-run", action="store_true", help="do not time `make run`")
-    parser.add_argument("--code", default="", help="run the roles from this checkout (default: this one)")
+    parser.add_argument(
+        "--code", default="", help="run the roles from this checkout (default: this one)"
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results_startup.md"))
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
@@ -233,8 +318,11 @@ def main(argv: list[str] | None = None) -> int:
             starts.append(one_start(args.model, cache, logs, f"start{index}", code))
             print(starts[-1], file=sys.stderr)
         if not args.no_make_run:
-            for label, run_cache in (("empty", Path(scratch) / "make-cache"), ("filled", Path(scratch) / "make-cache"),
-                                     ("filled", Path(scratch) / "make-cache")):
+            for label, run_cache in (
+                ("empty", Path(scratch) / "make-cache"),
+                ("filled", Path(scratch) / "make-cache"),
+                ("filled", Path(scratch) / "make-cache"),
+            ):
                 timed = make_run(run_cache, code)
                 if timed is not None:
                     make_runs[label].append(timed)

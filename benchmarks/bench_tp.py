@@ -27,10 +27,15 @@ from launcher.cluster import Cluster, free_port, layout, parse_args, start_syste
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 SPECULATIVE = f"ngram+model adaptive k<={ADAPTIVE_MAX_K}"
-PREFIX, WIDTHS, PASS_REPEATS = 256, (1, 5), 12  # the pass breakdown: cached tokens, new tokens, timed passes
+# the pass breakdown: cached tokens, new tokens, timed passes
+PREFIX = 256
+WIDTHS = (1, 5)
+PASS_REPEATS = 12
 
 
-def start(pair, ranks: int, threads: int, draft_threads: int) -> tuple[Cluster, orchestrator_pb2_grpc.OrchestratorStub]:
+def start(
+    pair, ranks: int, threads: int, draft_threads: int
+) -> tuple[Cluster, orchestrator_pb2_grpc.OrchestratorStub]:
     args = parse_args(["--http-port", "-1", "--port", "0"])
     args.target_model, args.draft_model, args.drafter = pair.target, pair.draft, pair.drafter
     args.draft_quantization, args.tensor_parallel, args.threads = pair.quantization, ranks, threads
@@ -48,8 +53,13 @@ def call(stub, text: str, speculative: bool, max_new_tokens: int) -> Run:
     request = orchestrator_pb2.GenerateRequest(include_stats=True)
     request.chat.messages.add(role="user", content=text)
     request.sampling.max_new_tokens = max_new_tokens
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(
-        num_speculative_tokens=ADAPTIVE_MAX_K if speculative else 0, drafter="ngram+model", adaptive=speculative))
+    request.speculation.CopyFrom(
+        common_pb2.SpeculationParams(
+            num_speculative_tokens=ADAPTIVE_MAX_K if speculative else 0,
+            drafter="ngram+model",
+            adaptive=speculative,
+        )
+    )
     started = time.perf_counter()
     response = stub.Generate(request, timeout=3600)
     elapsed = time.perf_counter() - started
@@ -58,8 +68,11 @@ def call(stub, text: str, speculative: bool, max_new_tokens: int) -> Run:
 
 
 def measure(stubs: dict[int, object], args) -> dict[str, dict[str, list[Run]]]:
-    methods = {f"{ranks} rank{'s' * (ranks > 1)}, {name}": (stub, name != "target-only")
-               for ranks, stub in stubs.items() for name in ("target-only", SPECULATIVE)}
+    methods = {
+        f"{ranks} rank{'s' * (ranks > 1)}, {name}": (stub, name != "target-only")
+        for ranks, stub in stubs.items()
+        for name in ("target-only", SPECULATIVE)
+    }
     for stub, speculative in methods.values():  # warm-up: first sessions, first estimates
         call(stub, "Say hello.", speculative, 8)
     results = {}
@@ -70,7 +83,10 @@ def measure(stubs: dict[int, object], args) -> dict[str, dict[str, list[Run]]]:
                 stub, speculative = methods[method]
                 runs[method].append(call(stub, PROMPTS[prompt], speculative, args.max_new_tokens))
         results[prompt] = runs
-        print(f"  {prompt}: " + ", ".join(f"{m} {_rate(r):.2f} tok/s" for m, r in runs.items()), flush=True)
+        print(
+            f"  {prompt}: " + ", ".join(f"{m} {_rate(r):.2f} tok/s" for m, r in runs.items()),
+            flush=True,
+        )
     return results
 
 
@@ -79,6 +95,7 @@ def _rate(runs: list[Run]) -> float:
 
 
 # --- why: one pass, taken apart ----------------------------------------------------------
+
 
 def pass_times(model) -> dict[int, float]:
     """Median ms of a pass of each width over PREFIX cached tokens (the worker's path)."""
@@ -107,8 +124,13 @@ def _sharded_rank(rank: int, ranks: int, port: int, model: str, threads: int, ou
         tensor_parallel.follow(loaded.model, group)
         return
     tensor_parallel.Leader(group).attach(loaded.model)
-    out.put({"all_reduce_ms": statistics.median(samples[5:]), "layers": loaded.model.config.num_hidden_layers,
-             "passes": pass_times(loaded.model)})
+    out.put(
+        {
+            "all_reduce_ms": statistics.median(samples[5:]),
+            "layers": loaded.model.config.num_hidden_layers,
+            "passes": pass_times(loaded.model),
+        }
+    )
     dist.broadcast_object_list([None], src=0, group=group)  # the other ranks stop following
 
 
@@ -128,30 +150,47 @@ def breakdown(model: str, ranks: int, threads: int) -> list[str]:
         del loaded
     context = multiprocessing.get_context("spawn")
     out, port = context.Queue(), free_port()
-    processes = [context.Process(target=_sharded_rank, args=(rank, ranks, port, model, max(1, threads // ranks), out))
-                 for rank in range(ranks)]
+    processes = [
+        context.Process(
+            target=_sharded_rank, args=(rank, ranks, port, model, max(1, threads // ranks), out)
+        )
+        for rank in range(ranks)
+    ]
     for process in processes:
         process.start()
     sharded = out.get(timeout=1800)
     for process in processes:
         process.join(timeout=60)
-    per_pass = 2 * sharded["layers"] * sharded["all_reduce_ms"]  # after o_proj and down_proj of each layer
-    rows = [("1 process, oneDNN-packed linears (the worker's default)", one[True]),
-            ("1 process, plain linears", one[False]),
-            (f"{ranks} ranks x {max(1, threads // ranks)} thread(s), plain linears", sharded["passes"])]
-    lines = [f"| {name} | " + " | ".join(f"{times[w]:.0f}" for w in WIDTHS) + " |" for name, times in rows]
-    return ["| target pass, ms over {PREFIX} cached tokens | ".replace("{PREFIX}", str(PREFIX))
-            + " | ".join(f"{w} new token{'s' * (w > 1)}" for w in WIDTHS) + " |",
-            "|---" * (len(WIDTHS) + 1) + "|", *lines, "",
-            f"An all-reduce of a {WIDTHS[-1]}-token pass's hidden states between the ranks (gloo, loopback): "
-            f"{sharded['all_reduce_ms']:.2f} ms; {2 * sharded['layers']} of them a pass: {per_pass:.0f} ms."]
+    # after o_proj and down_proj of each layer
+    per_pass = 2 * sharded["layers"] * sharded["all_reduce_ms"]
+    rows = [
+        ("1 process, oneDNN-packed linears (the worker's default)", one[True]),
+        ("1 process, plain linears", one[False]),
+        (f"{ranks} ranks x {max(1, threads // ranks)} thread(s), plain linears", sharded["passes"]),
+    ]
+    lines = [
+        f"| {name} | " + " | ".join(f"{times[w]:.0f}" for w in WIDTHS) + " |"
+        for name, times in rows
+    ]
+    return [
+        "| target pass, ms over {PREFIX} cached tokens | ".replace("{PREFIX}", str(PREFIX))
+        + " | ".join(f"{w} new token{'s' * (w > 1)}" for w in WIDTHS)
+        + " |",
+        "|---" * (len(WIDTHS) + 1) + "|",
+        *lines,
+        "",
+        f"An all-reduce of a {WIDTHS[-1]}-token pass's hidden states between the ranks (gloo, loopback): "
+        f"{sharded['all_reduce_ms']:.2f} ms; {2 * sharded['layers']} of them a pass: {per_pass:.0f} ms.",
+    ]
 
 
 def report(results: dict, args, ranks: int) -> list[str]:
     methods = list(next(iter(results.values())))
     baseline = methods[0]  # 1 rank, target-only
-    lines = ["| prompt | " + " | ".join(methods) + f" | {ranks} ranks / 1 rank, target-only (paired) |",
-             "|---" * (len(methods) + 2) + "|"]
+    lines = [
+        "| prompt | " + " | ".join(methods) + f" | {ranks} ranks / 1 rank, target-only (paired) |",
+        "|---" * (len(methods) + 2) + "|",
+    ]
     ratios = {method: [] for method in methods}
     for prompt, runs in results.items():
         base = _rate(runs[baseline])
@@ -162,26 +201,46 @@ def report(results: dict, args, ranks: int) -> list[str]:
         paired = paired_ratio(runs[methods[2]], runs[baseline])
         cells.append(f"{paired[0]:.2f}x [{paired[1]:.2f}, {paired[2]:.2f}]" if paired else "-")
         lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
-    lines.append("| geometric mean | " + " | ".join(f"{statistics.geometric_mean(r):.2f}x" for r in ratios.values())
-                 + " | |")
-    every = [(prompt, run) for prompt, runs in results.items() for method_runs in runs.values() for run in method_runs]
+    lines.append(
+        "| geometric mean | "
+        + " | ".join(f"{statistics.geometric_mean(r):.2f}x" for r in ratios.values())
+        + " | |"
+    )
+    every = [
+        (prompt, run)
+        for prompt, runs in results.items()
+        for method_runs in runs.values()
+        for run in method_runs
+    ]
     equal = sum(run.token_ids == results[prompt][baseline][0].token_ids for prompt, run in every)
-    lines += ["", f"Every output against the one-process target-only's first of its prompt: {equal} of {len(every)} "
-                  "equal token for token."]
+    lines += [
+        "",
+        f"Every output against the one-process target-only's first of its prompt: {equal} of {len(every)} "
+        "equal token for token.",
+    ]
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_tp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_tp", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--pair", choices=sorted(PAIRS), default="qwen")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the one-process target (N ranks: "
-                                                               "threads / N each); the draft worker's too")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads of the one-process target (N ranks: "
+        "threads / N each); the draft worker's too",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompts", default=",".join(PROMPTS))
     parser.add_argument("--out", default="benchmarks/results_tp.md")
-    parser.add_argument("--breakdown-only", action="store_true", help="only the pass breakdown (printed)")
+    parser.add_argument(
+        "--breakdown-only", action="store_true", help="only the pass breakdown (printed)"
+    )
     args = parser.parse_args(argv)
     pair = PAIRS[args.pair]
     if args.breakdown_only:
@@ -197,15 +256,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for cluster in clusters:
             cluster.stop()
-    lines = [f"# The target at 1 and {args.ranks} tensor-parallel ranks", "",
-             f"Command: `python -m benchmarks.bench_tp --pair {args.pair} --ranks {args.ranks} "
-             f"--repeats {args.repeats} --max-new-tokens {args.max_new_tokens}"
-             + (f" --prompts {args.prompts}`" if args.prompts != ",".join(PROMPTS) else "`"), "",
-             f"Hardware: {hardware()}. Target {pair.target} fp32, draft {pair.draft or 'n-gram'} "
-             f"({pair.quantization}, {args.threads} threads); the one-process target with {args.threads} threads, "
-             f"each of the {args.ranks} ranks with {max(1, args.threads // args.ranks)} (gloo on the CPU). Greedy, "
-             f"{args.max_new_tokens} new tokens, chat template, median of {args.repeats} rounds in rotated order; "
-             "in brackets over the one-process target-only.", "", *report(results, args, args.ranks)]
+    lines = [
+        f"# The target at 1 and {args.ranks} tensor-parallel ranks",
+        "",
+        f"Command: `python -m benchmarks.bench_tp --pair {args.pair} --ranks {args.ranks} "
+        f"--repeats {args.repeats} --max-new-tokens {args.max_new_tokens}"
+        + (f" --prompts {args.prompts}`" if args.prompts != ",".join(PROMPTS) else "`"),
+        "",
+        f"Hardware: {hardware()}. Target {pair.target} fp32, draft {pair.draft or 'n-gram'} "
+        f"({pair.quantization}, {args.threads} threads); the one-process target with {args.threads} threads, "
+        f"each of the {args.ranks} ranks with {max(1, args.threads // args.ranks)} (gloo on the CPU). Greedy, "
+        f"{args.max_new_tokens} new tokens, chat template, median of {args.repeats} rounds in rotated order; "
+        "in brackets over the one-process target-only.",
+        "",
+        *report(results, args, args.ranks),
+    ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

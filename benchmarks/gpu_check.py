@@ -120,15 +120,50 @@ class Plan:
     replay_draft: str = "random:qwen2.5-0.5b:0"  # step 7's draft model: the replay drafter's cost
 
 
-GPU = Plan(target="random:qwen2.5-7b:0", draft="random:qwen2.5-1.5b:0", device="cuda", dtype="bfloat16",
-           prefix=512, widths=(1, 2, 4, 8, 16), repeats=20, decode_tokens=32, prompt_tokens=128, prompts=3,
-           max_new_tokens=64, e2e_repeats=3, budget_s=450.0, threads=0, startup_timeout_s=180.0,
-           call_timeout_s=60.0, target_schemes_s=100.0, quantized_e2e_s=150.0, tensor_parallel_s=150.0)
-SMOKE = Plan(target="random:qwen2-tiny:0", draft="random:qwen2-tiny:1", device="cpu", dtype="float32",
-             prefix=32, widths=(1, 2, 4, 8, 16), repeats=3, decode_tokens=8, prompt_tokens=24, prompts=1,
-             max_new_tokens=12, e2e_repeats=1, budget_s=480.0, threads=1, startup_timeout_s=120.0,
-             call_timeout_s=60.0, target_schemes_s=10.0, quantized_e2e_s=40.0, tensor_parallel_s=40.0, devices=2,
-             replay_draft="random:qwen2-tiny:1")
+GPU = Plan(
+    target="random:qwen2.5-7b:0",
+    draft="random:qwen2.5-1.5b:0",
+    device="cuda",
+    dtype="bfloat16",
+    prefix=512,
+    widths=(1, 2, 4, 8, 16),
+    repeats=20,
+    decode_tokens=32,
+    prompt_tokens=128,
+    prompts=3,
+    max_new_tokens=64,
+    e2e_repeats=3,
+    budget_s=450.0,
+    threads=0,
+    startup_timeout_s=180.0,
+    call_timeout_s=60.0,
+    target_schemes_s=100.0,
+    quantized_e2e_s=150.0,
+    tensor_parallel_s=150.0,
+)
+SMOKE = Plan(
+    target="random:qwen2-tiny:0",
+    draft="random:qwen2-tiny:1",
+    device="cpu",
+    dtype="float32",
+    prefix=32,
+    widths=(1, 2, 4, 8, 16),
+    repeats=3,
+    decode_tokens=8,
+    prompt_tokens=24,
+    prompts=1,
+    max_new_tokens=12,
+    e2e_repeats=1,
+    budget_s=480.0,
+    threads=1,
+    startup_timeout_s=120.0,
+    call_timeout_s=60.0,
+    target_schemes_s=10.0,
+    quantized_e2e_s=40.0,
+    tensor_parallel_s=40.0,
+    devices=2,
+    replay_draft="random:qwen2-tiny:1",
+)
 
 
 @dataclass
@@ -171,16 +206,28 @@ def log(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", default="benchmarks", help="directory of results_gpu.md")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, fp32, on the CPU: checks the script")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes, fp32, on the CPU: checks the script"
+    )
     parser.add_argument("--target", default="", help="target model (default random:qwen2.5-7b:0)")
-    parser.add_argument("--draft", default="", help="draft model of step 2 (default random:qwen2.5-1.5b:0)")
-    parser.add_argument("--budget-s", type=float, default=0.0, help="time budget of the whole run (default 450 s)")
+    parser.add_argument(
+        "--draft", default="", help="draft model of step 2 (default random:qwen2.5-1.5b:0)"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=0.0, help="time budget of the whole run (default 450 s)"
+    )
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else GPU
-    plan = replace(plan, target=args.target or plan.target, draft=args.draft or plan.draft,
-                   budget_s=args.budget_s or plan.budget_s)
+    plan = replace(
+        plan,
+        target=args.target or plan.target,
+        draft=args.draft or plan.draft,
+        budget_s=args.budget_s or plan.budget_s,
+    )
     if plan.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --smoke for the CPU check of the script", file=sys.stderr)
         return 2
@@ -190,41 +237,89 @@ def main(argv: list[str] | None = None) -> int:
     report.write()
 
     timings: dict[str, dict[str, SchemeRow]] = {}
-    guarded(report, 1, TITLES[1], lambda: gpu_passes.run(plan, report, 1, clock, sys.modules[__name__]))
-    guarded(report, 6, TITLES[6], lambda: gpu_invariance.run(plan, report, 6, clock, sys.modules[__name__]))
-    for step, run in ((7, lambda: gpu_replay.run(plan, report, 7, clock, sys.modules[__name__])),
-                      (2, lambda: step_schemes(plan, report, timings, [plan.draft], clock)),
-                      (3, lambda: step_e2e(plan, report, 3, quantization.NONE, clock))):
+    guarded(
+        report, 1, TITLES[1], lambda: gpu_passes.run(plan, report, 1, clock, sys.modules[__name__])
+    )
+    guarded(
+        report,
+        6,
+        TITLES[6],
+        lambda: gpu_invariance.run(plan, report, 6, clock, sys.modules[__name__]),
+    )
+    for step, run in (
+        (7, lambda: gpu_replay.run(plan, report, 7, clock, sys.modules[__name__])),
+        (2, lambda: step_schemes(plan, report, timings, [plan.draft], clock)),
+        (3, lambda: step_e2e(plan, report, 3, quantization.NONE, clock)),
+    ):
         if clock.left() < plan.quantized_e2e_s:  # the budget holds the check to its minutes
-            report.set(step, [f"## {step}. {TITLES[step].format(scheme='', ranks='')}", "",
-                              f"Skipped: {clock.left():.0f} s of the budget left."])
+            report.set(
+                step,
+                [
+                    f"## {step}. {TITLES[step].format(scheme='', ranks='')}",
+                    "",
+                    f"Skipped: {clock.left():.0f} s of the budget left.",
+                ],
+            )
             continue
         guarded(report, step, TITLES[step], run)
     if clock.left() >= plan.target_schemes_s:
-        guarded(report, 2, TITLES[2], lambda: step_schemes(plan, report, timings, [plan.draft, plan.target], clock))
+        guarded(
+            report,
+            2,
+            TITLES[2],
+            lambda: step_schemes(plan, report, timings, [plan.draft, plan.target], clock),
+        )
     else:
-        note(report, 2, f"The target's rows ({plan.target}): skipped, {clock.left():.0f} s of the budget left.")
+        note(
+            report,
+            2,
+            f"The target's rows ({plan.target}): skipped, {clock.left():.0f} s of the budget left.",
+        )
     scheme = fastest_quantized(timings, plan)
     if scheme is None:
-        report.set(4, [f"## 4. {TITLES[4].format(scheme='')}", "", "Skipped: no quantization scheme ran in step 2."])
+        report.set(
+            4,
+            [
+                f"## 4. {TITLES[4].format(scheme='')}",
+                "",
+                "Skipped: no quantization scheme ran in step 2.",
+            ],
+        )
     elif clock.left() < plan.quantized_e2e_s:
-        report.set(4, [f"## 4. {TITLES[4].format(scheme=scheme)}", "",
-                       f"Skipped: {clock.left():.0f} s of the budget left, {plan.quantized_e2e_s:.0f} s needed."])
+        report.set(
+            4,
+            [
+                f"## 4. {TITLES[4].format(scheme=scheme)}",
+                "",
+                f"Skipped: {clock.left():.0f} s of the budget left, {plan.quantized_e2e_s:.0f} s needed.",
+            ],
+        )
     else:
-        guarded(report, 4, TITLES[4].format(scheme=scheme), lambda: step_e2e(plan, report, 4, scheme, clock))
+        guarded(
+            report,
+            4,
+            TITLES[4].format(scheme=scheme),
+            lambda: step_e2e(plan, report, 4, scheme, clock),
+        )
     step_tensor_parallel(plan, report, clock)
-    report.header.append(f"- run time: {clock.elapsed():.0f} s (budget {plan.budget_s:.0f} s: optional parts start "
-                         "only with their time left)")
+    report.header.append(
+        f"- run time: {clock.elapsed():.0f} s (budget {plan.budget_s:.0f} s: optional parts start "
+        "only with their time left)"
+    )
     report.write()
     print(report.text())
     return 0
 
 
-def off_and_on(plan: Plan, report: Report, step: int, lines: list[str], clock: Clock, services, render) -> None:
+def off_and_on(
+    plan: Plan, report: Report, step: int, lines: list[str], clock: Clock, services, render
+) -> None:
     """A step's services part: `services(plan, mode, check)` with its setting off and
     on, rendered below the step's `lines`; skipped when the budget cannot hold it."""
     if clock.left() < plan.quantized_e2e_s:
-        report.set(step, [*lines, "", f"Services part skipped: {clock.left():.0f} s of the budget left."])
+        report.set(
+            step, [*lines, "", f"Services part skipped: {clock.left():.0f} s of the budget left."]
+        )
         return
     results = {mode: services(plan, mode, sys.modules[__name__]) for mode in ("off", "on")}
     report.set(step, [*lines, *render(plan, results)])
@@ -253,8 +348,10 @@ def describe_error(error: BaseException) -> str:
 def header(plan: Plan, argv: list[str]) -> list[str]:
     if plan.device == "cuda":
         properties = torch.cuda.get_device_properties(0)
-        device = (f"{properties.name} ({properties.total_memory / 2**30:.0f} GiB, compute capability "
-                  f"{properties.major}.{properties.minor}), CUDA {torch.version.cuda}")
+        device = (
+            f"{properties.name} ({properties.total_memory / 2**30:.0f} GiB, compute capability "
+            f"{properties.major}.{properties.minor}), CUDA {torch.version.cuda}"
+        )
     else:
         device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), no GPU: smoke run"
     return [
@@ -279,8 +376,13 @@ def _version(distribution: str) -> str:
 
 def _commit() -> str:
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent)
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
         return done.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -316,7 +418,9 @@ class SchemeRow:
     load_s: float = 0.0
 
 
-def decode(loaded: LoadedModel, plan: Plan, forced: list[int] | None) -> tuple[list[float], list[int]]:
+def decode(
+    loaded: LoadedModel, plan: Plan, forced: list[int] | None
+) -> tuple[list[float], list[int]]:
     """Width-1 passes after a plan.prompt_tokens prompt: seconds per pass and the greedy
     token of each; with `forced`, those tokens are appended instead (teacher forcing)."""
     session = ModelSession(loaded.model, loaded.context_length)
@@ -337,8 +441,13 @@ def decode(loaded: LoadedModel, plan: Plan, forced: list[int] | None) -> tuple[l
     return seconds, chosen
 
 
-def step_schemes(plan: Plan, report: Report, timings: dict[str, dict[str, SchemeRow]], models: list[str],
-                 clock: Clock) -> None:
+def step_schemes(
+    plan: Plan,
+    report: Report,
+    timings: dict[str, dict[str, SchemeRow]],
+    models: list[str],
+    clock: Clock,
+) -> None:
     for name in models:
         if name in timings:
             continue
@@ -369,24 +478,32 @@ def step_schemes(plan: Plan, report: Report, timings: dict[str, dict[str, Scheme
 
 
 def scheme_lines(plan: Plan, timings: dict[str, dict[str, SchemeRow]]) -> list[str]:
-    lines = [f"## 2. {TITLES[2]}", "",
-             f"Width-1 passes after a {plan.prompt_tokens}-token prompt, median of {plan.decode_tokens} after 3 "
-             "untimed (synchronised around each), quantized by `load_model(..., quantize=SCHEME)` "
-             "(model_runtime/quantization.py; on CUDA through torchao), output layer quantized too. Agreement: "
-             "the share of positions where the quantized model's greedy token is the unquantized model's "
-             "(teacher-forced on the unquantized model's tokens): what a quantized self-draft can accept.", "",
-             "| model | scheme | ms / token | vs none | agreement with none | load + quantize | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## 2. {TITLES[2]}",
+        "",
+        f"Width-1 passes after a {plan.prompt_tokens}-token prompt, median of {plan.decode_tokens} after 3 "
+        "untimed (synchronised around each), quantized by `load_model(..., quantize=SCHEME)` "
+        "(model_runtime/quantization.py; on CUDA through torchao), output layer quantized too. Agreement: "
+        "the share of positions where the quantized model's greedy token is the unquantized model's "
+        "(teacher-forced on the unquantized model's tokens): what a quantized self-draft can accept.",
+        "",
+        "| model | scheme | ms / token | vs none | agreement with none | load + quantize | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, rows in timings.items():
         base = rows.get("none")
         for scheme, row in rows.items():
             if row.error:
                 lines.append(f"| `{name}` | {scheme} | | | | | {row.error.replace('|', '/')} |")
                 continue
-            speed = f"{base.ms_per_token / row.ms_per_token:.2f}x" if base and base.ms_per_token else ""
+            speed = (
+                f"{base.ms_per_token / row.ms_per_token:.2f}x" if base and base.ms_per_token else ""
+            )
             agreement = "" if row.agreement is None else f"{row.agreement:.0%}"
-            lines.append(f"| `{name}` | {scheme} | {row.ms_per_token:.2f} | {speed} | {agreement} | "
-                         f"{row.load_s:.1f} s | |")
+            lines.append(
+                f"| `{name}` | {scheme} | {row.ms_per_token:.2f} | {speed} | {agreement} | "
+                f"{row.load_s:.1f} s | |"
+            )
     return lines
 
 
@@ -394,8 +511,11 @@ def fastest_quantized(timings: dict[str, dict[str, SchemeRow]], plan: Plan) -> s
     """The quantized scheme with the fewest ms per token, on the target if measured
     there, else on the draft; None if none ran."""
     rows = timings.get(plan.target) or timings.get(plan.draft) or {}
-    ran = {scheme: row.ms_per_token for scheme, row in rows.items()
-           if scheme != quantization.NONE and row.ms_per_token is not None}
+    ran = {
+        scheme: row.ms_per_token
+        for scheme, row in rows.items()
+        if scheme != quantization.NONE and row.ms_per_token is not None
+    }
     return min(ran, key=ran.get) if ran else None
 
 
@@ -439,20 +559,26 @@ def call(stub, ids: list[int], k: int, adaptive: bool, plan: Plan, drafter: str 
     request = orchestrator_pb2.GenerateRequest(include_stats=True)
     request.token_ids.ids.extend(ids)
     request.sampling.max_new_tokens = plan.max_new_tokens  # greedy: temperature 0 by default
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter=drafter,
-                                                              adaptive=adaptive))
+    request.speculation.CopyFrom(
+        common_pb2.SpeculationParams(num_speculative_tokens=k, drafter=drafter, adaptive=adaptive)
+    )
     start = time.perf_counter()
     response = stub.Generate(request, timeout=plan.call_timeout_s)
     seconds = time.perf_counter() - start
     stub.CloseSession(common_pb2.CloseSessionRequest(session_id=response.session_id), timeout=60)
     drafted = response.stats.num_drafted
-    return Run(list(response.token_ids), seconds, response.stats.acceptance_rate if drafted else None)
+    return Run(
+        list(response.token_ids), seconds, response.stats.acceptance_rate if drafted else None
+    )
 
 
-def system_args(plan: Plan, draft_quantization: str, log_dir: str,
-                ranks: int = 1) -> tuple[argparse.Namespace, list]:
+def system_args(
+    plan: Plan, draft_quantization: str, log_dir: str, ranks: int = 1
+) -> tuple[argparse.Namespace, list]:
     args = parse_args(["--http-port", "-1", "--port", "0"])  # gRPC clients only
-    args.target_model, args.draft_model, args.draft_quantization = plan.target, "self", draft_quantization
+    args.target_model = plan.target
+    args.draft_model = "self"
+    args.draft_quantization = draft_quantization
     args.tensor_parallel = ranks
     args.drafter, args.threads, args.log_dir = "model", plan.threads, log_dir
     args.startup_timeout = plan.startup_timeout_s
@@ -469,24 +595,48 @@ def shardable_ranks(plan: Plan) -> int:
     if not tiny.is_random_shaped(plan.target):
         return available  # the worker refuses heads that do not divide, with a clear error
     shape, _ = tiny.parse_random_name(plan.target)
-    return max(n for n in range(1, available + 1) if shape.num_heads % n == 0 and shape.num_kv_heads % n == 0)
+    return max(
+        n
+        for n in range(1, available + 1)
+        if shape.num_heads % n == 0 and shape.num_kv_heads % n == 0
+    )
 
 
 def step_tensor_parallel(plan: Plan, report: Report, clock: Clock) -> None:
     ranks = shardable_ranks(plan)
     title = f"## 5. {TITLES[5].format(ranks=ranks)}"
     if ranks < 2:
-        report.set(5, [title, "", f"Not run: {plan.devices or torch.cuda.device_count()} GPU(s) here; tensor "
-                                  "parallelism needs 2 or more (one rank is step 3's target)."])
+        report.set(
+            5,
+            [
+                title,
+                "",
+                f"Not run: {plan.devices or torch.cuda.device_count()} GPU(s) here; tensor "
+                "parallelism needs 2 or more (one rank is step 3's target).",
+            ],
+        )
     elif clock.left() < plan.tensor_parallel_s:
-        report.set(5, [title, "", f"Skipped: {clock.left():.0f} s of the budget left, {plan.tensor_parallel_s:.0f} s "
-                                  "needed."])
+        report.set(
+            5,
+            [
+                title,
+                "",
+                f"Skipped: {clock.left():.0f} s of the budget left, {plan.tensor_parallel_s:.0f} s "
+                "needed.",
+            ],
+        )
     else:
-        guarded(report, 5, TITLES[5].format(ranks=ranks),
-                lambda: step_e2e(plan, report, 5, quantization.NONE, clock, ranks))
+        guarded(
+            report,
+            5,
+            TITLES[5].format(ranks=ranks),
+            lambda: step_e2e(plan, report, 5, quantization.NONE, clock, ranks),
+        )
 
 
-def step_e2e(plan: Plan, report: Report, step: int, draft_quantization: str, clock: Clock, ranks: int = 1) -> None:
+def step_e2e(
+    plan: Plan, report: Report, step: int, draft_quantization: str, clock: Clock, ranks: int = 1
+) -> None:
     title = f"## {step}. {TITLES[step].format(scheme=draft_quantization, ranks=ranks)}"
     log_dir = tempfile.mkdtemp(prefix="gpu-check-logs-")
     args, roles = system_args(plan, draft_quantization, log_dir, ranks)
@@ -507,7 +657,10 @@ def step_e2e(plan: Plan, report: Report, step: int, draft_quantization: str, clo
             for repeat in range(plan.e2e_repeats):
                 for method in rotated(list(METHODS), repeat):
                     runs[name][method].append(generate(stub, ids, method, plan))
-            log(f"  {name}: " + ", ".join(f"{m} {median_rate(r):.1f} tok/s" for m, r in runs[name].items()))
+            log(
+                f"  {name}: "
+                + ", ".join(f"{m} {median_rate(r):.1f} tok/s" for m, r in runs[name].items())
+            )
         channel.close()
     finally:
         cluster.stop()
@@ -516,8 +669,13 @@ def step_e2e(plan: Plan, report: Report, step: int, draft_quantization: str, clo
     if ranks > 1:
         lines += single_process_lines(report, runs)
     report.set(step, lines)
-    mismatches = [(name, method, run) for name, by_method in runs.items() for method, method_runs in by_method.items()
-                  for run in method_runs if run.token_ids != by_method["target-only (k=0)"][0].token_ids]
+    mismatches = [
+        (name, method, run)
+        for name, by_method in runs.items()
+        for method, method_runs in by_method.items()
+        for run in method_runs
+        if run.token_ids != by_method["target-only (k=0)"][0].token_ids
+    ]
     if mismatches:
         report.set(step, [*lines, *diagnose(plan, inputs, runs, mismatches, clock)])
 
@@ -530,9 +688,12 @@ def single_process_lines(report: Report, runs: dict[str, dict[str, list[Run]]]) 
     base = "target-only (k=0)"
     equal = sum(runs[name][base][0].token_ids == single[name][base][0].token_ids for name in runs)
     speeds = [median_rate(runs[name][base]) / median_rate(single[name][base]) for name in runs]
-    return ["", f"Against step 3's single-process target: {equal} of {len(runs)} target-only outputs equal token for "
-                f"token; target-only tokens/s {statistics.geometric_mean(speeds):.2f}x the single process's "
-                "(geometric mean; the steps ran minutes apart)."]
+    return [
+        "",
+        f"Against step 3's single-process target: {equal} of {len(runs)} target-only outputs equal token for "
+        f"token; target-only tokens/s {statistics.geometric_mean(speeds):.2f}x the single process's "
+        "(geometric mean; the steps ran minutes apart).",
+    ]
 
 
 def rotated(names: list[str], repeat: int) -> list[str]:
@@ -547,19 +708,28 @@ def median_rate(runs: list[Run]) -> float:
     return statistics.median(run.tokens_per_s for run in runs)
 
 
-def e2e_lines(plan: Plan, title: str, runs: dict[str, dict[str, list[Run]]], started_s: float,
-              draft_quantization: str) -> list[str]:
+def e2e_lines(
+    plan: Plan,
+    title: str,
+    runs: dict[str, dict[str, list[Run]]],
+    started_s: float,
+    draft_quantization: str,
+) -> list[str]:
     methods = list(METHODS)
-    lines = [title, "",
-             f"Target `{plan.target}` and draft `self` (`--draft-model self --draft-quantization "
-             f"{draft_quantization}`: the same model and seed in the draft worker) as local processes, "
-             f"`--device {plan.device} --dtype {plan.dtype}`, serving {started_s:.0f} s after start. "
-             f"Greedy, {plan.max_new_tokens} new tokens from {plan.prompt_tokens}-token prompts (token ids), "
-             f"`Generate` timed by the client, median of {plan.e2e_repeats} interleaved rounds after a warm-up; "
-             "in brackets over target-only; acceptance from the calls' statistics (-: nothing drafted, the "
-             "adaptive policy let the target decode alone).", "",
-             "| prompt | " + " | ".join(methods) + " | acceptance " + " / ".join(methods[1:]) + " |",
-             "|---" * (len(methods) + 2) + "|"]
+    lines = [
+        title,
+        "",
+        f"Target `{plan.target}` and draft `self` (`--draft-model self --draft-quantization "
+        f"{draft_quantization}`: the same model and seed in the draft worker) as local processes, "
+        f"`--device {plan.device} --dtype {plan.dtype}`, serving {started_s:.0f} s after start. "
+        f"Greedy, {plan.max_new_tokens} new tokens from {plan.prompt_tokens}-token prompts (token ids), "
+        f"`Generate` timed by the client, median of {plan.e2e_repeats} interleaved rounds after a warm-up; "
+        "in brackets over target-only; acceptance from the calls' statistics (-: nothing drafted, the "
+        "adaptive policy let the target decode alone).",
+        "",
+        "| prompt | " + " | ".join(methods) + " | acceptance " + " / ".join(methods[1:]) + " |",
+        "|---" * (len(methods) + 2) + "|",
+    ]
     ratios: dict[str, list[float]] = {m: [] for m in methods}
     for name, by_method in runs.items():
         base = median_rate(by_method[methods[0]])
@@ -571,8 +741,11 @@ def e2e_lines(plan: Plan, title: str, runs: dict[str, dict[str, list[Run]]], sta
         acceptance = " / ".join(_acceptance(by_method[m]) for m in methods[1:])
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {acceptance} |")
     if len(runs) > 1:
-        lines.append("| geometric mean | " + " | ".join(f"{statistics.geometric_mean(ratios[m]):.2f}x"
-                                                      for m in methods) + " | |")
+        lines.append(
+            "| geometric mean | "
+            + " | ".join(f"{statistics.geometric_mean(ratios[m]):.2f}x" for m in methods)
+            + " | |"
+        )
     total = equal = 0
     for by_method in runs.values():
         reference = by_method[methods[0]][0].token_ids
@@ -581,8 +754,11 @@ def e2e_lines(plan: Plan, title: str, runs: dict[str, dict[str, list[Run]]], sta
                 total += 1
                 equal += run.token_ids == reference
     verdict = "every output equals" if equal == total else f"**{total - equal} differ from**"
-    lines += ["", f"Exactness: {equal} of {total} outputs (all methods, all rounds) equal target-only's first "
-                  f"output of their prompt token for token: {verdict} target-only."]
+    lines += [
+        "",
+        f"Exactness: {equal} of {total} outputs (all methods, all rounds) equal target-only's first "
+        f"output of their prompt token for token: {verdict} target-only.",
+    ]
     return lines
 
 
@@ -591,21 +767,31 @@ def _acceptance(runs: list[Run]) -> str:
     return f"{statistics.fmean(rates):.0%}" if rates else "-"
 
 
-def diagnose(plan: Plan, inputs: dict[str, list[int]], runs, mismatches, clock: Clock, limit: int = 3) -> list[str]:
+def diagnose(
+    plan: Plan, inputs: dict[str, list[int]], runs, mismatches, clock: Clock, limit: int = 3
+) -> list[str]:
     """For the first differing outputs: the target's own logits (in process, same seed,
     a width-1 pass as target-only's) of both tokens at the first difference."""
-    lines = ["", "First differences (the target in process, width-1 pass at that position, as target-only):", ""]
+    lines = [
+        "",
+        "First differences (the target in process, width-1 pass at that position, as target-only):",
+        "",
+    ]
     if clock.left() < 30:
         return [*lines, f"not examined: {clock.left():.0f} s of the budget left"]
     loaded = load_model(plan.target, device=plan.device, dtype=plan.dtype)
     try:
         for name, method, run in mismatches[:limit]:
             reference = runs[name]["target-only (k=0)"][0].token_ids
-            index = next((i for i, (a, b) in enumerate(zip(reference, run.token_ids)) if a != b),
-                         min(len(reference), len(run.token_ids)))
+            index = next(
+                (i for i, (a, b) in enumerate(zip(reference, run.token_ids)) if a != b),
+                min(len(reference), len(run.token_ids)),
+            )
             if index >= min(len(reference), len(run.token_ids)):
-                lines.append(f"- {name}, {method}: lengths {len(run.token_ids)} vs {len(reference)}, "
-                             f"equal up to {index}")
+                lines.append(
+                    f"- {name}, {method}: lengths {len(run.token_ids)} vs {len(reference)}, "
+                    f"equal up to {index}"
+                )
                 continue
             # As target-only computed it: the prompt's prefill gives token 0, a
             # width-1 pass over token i - 1 gives token i.
@@ -621,10 +807,12 @@ def diagnose(plan: Plan, inputs: dict[str, list[int]], runs, mismatches, clock: 
             session.release()
             ours, theirs = row[reference[index]].item(), row[run.token_ids[index]].item()
             step = spacing(max(abs(ours), abs(theirs)), loaded.model.dtype)
-            lines.append(f"- {name}, {method}: token {index}: target-only {reference[index]} (logit {ours:.4g}), "
-                         f"this run {run.token_ids[index]} (logit {theirs:.4g}); gap {ours - theirs:.3g} = "
-                         f"{(ours - theirs) / step:.1f} {str(loaded.model.dtype).removeprefix('torch.')} steps; "
-                         f"the pass's argmax {int(row.argmax())}")
+            lines.append(
+                f"- {name}, {method}: token {index}: target-only {reference[index]} (logit {ours:.4g}), "
+                f"this run {run.token_ids[index]} (logit {theirs:.4g}); gap {ours - theirs:.3g} = "
+                f"{(ours - theirs) / step:.1f} {str(loaded.model.dtype).removeprefix('torch.')} steps; "
+                f"the pass's argmax {int(row.argmax())}"
+            )
     finally:
         del loaded
         free_memory()

@@ -41,12 +41,20 @@ def in_process(plan, check) -> list[str]:
     models = {}
     for mode in ("off", "on"):
         check.log(f"  loading {plan.target}, row invariance {mode}")
-        models[mode] = load_model(plan.target, device=plan.device, dtype=plan.dtype, row_invariant=mode)
+        models[mode] = load_model(
+            plan.target, device=plan.device, dtype=plan.dtype, row_invariant=mode
+        )
     try:
         vocab = models["off"].vocab_size
-        checks = {mode: rows.row_check(loaded.model, vocab, prefixes=8) for mode, loaded in models.items()}
-        timed = rows.costs({mode: loaded.model for mode, loaded in models.items()}, vocab, plan.repeats,
-                           synchronize=lambda: check.synchronize(plan.device))
+        checks = {
+            mode: rows.row_check(loaded.model, vocab, prefixes=8) for mode, loaded in models.items()
+        }
+        timed = rows.costs(
+            {mode: loaded.model for mode, loaded in models.items()},
+            vocab,
+            plan.repeats,
+            synchronize=lambda: check.synchronize(plan.device),
+        )
         describe = models["on"].row_invariance.describe()
     finally:
         models.clear()
@@ -64,7 +72,11 @@ def services(plan, mode: str, check) -> dict:
             role.args += ["--row-invariant", mode]
     cluster = Cluster(Path(log_dir))
     inputs = list(check.prompts(plan).values())
-    variants = [ids[i % len(ids):] + ids[: i % len(ids)] for i in range(max(SESSIONS)) for ids in inputs[:1]]
+    variants = [
+        ids[i % len(ids) :] + ids[: i % len(ids)]
+        for i in range(max(SESSIONS))
+        for ids in inputs[:1]
+    ]
     try:
         channel = grpc.insecure_channel(start_system(args, cluster, roles))
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
@@ -76,10 +88,19 @@ def services(plan, mode: str, check) -> dict:
             for method in check.METHODS:
                 with ThreadPoolExecutor(sessions) as pool:
                     start = time.perf_counter()
-                    runs = list(pool.map(lambda ids, m=method: check.generate(stub, ids, m, plan), variants[:sessions]))
+                    runs = list(
+                        pool.map(
+                            lambda ids, m=method: check.generate(stub, ids, m, plan),
+                            variants[:sessions],
+                        )
+                    )
                     seconds = time.perf_counter() - start
                 equal = sum(r.token_ids == ref for r, ref in zip(runs, references))
-                result[sessions][method] = (equal, len(runs), sum(len(r.token_ids) for r in runs) / seconds)
+                result[sessions][method] = (
+                    equal,
+                    len(runs),
+                    sum(len(r.token_ids) for r in runs) / seconds,
+                )
             check.log(f"  invariance {mode}, {sessions} sessions: {result[sessions]}")
         channel.close()
     finally:
@@ -88,16 +109,27 @@ def services(plan, mode: str, check) -> dict:
 
 
 def service_lines(plan, results: dict) -> list[str]:
-    lines = ["", f"Through the services (`--device {plan.device} --dtype {plan.dtype}`, self-draft, greedy, "
-                 f"{plan.max_new_tokens} new tokens; sessions at once from rotations of one prompt; each output "
-                 "against the single-session target-only output of its prompt):", "",
-             "| invariance | sessions | method | equal outputs | aggregate tok/s |", "|---|---|---|---|---|"]
+    lines = [
+        "",
+        f"Through the services (`--device {plan.device} --dtype {plan.dtype}`, self-draft, greedy, "
+        f"{plan.max_new_tokens} new tokens; sessions at once from rotations of one prompt; each output "
+        "against the single-session target-only output of its prompt):",
+        "",
+        "| invariance | sessions | method | equal outputs | aggregate tok/s |",
+        "|---|---|---|---|---|",
+    ]
     differing = {mode: 0 for mode in results}
     for mode, by_sessions in results.items():
         for sessions, by_method in by_sessions.items():
             for method, (equal, total, rate) in by_method.items():
                 differing[mode] += total - equal
-                lines.append(f"| {mode} | {sessions} | {method} | {equal} of {total} | {rate:.1f} |")
-    lines += ["", "Outputs differing from target-only: " +
-              ", ".join(f"invariance {mode}: {count}" for mode, count in differing.items()) + "."]
+                lines.append(
+                    f"| {mode} | {sessions} | {method} | {equal} of {total} | {rate:.1f} |"
+                )
+    lines += [
+        "",
+        "Outputs differing from target-only: "
+        + ", ".join(f"invariance {mode}: {count}" for mode, count in differing.items())
+        + ".",
+    ]
     return lines

@@ -37,14 +37,21 @@ CHAIN = 8  # draft tokens a proposal: greedy, as a draft worker drafts them
 
 def run(plan, report, step: int, clock, check) -> None:
     bandwidth = copy_bandwidth(plan, check)
-    lines = [f"## {step}. {TITLE}", "",
-             f"Copy bandwidth measured here: {bandwidth / 1e9:.0f} GB/s. One step of w new tokens for each of s "
-             f"sessions over {plan.prefix} cached tokens (forward_segments, the workers' path), median of "
-             f"{plan.repeats} after 3 untimed, synchronised; in brackets, the bound over the time (1.00 = at "
-             "the bound). New: `--static-passes on` (CUDA graphs on a GPU; eager fixed shapes on a CPU).", "",
-             "| model | path | bound | " + " | ".join(f"w={w}" for w in WIDTHS) + " | "
-             + " | ".join(f"s={s}, w=1" for s in SESSIONS) + f" | drafting, a token of {CHAIN} |",
-             "|---" * (4 + len(WIDTHS) + len(SESSIONS)) + "|"]
+    lines = [
+        f"## {step}. {TITLE}",
+        "",
+        f"Copy bandwidth measured here: {bandwidth / 1e9:.0f} GB/s. One step of w new tokens for each of s "
+        f"sessions over {plan.prefix} cached tokens (forward_segments, the workers' path), median of "
+        f"{plan.repeats} after 3 untimed, synchronised; in brackets, the bound over the time (1.00 = at "
+        "the bound). New: `--static-passes on` (CUDA graphs on a GPU; eager fixed shapes on a CPU).",
+        "",
+        "| model | path | bound | "
+        + " | ".join(f"w={w}" for w in WIDTHS)
+        + " | "
+        + " | ".join(f"s={s}, w=1" for s in SESSIONS)
+        + f" | drafting, a token of {CHAIN} |",
+        "|---" * (4 + len(WIDTHS) + len(SESSIONS)) + "|",
+    ]
     report.set(step, lines)
     for name in dict.fromkeys((plan.target, plan.replay_draft, plan.draft)):
         for row in model_rows(plan, name, bandwidth, check):
@@ -77,12 +84,16 @@ def model_rows(plan, name: str, bandwidth: float, check) -> list[str]:
         bound_ms = weight_bytes / bandwidth * 1e3
         for path in ("old (eager)", "new (static)"):
             if path.startswith("new"):
-                passes = static_passes.install(loaded.model, static_passes.ON, max(SESSIONS), plan.prefix + 32)
+                passes = static_passes.install(
+                    loaded.model, static_passes.ON, max(SESSIONS), plan.prefix + 32
+                )
             timed = step_times(loaded, plan, check)
             cells = [f"{ms:.2f} ms ({bound_ms / ms:.2f})" for ms in timed]
             cells.append(f"{draft_ms_per_token(loaded, plan, check):.2f} ms")
             note = f" ({passes.failure})" if path.startswith("new") and passes.failure else ""
-            rows.append(f"| `{name}` | {path}{note} | {bound_ms:.2f} ms | " + " | ".join(cells) + " |")
+            rows.append(
+                f"| `{name}` | {path}{note} | {bound_ms:.2f} ms | " + " | ".join(cells) + " |"
+            )
             check.log(f"  {name} {path}: " + ", ".join(f"{ms:.2f}" for ms in timed))
     finally:
         del loaded
@@ -104,8 +115,15 @@ def step_times(loaded, plan, check) -> list[float]:
     for count, width in shapes:
         samples = []
         for repeat in range(plan.repeats + 3):
-            segments = [Segment(s._kv, plan.prefix, check.random_ids(width, loaded.vocab_size, seed=repeat), width)
-                        for s in sessions[:count]]
+            segments = [
+                Segment(
+                    s._kv,
+                    plan.prefix,
+                    check.random_ids(width, loaded.vocab_size, seed=repeat),
+                    width,
+                )
+                for s in sessions[:count]
+            ]
             check.synchronize(plan.device)
             start = time.perf_counter()
             forward_segments(loaded.model, segments)
@@ -121,11 +139,13 @@ def draft_ms_per_token(loaded, plan, check) -> float:
     """A greedy proposal of CHAIN tokens as a draft worker drafts it (the new path: one
     chain on the device where passes are CUDA graphs), in ms a token, median of repeats."""
     drafter = ModelDrafter(loaded)
-    session = drafter.open(check.random_ids(plan.prefix, loaded.vocab_size, seed=5), SamplingParams())
+    session = drafter.open(
+        check.random_ids(plan.prefix, loaded.vocab_size, seed=5), SamplingParams()
+    )
     session.prefill()
     base = session.length
     samples = []
-    for repeat in range(plan.repeats + 3):
+    for _ in range(plan.repeats + 3):
         check.synchronize(plan.device)
         start = time.perf_counter()
         session.propose(CHAIN)
@@ -152,8 +172,12 @@ def services(plan, mode: str, check) -> float:
         rates = []
         for ids in check.prompts(plan).values():
             check.generate(stub, ids, base, plan)  # warm-up: the graphs of this prompt's shapes
-            rates.append(statistics.median(check.generate(stub, ids, base, plan).tokens_per_s
-                                           for _ in range(plan.e2e_repeats)))
+            rates.append(
+                statistics.median(
+                    check.generate(stub, ids, base, plan).tokens_per_s
+                    for _ in range(plan.e2e_repeats)
+                )
+            )
         channel.close()
     finally:
         cluster.stop()
@@ -161,6 +185,9 @@ def services(plan, mode: str, check) -> float:
 
 
 def service_lines(plan, rates: dict[str, float]) -> list[str]:
-    return ["", f"Through the services, target-only (`Generate` with k=0, {plan.max_new_tokens} new tokens, median over "
-                f"prompts of the median of {plan.e2e_repeats}): old path (`--static-passes off`) {rates['off']:.1f} "
-                f"tok/s, new (`on`) {rates['on']:.1f} tok/s: {rates['on'] / rates['off']:.2f}x."]
+    return [
+        "",
+        f"Through the services, target-only (`Generate` with k=0, {plan.max_new_tokens} new tokens, median over "
+        f"prompts of the median of {plan.e2e_repeats}): old path (`--static-passes off`) {rates['off']:.1f} "
+        f"tok/s, new (`on`) {rates['on']:.1f} tok/s: {rates['on'] / rates['off']:.2f}x.",
+    ]

@@ -29,15 +29,25 @@ from speculative.replay_drafter import write_replay
 ACCEPTANCES = (0.6, 0.8, 0.9)
 FIXED_K = 4
 ADAPTIVE_MAX_K = 8
-TITLE = "Speed at a known acceptance: the replay drafter (benchmarks only) against Leviathan's bound"
+TITLE = (
+    "Speed at a known acceptance: the replay drafter (benchmarks only) against Leviathan's bound"
+)
 
 
 def run(plan, report, step: int, clock, check) -> None:
-    lines = [f"## {step}. {TITLE}", "", "**Every number here uses the benchmark-only replay drafter.**", ""]
+    lines = [
+        f"## {step}. {TITLE}",
+        "",
+        "**Every number here uses the benchmark-only replay drafter.**",
+        "",
+    ]
     costs = measured_costs(plan, check)
-    lines += [f"Measured in process: target pass {costs['target_1']:.2f} ms at 1 new token, "
-              f"{costs['target_k']:.2f} ms at {FIXED_K + 1}; draft `{plan.replay_draft}` {costs['draft']:.2f} ms a "
-              f"token ({costs['draft'] / costs['target_1']:.2f} of a target pass).", ""]
+    lines += [
+        f"Measured in process: target pass {costs['target_1']:.2f} ms at 1 new token, "
+        f"{costs['target_k']:.2f} ms at {FIXED_K + 1}; draft `{plan.replay_draft}` {costs['draft']:.2f} ms a "
+        f"token ({costs['draft'] / costs['target_1']:.2f} of a target pass).",
+        "",
+    ]
     report.set(step, lines)
     results = services(plan, check)
     report.set(step, [*lines, *result_lines(results, costs)])
@@ -63,7 +73,10 @@ def _pass_ms(loaded, plan, width: int, check) -> float:
 
 def measured_costs(plan, check) -> dict[str, float]:
     costs = {}
-    for name, key, widths in ((plan.target, "target", (1, FIXED_K + 1)), (plan.replay_draft, "draft", (1,))):
+    for name, key, widths in (
+        (plan.target, "target", (1, FIXED_K + 1)),
+        (plan.replay_draft, "draft", (1,)),
+    ):
         loaded = load_model(name, device=plan.device, dtype=plan.dtype)
         try:
             for width in widths:
@@ -87,8 +100,13 @@ def services(plan, check) -> dict:
     log_dir = tempfile.mkdtemp(prefix="gpu-replay-")
     replay_file = str(Path(log_dir) / "replay.json")
     args = parse_args(["--http-port", "-1", "--port", "0"])
-    args.target_model, args.draft_model, args.draft_quantization = plan.target, plan.replay_draft, "none"
-    args.drafter, args.threads, args.log_dir, args.startup_timeout = "model", plan.threads, log_dir, plan.startup_timeout_s
+    args.target_model = plan.target
+    args.draft_model = plan.replay_draft
+    args.draft_quantization = "none"
+    args.drafter = "model"
+    args.threads = plan.threads
+    args.log_dir = log_dir
+    args.startup_timeout = plan.startup_timeout_s
     roles = layout(args)
     for role in roles:
         if role.pool in ("target", "draft"):
@@ -100,21 +118,43 @@ def services(plan, check) -> dict:
     try:
         channel = grpc.insecure_channel(start_system(args, cluster, roles))
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-        references = {name: _generate(stub, ids, 0, False, plan, check) for name, ids in inputs.items()}
+        references = {
+            name: _generate(stub, ids, 0, False, plan, check) for name, ids in inputs.items()
+        }
         baseline = [r[1] for r in references.values()]
         write_replay(replay_file, 1.0, [inputs[name] + r[0] for name, r in references.items()])
-        results: dict = {0.0: {"target-only (k=0)": (statistics.median(baseline), len(baseline), len(baseline), None)}}
+        results: dict = {
+            0.0: {
+                "target-only (k=0)": (
+                    statistics.median(baseline),
+                    len(baseline),
+                    len(baseline),
+                    None,
+                )
+            }
+        }
         for acceptance in ACCEPTANCES:
-            write_replay(replay_file, acceptance, [inputs[name] + r[0] for name, r in references.items()])
+            write_replay(
+                replay_file, acceptance, [inputs[name] + r[0] for name, r in references.items()]
+            )
             results[acceptance] = {}
-            for method, k, adaptive in ((f"k={FIXED_K}", FIXED_K, False), (f"adaptive k<={ADAPTIVE_MAX_K}",
-                                                                              ADAPTIVE_MAX_K, True)):
-                runs = {name: _generate(stub, ids, k, adaptive, plan, check) for name, ids in inputs.items()}
+            for method, k, adaptive in (
+                (f"k={FIXED_K}", FIXED_K, False),
+                (f"adaptive k<={ADAPTIVE_MAX_K}", ADAPTIVE_MAX_K, True),
+            ):
+                runs = {
+                    name: _generate(stub, ids, k, adaptive, plan, check)
+                    for name, ids in inputs.items()
+                }
                 equal = sum(runs[name][0] == references[name][0] for name in runs)
                 rates = [runs[name][1] / references[name][1] for name in runs]
                 measured = [r[2] for r in runs.values() if r[2] is not None]
-                results[acceptance][method] = (statistics.geometric_mean(rates), equal, len(runs),
-                                               statistics.fmean(measured) if measured else None)
+                results[acceptance][method] = (
+                    statistics.geometric_mean(rates),
+                    equal,
+                    len(runs),
+                    statistics.fmean(measured) if measured else None,
+                )
             check.log(f"  replay acceptance {acceptance}: {results[acceptance]}")
         channel.close()
     finally:
@@ -122,21 +162,28 @@ def services(plan, check) -> dict:
     return results
 
 
-def _generate(stub, ids: list[int], k: int, adaptive: bool, plan, check) -> tuple[list[int], float, float | None]:
+def _generate(
+    stub, ids: list[int], k: int, adaptive: bool, plan, check
+) -> tuple[list[int], float, float | None]:
     run = check.call(stub, ids, k, adaptive, plan, drafter="replay")
     return run.token_ids, run.tokens_per_s, run.acceptance
 
 
 def result_lines(results: dict, costs: dict[str, float]) -> list[str]:
     base = results[0.0]["target-only (k=0)"][0]
-    lines = [f"Through the services, target-only: {base:.1f} tok/s (median over prompts). Speedup over it "
-             "(geometric mean over prompts), outputs equal to target-only's, the calls' measured acceptance "
-             "(accepted over drafted: a chain stops at its first replaced token), and the bound:", "",
-             "| acceptance | method | speedup | bound at k=4 | equal outputs | measured acceptance |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Through the services, target-only: {base:.1f} tok/s (median over prompts). Speedup over it "
+        "(geometric mean over prompts), outputs equal to target-only's, the calls' measured acceptance "
+        "(accepted over drafted: a chain stops at its first replaced token), and the bound:",
+        "",
+        "| acceptance | method | speedup | bound at k=4 | equal outputs | measured acceptance |",
+        "|---|---|---|---|---|---|",
+    ]
     for acceptance in ACCEPTANCES:
         for method, (speedup, equal, total, measured) in results[acceptance].items():
             shown = "-" if measured is None else f"{measured:.2f}"
-            lines.append(f"| {acceptance} | {method} | {speedup:.2f}x | {leviathan_bound(acceptance, FIXED_K, costs):.2f}x "
-                         f"| {equal} of {total} | {shown} |")
+            lines.append(
+                f"| {acceptance} | {method} | {speedup:.2f}x | {leviathan_bound(acceptance, FIXED_K, costs):.2f}x "
+                f"| {equal} of {total} | {shown} |"
+            )
     return lines

@@ -58,7 +58,7 @@ MORE_PROMPTS = {
         "def squares_of_evens(values):\n    result = []\n    for value in values:\n        if value % 2 == 0:\n"
         "            result.append(value * value)\n    return result\n```",
         "Add error handling for a missing key to this function and keep everything else the same:\n```python\n"
-        "def get_port(config):\n    server = config[\"server\"]\n    port = server[\"port\"]\n"
+        'def get_port(config):\n    server = config["server"]\n    port = server["port"]\n'
         "    return int(port)\n```",
     ),
     "summary": (
@@ -108,7 +108,11 @@ def prompt_texts(kinds: Sequence[str], prompt_set: str = "") -> dict[str, str]:
     if prompt_set == "all":
         return {f"{kind}/0": PROMPTS[kind] for kind in kinds} | prompt_texts(kinds, "more")
     if prompt_set == "more":
-        return {f"{kind}/{i}": text for kind in kinds for i, text in enumerate(MORE_PROMPTS[kind], start=1)}
+        return {
+            f"{kind}/{i}": text
+            for kind in kinds
+            for i, text in enumerate(MORE_PROMPTS[kind], start=1)
+        }
     return {kind: PROMPTS[kind] for kind in kinds}
 
 

@@ -68,10 +68,14 @@ def record(args) -> None:
             length, row, step = cache.get_seq_length(), [], logits
             for _ in range(MAX_K):
                 row.append(int(step.argmax()))
-                step = draft(torch.tensor([[row[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+                step = draft(
+                    torch.tensor([[row[-1]]]), past_key_values=cache, use_cache=True
+                ).logits[0, -1]
             _crop(cache, length)
             rows.append(row)
-            logits = draft(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = draft(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[
+                0, -1
+            ]
         return rows
 
     traces = {}
@@ -81,8 +85,10 @@ def record(args) -> None:
         traces[name] = {"path": path, "drafts": continuations(ids, path)}
         print(f"{name}: {len(ids)} prompt tokens", file=sys.stderr, flush=True)
     ids = list(range(100, 160))
-    costs = {"draft_ns": _pass_ns(draft, ids, 1),
-             "target_ns": [_pass_ns(target, ids, width) for width in range(1, MAX_K + 2)]}
+    costs = {
+        "draft_ns": _pass_ns(draft, ids, 1),
+        "target_ns": [_pass_ns(target, ids, width) for width in range(1, MAX_K + 2)],
+    }
     TRACES.write_text(json.dumps({"pair": PAIR, "costs": costs, "traces": traces}))
 
 
@@ -105,8 +111,10 @@ def record_branches(args) -> None:
             logits = draft(torch.tensor([ids + trace["path"]])).logits[0, len(ids) - 1 : -1]
         trace["top"] = logits.topk(2).indices.tolist()
     ids = list(range(100, 400))
-    ratios = sorted(_pass_ns(draft, ids, 1, batch=2, repeats=15) / _pass_ns(draft, ids, 1, repeats=15)
-                    for _ in range(5))
+    ratios = sorted(
+        _pass_ns(draft, ids, 1, batch=2, repeats=15) / _pass_ns(draft, ids, 1, repeats=15)
+        for _ in range(5)
+    )
     data["costs"]["draft_batch2_cost"] = ratios[len(ratios) // 2]
     TRACES.write_text(json.dumps(data))
 
@@ -115,7 +123,9 @@ def _chat_ids(tokenizer, name: str) -> list[int]:
     """The prompt's token ids, as a user message under the chat template."""
     from benchmarks.prompts import PROMPTS
 
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[name]}], add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[name]}], add_generation_prompt=True
+    )
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
@@ -146,8 +156,15 @@ class Replay:
     """One prompt's trace under the costs, in virtual time (seconds). top: at each
     position, the draft's two likeliest tokens (for the two-guess schedule)."""
 
-    def __init__(self, path: list[int], drafts: list[list[int]], draft_s: float, target_s: list[float],
-                 round_trip_s: float, top: list[list[int]] | None = None):
+    def __init__(
+        self,
+        path: list[int],
+        drafts: list[list[int]],
+        draft_s: float,
+        target_s: list[float],
+        round_trip_s: float,
+        top: list[list[int]] | None = None,
+    ):
         self.path, self.drafts, self.top = path, drafts, top
         self.d, self.c, self.one_way = draft_s, target_s, round_trip_s / 2
 
@@ -160,10 +177,14 @@ class Replay:
     def synchronous(self, k: int, fill: bool = False) -> float:
         return self.run(k, ahead=False, fill=fill)
 
-    def pipelined(self, k: int, guesses: int = 1, batch_cost: float = 1.0, fill: bool = False) -> float:
+    def pipelined(
+        self, k: int, guesses: int = 1, batch_cost: float = 1.0, fill: bool = False
+    ) -> float:
         return self.run(k, ahead=True, guesses=guesses, batch_cost=batch_cost, fill=fill)
 
-    def run(self, k: int, ahead: bool, guesses: int = 1, batch_cost: float = 1.0, fill: bool = False) -> float:
+    def run(
+        self, k: int, ahead: bool, guesses: int = 1, batch_cost: float = 1.0, fill: bool = False
+    ) -> float:
         """Tokens/s of one schedule. ahead: depth-1 pipelining, drafting ahead for the
         draft's `guesses` likeliest next tokens at once, each pass costing batch_cost d
         (a batch of that many branches). fill: the target decodes alone whenever it
@@ -203,7 +224,12 @@ class Replay:
                     drafted += 1
                 ahead_sent = now
             now = max(now, verdict)
-            if drafted and all_accepted and position == next_base and self._guessed(base, size, guesses):
+            if (
+                drafted
+                and all_accepted
+                and position == next_base
+                and self._guessed(base, size, guesses)
+            ):
                 queued = (next_base, drafted, ahead_sent)
         return n / now
 
@@ -220,7 +246,9 @@ def _line(pass_s: list[float]) -> list[float]:
     pass is noisy; the target's cost grows about linearly with width)."""
     widths = range(len(pass_s))
     mean_w, mean_c = sum(widths) / len(pass_s), sum(pass_s) / len(pass_s)
-    slope = sum((w - mean_w) * (c - mean_c) for w, c in zip(widths, pass_s)) / sum((w - mean_w) ** 2 for w in widths)
+    slope = sum((w - mean_w) * (c - mean_c) for w, c in zip(widths, pass_s)) / sum(
+        (w - mean_w) ** 2 for w in widths
+    )
     return [mean_c + slope * (w - mean_w) for w in widths]
 
 
@@ -229,26 +257,44 @@ def replay(args) -> str:
     costs = data["costs"]
     draft_s, target_s = costs["draft_ns"] / 1e9, _line([t / 1e9 for t in costs["target_ns"]])
     batch2 = costs.get("draft_batch2_cost")
-    lines = [f"# What depth-1 pipelining can gain: {data['pair'][1]} -> {data['pair'][0]}, replayed", "",
-             f"Command: `python -m benchmarks.replay_pipeline` (traces: `{TRACES.relative_to(REPO)}`); one core "
-             f"each: d = {draft_s * 1e3:.0f} ms a draft token, c(1) = {target_s[0] * 1e3:.0f} ms, "
-             f"c({MAX_K + 1}) = {target_s[-1] * 1e3:.0f} ms (a line through the timed passes). Best fixed k per prompt (1-{MAX_K - 1}), greedy, "
-             f"{len(next(iter(data['traces'].values()))['path'])} tokens.", "",
-             "| round trip | prompt | target-only tok/s | synchronous (k) | pipelined (k) | pipelined / synchronous |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# What depth-1 pipelining can gain: {data['pair'][1]} -> {data['pair'][0]}, replayed",
+        "",
+        f"Command: `python -m benchmarks.replay_pipeline` (traces: `{TRACES.relative_to(REPO)}`); one core "
+        f"each: d = {draft_s * 1e3:.0f} ms a draft token, c(1) = {target_s[0] * 1e3:.0f} ms, "
+        f"c({MAX_K + 1}) = {target_s[-1] * 1e3:.0f} ms (a line through the timed passes). "
+        f"Best fixed k per prompt (1-{MAX_K - 1}), greedy, "
+        f"{len(next(iter(data['traces'].values()))['path'])} tokens.",
+        "",
+        "| round trip | prompt | target-only tok/s | synchronous (k) | pipelined (k) | pipelined / synchronous |",
+        "|---|---|---|---|---|---|",
+    ]
     ratios: dict[str, list[list[float]]] = {}
     for round_trip_ms in args.round_trips:
         for name, trace in data["traces"].items():
-            run = Replay(trace["path"], trace["drafts"], draft_s, target_s, round_trip_ms / 1e3, trace.get("top"))
+            run = Replay(
+                trace["path"],
+                trace["drafts"],
+                draft_s,
+                target_s,
+                round_trip_ms / 1e3,
+                trace.get("top"),
+            )
             sync = {k: run.synchronous(k) for k in range(1, MAX_K)}
             piped = {k: run.pipelined(k) for k in range(1, MAX_K)}
             best_sync, best_piped = max(sync, key=sync.get), max(piped, key=piped.get)
             alone = 1.0 / (target_s[0] + round_trip_ms / 1e3 / len(trace["path"]))
-            lines.append(f"| {round_trip_ms:g} ms | {name} | {alone:.2f} | {sync[best_sync]:.2f} ({best_sync}) | "
-                         f"{piped[best_piped]:.2f} ({best_piped}) | {piped[best_piped] / sync[best_sync]:.2f}x |")
+            lines.append(
+                f"| {round_trip_ms:g} ms | {name} | {alone:.2f} | {sync[best_sync]:.2f} ({best_sync}) | "
+                f"{piped[best_piped]:.2f} ({best_piped}) | {piped[best_piped] / sync[best_sync]:.2f}x |"
+            )
             if batch2 is not None and "top" in trace:
                 ratios.setdefault(f"{round_trip_ms:g} ms", []).append(
-                    [max(schedule(run, k) for k in range(1, MAX_K)) / sync[best_sync] for schedule in _BRANCHING(batch2)])
+                    [
+                        max(schedule(run, k) for k in range(1, MAX_K)) / sync[best_sync]
+                        for schedule in _BRANCHING(batch2)
+                    ]
+                )
     if ratios:
         lines += _branching_table(ratios, batch2)
     return "\n".join(lines) + "\n"
@@ -256,25 +302,32 @@ def replay(args) -> str:
 
 def _BRANCHING(batch2: float):
     """The schedules beyond depth-1 pipelining, each a bound (see Replay.run)."""
-    return (lambda run, k: run.pipelined(k),
-            lambda run, k: run.pipelined(k, guesses=2, batch_cost=batch2),
-            lambda run, k: run.pipelined(k, fill=True),
-            lambda run, k: run.pipelined(k, guesses=2, batch_cost=batch2, fill=True),
-            lambda run, k: run.pipelined(k, guesses=2, batch_cost=1.0))
+    return (
+        lambda run, k: run.pipelined(k),
+        lambda run, k: run.pipelined(k, guesses=2, batch_cost=batch2),
+        lambda run, k: run.pipelined(k, fill=True),
+        lambda run, k: run.pipelined(k, guesses=2, batch_cost=batch2, fill=True),
+        lambda run, k: run.pipelined(k, guesses=2, batch_cost=1.0),
+    )
 
 
 def _branching_table(ratios: dict[str, list[list[float]]], batch2: float) -> list[str]:
     """Geometric means over the prompts of each schedule's best k over the best
     synchronous k."""
+
     def geomean(values):
         return math.exp(sum(math.log(v) for v in values) / len(values))
 
-    lines = ["", "Beyond one guess, each over the best synchronous k, geometric mean over the prompts (lowest "
-             "prompt): drafting ahead for the draft's two likeliest next tokens as one batch (a pass over it "
-             f"costs {batch2:.2f} of one, timed), and a target that decodes alone whenever it would idle, in "
-             "steps that end before the next proposal arrives (it cannot know when: a bound).", "",
-             "| round trip | pipelined | two guesses | target fills idle | both | two guesses, batch free |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "Beyond one guess, each over the best synchronous k, geometric mean over the prompts (lowest "
+        "prompt): drafting ahead for the draft's two likeliest next tokens as one batch (a pass over it "
+        f"costs {batch2:.2f} of one, timed), and a target that decodes alone whenever it would idle, in "
+        "steps that end before the next proposal arrives (it cannot know when: a bound).",
+        "",
+        "| round trip | pipelined | two guesses | target fills idle | both | two guesses, batch free |",
+        "|---|---|---|---|---|---|",
+    ]
     for round_trip, rows in ratios.items():
         cells = [f"{geomean(column):.2f}x ({min(column):.2f}x)" for column in zip(*rows)]
         lines.append(f"| {round_trip} | " + " | ".join(cells) + " |")
@@ -282,8 +335,12 @@ def _branching_table(ratios: dict[str, list[list[float]]], batch2: float) -> lis
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.replay_pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", choices=["record", "record-branches", "replay"], default="replay")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.replay_pipeline", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "command", nargs="?", choices=["record", "record-branches", "replay"], default="replay"
+    )
     parser.add_argument("--prompts", default="chat,code_new,code_edit,summary,explain")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--round-trips", type=float, nargs="+", default=[4.0, 44.0], help="ms")

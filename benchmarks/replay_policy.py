@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.prompts import PROMPT_SETS, kind_of, prompt_texts
+from foundation.sequence import TokenSequence
 from model_runtime.fingerprint import ANY_VOCABULARY
 from model_runtime.width_padding import WidthPlan
 from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.policy import AdaptiveK, FixedK
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
-from foundation.sequence import TokenSequence
 from speculative.speculation_loop import speculation_rounds
 from speculative.types import NextTokenKind, Verdict, VerifyResult
 
@@ -82,20 +82,30 @@ class Costs:
 # Calibrated pass costs of each target (ms, widths 1-12, 64 cached tokens, 2 threads;
 # results_width_padding.md), the int8 0.5B draft's token (results_drafts.md), loopback R.
 COSTS = {
-    "smollm2": Costs((40, 45, 37, 36, 38, 38, 42, 42, 44, 46, 50, 48), draft_ms=0.0, round_trip_ms=2.0),
-    "qwen": Costs((237, 287, 203, 203, 189, 181, 228, 230, 231, 260, 272, 292), draft_ms=39.0, round_trip_ms=3.0),
+    "smollm2": Costs(
+        (40, 45, 37, 36, 38, 38, 42, 42, 44, 46, 50, 48), draft_ms=0.0, round_trip_ms=2.0
+    ),
+    "qwen": Costs(
+        (237, 287, 203, 203, 189, 181, 228, 230, 231, 260, 272, 292),
+        draft_ms=39.0,
+        round_trip_ms=3.0,
+    ),
 }
 DRAFTERS = {"smollm2": ("ngram",), "qwen": ("model", "ngram+model")}
 
 
 def traces_path(pair: str, prompt_set: str = "") -> Path:
-    return REPO / "benchmarks" / f"traces_policy_{pair}{'_' + prompt_set if prompt_set else ''}.json"
+    return (
+        REPO / "benchmarks" / f"traces_policy_{pair}{'_' + prompt_set if prompt_set else ''}.json"
+    )
 
 
 def load_traces(pair: str, prompt_set: str = "") -> dict:
     """The recorded traces of a prompt set; "all": the suite's (named kind/0) and "more"'s."""
     if prompt_set == "all":
-        return {f"{name}/0": trace for name, trace in load_traces(pair).items()} | load_traces(pair, "more")
+        return {f"{name}/0": trace for name, trace in load_traces(pair).items()} | load_traces(
+            pair, "more"
+        )
     return json.loads(traces_path(pair, prompt_set).read_text())["traces"]
 
 
@@ -134,7 +144,9 @@ class ReplayTarget:
         self.reference, self.stop_ids, self.clock, self.costs = reference, stop_ids, clock, costs
         self._sent: list[tuple[int, list[int]]] = []
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None) -> None:
+    def send(
+        self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None
+    ) -> None:
         assert parents is None, "the replay verifies chains"
         self._sent.append((base_len, list(draft_token_ids)))
 
@@ -152,19 +164,28 @@ class ReplayTarget:
     def decode(self, base_len, max_tokens, until=None, lookup=None):
         self.clock.spend(self.costs.round_trip_ms * MS)
         length, left = base_len, max_tokens
-        room = max(lookup.room, max_tokens) if lookup is not None else max_tokens  # as TargetSession.decode_steps
+        # as TargetSession.decode_steps
+        room = max(lookup.room, max_tokens) if lookup is not None else max_tokens
         while left > 0:
             proposal = lookup.proposal(self.reference[:length], room) if lookup is not None else []
             result = self._pass(length, proposal)
             yield result
-            if result.stopped or (until is not None and until.matches(self.reference[: result.committed_len])):
+            if result.stopped or (
+                until is not None and until.matches(self.reference[: result.committed_len])
+            ):
                 return
-            length, left, room = result.committed_len, left - len(result.token_ids), room - len(result.token_ids)
+            length, left, room = (
+                result.committed_len,
+                left - len(result.token_ids),
+                room - len(result.token_ids),
+            )
 
     def _pass(self, base_len: int, proposed: list[int]) -> VerifyResult:
         truth = self.reference[base_len:]
         accepted = 0
-        while accepted < min(len(proposed), len(truth) - 1) and proposed[accepted] == truth[accepted]:
+        while (
+            accepted < min(len(proposed), len(truth) - 1) and proposed[accepted] == truth[accepted]
+        ):
             accepted += 1
         committed = truth[: accepted + 1]
         stop = next((i for i, token in enumerate(committed) if token in self.stop_ids), None)
@@ -172,9 +193,15 @@ class ReplayTarget:
             committed = committed[: stop + 1]
         compute = self.clock.spend(self.costs.pass_ns(len(proposed) + 1))
         kind = NextTokenKind.BONUS if accepted == len(proposed) else NextTokenKind.RECOVERED
-        return VerifyResult(Verdict(accepted, truth[accepted], kind), committed, base_len + len(committed),
-                            stopped=stop is not None, target_compute_ns=compute, received_ns=self.clock.now_ns,
-                            num_drafted=len(proposed))
+        return VerifyResult(
+            Verdict(accepted, truth[accepted], kind),
+            committed,
+            base_len + len(committed),
+            stopped=stop is not None,
+            target_compute_ns=compute,
+            received_ns=self.clock.now_ns,
+            num_drafted=len(proposed),
+        )
 
 
 class ReplayDrafter(Drafter):
@@ -191,7 +218,9 @@ class ReplayDrafter(Drafter):
 
 class ReplayDraftSession(DraftSession):
     def __init__(self, drafter: ReplayDrafter, token_ids: list[int]):
-        self.drafter, self.tokens, self.prompt_len = drafter, TokenSequence(token_ids), len(token_ids)
+        self.drafter = drafter
+        self.tokens = TokenSequence(token_ids)
+        self.prompt_len = len(token_ids)
 
     @property
     def length(self) -> int:
@@ -214,14 +243,24 @@ class ReplayDraftSession(DraftSession):
 # --- the replay -------------------------------------------------------------------------------
 
 
-def replay_call(trace: dict, drafter_name: str, k: int | None, costs: Costs, clock: Clock,
-                seed_from: AdaptiveK | None = None, widths_known: bool = True) -> tuple[float, AdaptiveK | None]:
+def replay_call(
+    trace: dict,
+    drafter_name: str,
+    k: int | None,
+    costs: Costs,
+    clock: Clock,
+    seed_from: AdaptiveK | None = None,
+    widths_known: bool = True,
+) -> tuple[float, AdaptiveK | None]:
     """One call (k None: adaptive); its tokens per virtual second. Checks the output."""
     prompt, path = trace["prompt"], trace["path"]
-    drafter = {"ngram": lambda: NgramDrafter(),
-               "model": lambda: ReplayDrafter(trace["drafts"], clock, costs),
-               "ngram+model": lambda: LookupThenModelDrafter(ReplayDrafter(trace["drafts"], clock, costs),
-                                                            NgramDrafter())}[drafter_name]()
+    drafter = {
+        "ngram": lambda: NgramDrafter(),
+        "model": lambda: ReplayDrafter(trace["drafts"], clock, costs),
+        "ngram+model": lambda: LookupThenModelDrafter(
+            ReplayDrafter(trace["drafts"], clock, costs), NgramDrafter()
+        ),
+    }[drafter_name]()
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=tuple(trace["stop_ids"]))
     policy = FixedK(k) if k is not None else AdaptiveK(MAX_K)
     if seed_from is not None:
@@ -231,7 +270,9 @@ def replay_call(trace: dict, drafter_name: str, k: int | None, costs: Costs, clo
     target = ReplayTarget(prompt + path, set(trace["stop_ids"]), clock, costs)
     start, out = clock.now_ns, []
     with virtual_time(clock):
-        for result in speculation_rounds(target, drafter.open(prompt, params), len(prompt), params, policy, 1 << 20):
+        for result in speculation_rounds(
+            target, drafter.open(prompt, params), len(prompt), params, policy, 1 << 20
+        ):
             out += result.token_ids
     assert out == path[: len(out)], "the replay diverged from the target's path"
     return len(out) / ((clock.now_ns - start) / 1e9), (policy if k is None else None)
@@ -243,36 +284,60 @@ def target_only_rate(trace: dict, costs: Costs) -> float:
     return tokens / ((tokens * costs.pass_ns(1) + costs.round_trip_ms * MS) / 1e9)
 
 
-def replay(traces: dict, drafter_name: str, costs: Costs, jitter: float, repeats: int,
-           widths_known: bool = True) -> dict[str, dict[str, float]]:
+def replay(
+    traces: dict,
+    drafter_name: str,
+    costs: Costs,
+    jitter: float,
+    repeats: int,
+    widths_known: bool = True,
+) -> dict[str, dict[str, float]]:
     """{prompt: {method: median tokens/s over the repeats}}; methods k=1.. and adaptive."""
     rates: dict[str, dict[str, list[float]]] = {name: {} for name in traces}
     for repeat in range(repeats):
         clock, seeded = Clock(jitter, seed=repeat), None
         for _ in range(2):  # the second pass is reported: every call seeded by the one before
             for name, trace in traces.items():
-                rate, seeded = replay_call(trace, drafter_name, None, costs, clock, seeded, widths_known)
+                rate, seeded = replay_call(
+                    trace, drafter_name, None, costs, clock, seeded, widths_known
+                )
                 if _ == 1:
                     rates[name].setdefault("adaptive", []).append(rate)
         for name, trace in traces.items():
             for k in FIXED_KS:
-                rates[name].setdefault(f"k={k}", []).append(replay_call(trace, drafter_name, k, costs, clock)[0])
-    return {name: {method: statistics.median(values) for method, values in by_method.items()}
-            for name, by_method in rates.items()}
+                rates[name].setdefault(f"k={k}", []).append(
+                    replay_call(trace, drafter_name, k, costs, clock)[0]
+                )
+    return {
+        name: {method: statistics.median(values) for method, values in by_method.items()}
+        for name, by_method in rates.items()
+    }
 
 
 def report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int) -> str:
-    lines = [f"Costs (ms): target pass by width {list(costs.target_ms)}, run as {list(costs.plan.run_as)}"
-             f"{'' if costs.pad else ' (padding off)'}; draft token {costs.draft_ms}; round trip {costs.round_trip_ms}. "
-             f"Jitter {jitter:g} (log-normal sigma), median of {repeats} seeded repeats.", ""]
+    lines = [
+        f"Costs (ms): target pass by width {list(costs.target_ms)}, run as {list(costs.plan.run_as)}"
+        f"{'' if costs.pad else ' (padding off)'}; draft token {costs.draft_ms}; round trip {costs.round_trip_ms}. "
+        f"Jitter {jitter:g} (log-normal sigma), median of {repeats} seeded repeats.",
+        "",
+    ]
     for drafter_name in DRAFTERS[pair]:
         for widths_known in (True, False) if costs.pad else (True,):
             table = replay(traces, drafter_name, costs, jitter, repeats, widths_known)
-            title = f"### {drafter_name}" + ("" if not costs.pad else
-                                             ", step costs told" if widths_known else ", step costs not told")
+            title = f"### {drafter_name}" + (
+                ""
+                if not costs.pad
+                else ", step costs told"
+                if widths_known
+                else ", step costs not told"
+            )
             methods = [f"k={k}" for k in FIXED_KS] + ["adaptive"]
-            lines += [title, "", "| prompt | " + " | ".join(methods) + " | best fixed k | adaptive / best |",
-                      "|---" * (len(methods) + 3) + "|"]
+            lines += [
+                title,
+                "",
+                "| prompt | " + " | ".join(methods) + " | best fixed k | adaptive / best |",
+                "|---" * (len(methods) + 3) + "|",
+            ]
             ratios = []
             for name, rates in table.items():
                 base = target_only_rate(traces[name], costs)
@@ -281,14 +346,22 @@ def report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int) -
                 cells = " | ".join(f"{rates[m] / base:.2f}x" for m in methods)
                 lines.append(f"| {name} | {cells} | {best} | {ratios[-1]:.3f} |")
             geo = statistics.geometric_mean(ratios)
-            lines += ["", f"Adaptive over the best fixed k: geometric mean {geo:.3f}, lowest {min(ratios):.3f}.", ""]
+            lines += [
+                "",
+                f"Adaptive over the best fixed k: geometric mean {geo:.3f}, lowest {min(ratios):.3f}.",
+                "",
+            ]
     return "\n".join(lines)
 
 
 def shifted(trace: dict, offset: int) -> dict:
     """The same call started `offset` tokens later (those tokens joined to the prompt): where rounds fall moves."""
-    return {**trace, "prompt": trace["prompt"] + trace["path"][:offset], "path": trace["path"][offset:],
-            **({"drafts": trace["drafts"][offset:]} if "drafts" in trace else {})}
+    return {
+        **trace,
+        "prompt": trace["prompt"] + trace["path"][:offset],
+        "path": trace["path"][offset:],
+        **({"drafts": trace["drafts"][offset:]} if "drafts" in trace else {}),
+    }
 
 
 def against_fixed(calls: list[dict[str, float]]) -> tuple[str, list[float], float, float]:
@@ -296,26 +369,45 @@ def against_fixed(calls: list[dict[str, float]]) -> tuple[str, list[float], floa
     adaptive over it in each call, adaptive over each call's own fastest fixed k, and what that hindsight
     pick gains over the group's k (geometric means over the calls)."""
     fixed = [method for method in calls[0] if method != "adaptive"]
-    best = max(fixed, key=lambda method: statistics.geometric_mean([call[method] for call in calls]))
+    best = max(
+        fixed, key=lambda method: statistics.geometric_mean([call[method] for call in calls])
+    )
     tops = [max(call[method] for method in fixed) for call in calls]
-    return (best, [call["adaptive"] / call[best] for call in calls],
-            statistics.geometric_mean([call["adaptive"] / top for call, top in zip(calls, tops)]),
-            statistics.geometric_mean([top / call[best] for call, top in zip(calls, tops)]))
+    return (
+        best,
+        [call["adaptive"] / call[best] for call in calls],
+        statistics.geometric_mean([call["adaptive"] / top for call, top in zip(calls, tops)]),
+        statistics.geometric_mean([top / call[best] for call, top in zip(calls, tops)]),
+    )
 
 
-def shifts_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int, shifts: int) -> str:
+def shifts_report(
+    pair: str, traces: dict, costs: Costs, jitter: float, repeats: int, shifts: int
+) -> str:
     """Per prompt, `shifts` calls each started a token later: the fixed k fastest over all of them, adaptive
     against it and against each call's own fastest fixed k, and what that hindsight pick gains over it."""
-    lines = [f"Each trace started 0-{shifts - 1} tokens later ({shifts} calls a prompt), median of {repeats} "
-             f"seeded repeats each; geometric means over the calls.", ""]
+    lines = [
+        f"Each trace started 0-{shifts - 1} tokens later ({shifts} calls a prompt), median of {repeats} "
+        f"seeded repeats each; geometric means over the calls.",
+        "",
+    ]
     for drafter_name in DRAFTERS[pair]:
-        lines += [f"### {drafter_name}", "", "| prompt | fixed k best over the calls | adaptive / it | "
-                  "adaptive / each call's best fixed k | each call's best / the calls' best |", "|---|---|---|---|---|"]
+        lines += [
+            f"### {drafter_name}",
+            "",
+            "| prompt | fixed k best over the calls | adaptive / it | "
+            "adaptive / each call's best fixed k | each call's best / the calls' best |",
+            "|---|---|---|---|---|",
+        ]
         for name, trace in traces.items():
-            calls = [replay({name: shifted(trace, offset)}, drafter_name, costs, jitter, repeats)[name]
-                     for offset in range(shifts)]
+            calls = [
+                replay({name: shifted(trace, offset)}, drafter_name, costs, jitter, repeats)[name]
+                for offset in range(shifts)
+            ]
             best, ratios, own, gain = against_fixed(calls)
-            lines.append(f"| {name} | {best} | {statistics.geometric_mean(ratios):.3f} | {own:.3f} | {gain:.3f} |")
+            lines.append(
+                f"| {name} | {best} | {statistics.geometric_mean(ratios):.3f} | {own:.3f} | {gain:.3f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -325,16 +417,27 @@ def kinds_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: 
     and against each prompt's own best fixed k, and what that hindsight pick gains over the kind's k."""
     # Kinds interleaved (a stable sort by index): each adaptive call is seeded by one of another kind, as in the suite.
     order = sorted(traces, key=lambda name: int(name.split("/")[1]))
-    lines = [f"{len(traces)} prompts, median of {repeats} seeded repeats each; geometric means over a kind's prompts.",
-             ""]
+    lines = [
+        f"{len(traces)} prompts, median of {repeats} seeded repeats each; geometric means over a kind's prompts.",
+        "",
+    ]
     for drafter_name in DRAFTERS[pair]:
         table = replay({name: traces[name] for name in order}, drafter_name, costs, jitter, repeats)
-        lines += [f"### {drafter_name}", "", "| kind | fixed k best for the kind | adaptive / it | lowest prompt | "
-                  "adaptive / each prompt's best fixed k | each prompt's best / the kind's |", "|---" * 6 + "|"]
+        lines += [
+            f"### {drafter_name}",
+            "",
+            "| kind | fixed k best for the kind | adaptive / it | lowest prompt | "
+            "adaptive / each prompt's best fixed k | each prompt's best / the kind's |",
+            "|---" * 6 + "|",
+        ]
         for kind in dict.fromkeys(kind_of(name) for name in order):
-            best, ratios, own, gain = against_fixed([rates for name, rates in table.items() if kind_of(name) == kind])
-            lines.append(f"| {kind} | {best} | {statistics.geometric_mean(ratios):.3f} | {min(ratios):.3f} | "
-                         f"{own:.3f} | {gain:.3f} |")
+            best, ratios, own, gain = against_fixed(
+                [rates for name, rates in table.items() if kind_of(name) == kind]
+            )
+            lines.append(
+                f"| {kind} | {best} | {statistics.geometric_mean(ratios):.3f} | {min(ratios):.3f} | "
+                f"{own:.3f} | {gain:.3f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -369,27 +472,49 @@ def record(pair_name: str, tokens: int, prompt_set: str = "") -> None:
                 session.truncate_to(length)
                 session.append([token])
         traces[name] = trace
-        print(f"{name}: {len(prompt)} prompt tokens, {len(path)} decoded", file=sys.stderr, flush=True)
+        print(
+            f"{name}: {len(prompt)} prompt tokens, {len(path)} decoded", file=sys.stderr, flush=True
+        )
     traces_path(pair_name, prompt_set).write_text(
-        json.dumps({"pair": [pair.target, pair.draft, pair.quantization], "traces": traces}))
+        json.dumps({"pair": [pair.target, pair.draft, pair.quantization], "traces": traces})
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", nargs="?", choices=["record", "replay"], default="replay")
     parser.add_argument("--pair", choices=sorted(COSTS), default="smollm2")
-    parser.add_argument("--tokens", type=int, default=MAX_NEW_TOKENS, help="record: tokens to decode")
+    parser.add_argument(
+        "--tokens", type=int, default=MAX_NEW_TOKENS, help="record: tokens to decode"
+    )
     parser.add_argument("--jitter", type=float, default=0.05, help="log-normal sigma of every cost")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-padding", action="store_true", help="the target runs each width as it is")
-    parser.add_argument("--target-ms", default="", help="another machine's target pass by width 1, 2, ... "
-                        "(comma-separated ms; default: the pair's calibration)")
-    parser.add_argument("--draft-ms", type=float, default=None, help="another machine's draft token, ms")
-    parser.add_argument("--shifts", type=int, default=0, help="instead: each trace started 0..N-1 tokens later, "
-                        "adaptive against the fixed k best over those calls and against each call's own best")
-    parser.add_argument("--prompt-set", choices=PROMPT_SETS, default="",
-                        help="more: six other prompts of each kind (record them first); all: those and the "
-                             "suite's; reported by kind")
+    parser.add_argument(
+        "--no-padding", action="store_true", help="the target runs each width as it is"
+    )
+    parser.add_argument(
+        "--target-ms",
+        default="",
+        help="another machine's target pass by width 1, 2, ... "
+        "(comma-separated ms; default: the pair's calibration)",
+    )
+    parser.add_argument(
+        "--draft-ms", type=float, default=None, help="another machine's draft token, ms"
+    )
+    parser.add_argument(
+        "--shifts",
+        type=int,
+        default=0,
+        help="instead: each trace started 0..N-1 tokens later, "
+        "adaptive against the fixed k best over those calls and against each call's own best",
+    )
+    parser.add_argument(
+        "--prompt-set",
+        choices=PROMPT_SETS,
+        default="",
+        help="more: six other prompts of each kind (record them first); all: those and the "
+        "suite's; reported by kind",
+    )
     args = parser.parse_args(argv)
     if args.command == "record" and args.prompt_set == "all":
         parser.error("record the sets one at a time ('' and more)")
@@ -398,7 +523,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     costs = dataclasses.replace(COSTS[args.pair], pad=not args.no_padding)
     if args.target_ms:
-        costs = dataclasses.replace(costs, target_ms=tuple(float(ms) for ms in args.target_ms.split(",")))
+        costs = dataclasses.replace(
+            costs, target_ms=tuple(float(ms) for ms in args.target_ms.split(","))
+        )
     if args.draft_ms is not None:
         costs = dataclasses.replace(costs, draft_ms=args.draft_ms)
     traces = load_traces(args.pair, args.prompt_set)

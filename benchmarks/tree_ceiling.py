@@ -62,8 +62,13 @@ def accepted(nodes: set[tuple[int, ...]], future: Sequence[int]) -> int:
     return n
 
 
-def walk(prompt: list[int], path: list[int], propose: Callable[[list[int]], set[tuple[int, ...]]], costs: Costs,
-         tokens: int = MAX_NEW_TOKENS) -> Walk:
+def walk(
+    prompt: list[int],
+    path: list[int],
+    propose: Callable[[list[int]], set[tuple[int, ...]]],
+    costs: Costs,
+    tokens: int = MAX_NEW_TOKENS,
+) -> Walk:
     """Rounds from the prompt until `tokens` of the path are committed: each proposes the
     nodes `propose` gives for the context and commits their accepted prefix and the
     target's own token."""
@@ -72,7 +77,11 @@ def walk(prompt: list[int], path: list[int], propose: Callable[[list[int]], set[
     while done < tokens:
         proposal = propose(prompt + path[:done])
         done += accepted(proposal, path[done:]) + 1
-        passes, nodes, pass_ns = passes + 1, nodes + len(proposal), pass_ns + costs.pass_ns(len(proposal) + 1)
+        passes, nodes, pass_ns = (
+            passes + 1,
+            nodes + len(proposal),
+            pass_ns + costs.pass_ns(len(proposal) + 1),
+        )
     return Walk(tokens, passes, nodes, pass_ns)
 
 
@@ -89,23 +98,34 @@ def continuations(doc: list[int], suffix: list[int], end: int, k: int) -> Iterat
         i += 1
 
 
-def with_history(context: list[int], history: Sequence[list[int]], k: int, min_ngram: int, max_ngram: int,
-                 max_paths: int) -> set[tuple[int, ...]]:
+def with_history(
+    context: list[int],
+    history: Sequence[list[int]],
+    k: int,
+    min_ngram: int,
+    max_ngram: int,
+    max_paths: int,
+) -> set[tuple[int, ...]]:
     """Up to max_paths distinct continuations of the context's suffixes, in the context and
     in the other calls' texts: a longer suffix first, the context before the others."""
     paths: list[list[int]] = []
     for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
         suffix = context[-n:]
-        found = itertools.chain(continuations(context, suffix, len(context) - n, k),
-                                *(continuations(doc, suffix, len(doc), k) for doc in history))
+        found = itertools.chain(
+            continuations(context, suffix, len(context) - n, k),
+            *(continuations(doc, suffix, len(doc), k) for doc in history),
+        )
         paths += (path for path in found if path not in paths)
         if len(paths) >= max_paths:
             break
     return prefixes(paths[:max_paths])
 
 
-def proposers(k: int, width: int, min_ngram: int, max_ngram: int, history: Sequence[list[int]]) -> dict:
+def proposers(
+    k: int, width: int, min_ngram: int, max_ngram: int, history: Sequence[list[int]]
+) -> dict:
     """label -> a context's proposal, as node paths; the chain of each family first."""
+
     def tree(paths: int):
         return lambda context: _tree_nodes(lookup_tree(context, k, min_ngram, max_ngram, paths))
 
@@ -135,8 +155,10 @@ def ceiling(traces: dict, costs: Costs, k: int, width: int, min_ngram: int, max_
     walks = {}
     for name, trace in traces.items():
         history = [text for other, text in texts.items() if other != name]
-        walks[name] = {label: walk(trace["prompt"], trace["path"], propose, costs)
-                       for label, propose in proposers(k, width, min_ngram, max_ngram, history).items()}
+        walks[name] = {
+            label: walk(trace["prompt"], trace["path"], propose, costs)
+            for label, propose in proposers(k, width, min_ngram, max_ngram, history).items()
+        }
     return walks
 
 
@@ -146,27 +168,44 @@ def report(walks: dict) -> str:
     same (tokens per pass) and priced by width."""
     labels = list(next(iter(walks.values())))
     kinds = [*sorted({kind_of(name) for name in walks}), "all"]
-    rows = {kind: [w for name, w in walks.items() if kind in ("all", kind_of(name))] for kind in kinds}
+    rows = {
+        kind: [w for name, w in walks.items() if kind in ("all", kind_of(name))] for kind in kinds
+    }
 
     def chain(label: str) -> str:
         return "chain" + (HISTORY if label.endswith(HISTORY) else "")
 
     def cells(calls, label) -> tuple[str, str]:
         base = chain(label)
-        return (f"{_geomean(c[label].tokens_per_pass for c in calls):.2f} "
-                f"({statistics.mean(c[label].nodes / c[label].passes for c in calls):.1f})",
-                f"{_geomean(c[label].tokens_per_pass / c[base].tokens_per_pass for c in calls):.3f} "
-                f"({_geomean(c[base].pass_ns / c[label].pass_ns for c in calls):.3f})")
+        return (
+            f"{_geomean(c[label].tokens_per_pass for c in calls):.2f} "
+            f"({statistics.mean(c[label].nodes / c[label].passes for c in calls):.1f})",
+            f"{_geomean(c[label].tokens_per_pass / c[base].tokens_per_pass for c in calls):.3f} "
+            f"({_geomean(c[base].pass_ns / c[label].pass_ns for c in calls):.3f})",
+        )
 
     trees = [label for label in labels if not label.startswith("chain")]
-    return "\n".join([
-        "Tokens per pass (nodes per pass):", "",
-        "| kind | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|",
-        *(f"| {kind} | " + " | ".join(cells(rows[kind], label)[0] for label in labels) + " |" for kind in kinds),
-        "", "Over the chain of the same drafter: width free (priced by width):", "",
-        "| kind | " + " | ".join(trees) + " |", "|---" * (len(trees) + 1) + "|",
-        *(f"| {kind} | " + " | ".join(cells(rows[kind], label)[1] for label in trees) + " |" for kind in kinds),
-    ])
+    return "\n".join(
+        [
+            "Tokens per pass (nodes per pass):",
+            "",
+            "| kind | " + " | ".join(labels) + " |",
+            "|---" * (len(labels) + 1) + "|",
+            *(
+                f"| {kind} | " + " | ".join(cells(rows[kind], label)[0] for label in labels) + " |"
+                for kind in kinds
+            ),
+            "",
+            "Over the chain of the same drafter: width free (priced by width):",
+            "",
+            "| kind | " + " | ".join(trees) + " |",
+            "|---" * (len(trees) + 1) + "|",
+            *(
+                f"| {kind} | " + " | ".join(cells(rows[kind], label)[1] for label in trees) + " |"
+                for kind in kinds
+            ),
+        ]
+    )
 
 
 def _geomean(values) -> float:
@@ -181,10 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=4, help="paths of the drafter's bounded tree")
     parser.add_argument("--min-ngram", type=int, default=2)
     parser.add_argument("--max-ngram", type=int, default=4)
-    parser.add_argument("--no-padding", action="store_true", help="the target runs each width as it is")
+    parser.add_argument(
+        "--no-padding", action="store_true", help="the target runs each width as it is"
+    )
     args = parser.parse_args(argv)
     costs = dataclasses.replace(COSTS[args.pair], pad=not args.no_padding)
-    walks = ceiling(load_traces(args.pair, "all"), costs, args.k, args.width, args.min_ngram, args.max_ngram)
+    walks = ceiling(
+        load_traces(args.pair, "all"), costs, args.k, args.width, args.min_ngram, args.max_ngram
+    )
     print(report(walks))
     return 0
 

@@ -29,7 +29,9 @@ def ports(environ) -> list[int]:
 def serving(port: int, timeout_s: float = 2.0) -> bool:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

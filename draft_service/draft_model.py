@@ -32,8 +32,12 @@ class DraftModel:
     compute: StepScheduler
 
     @classmethod
-    def of(cls, loaded: LoadedModel, draft_top_k: int = DEFAULT_DRAFT_TOP_K,
-           compute: StepScheduler | None = None) -> DraftModel:
+    def of(
+        cls,
+        loaded: LoadedModel,
+        draft_top_k: int = DEFAULT_DRAFT_TOP_K,
+        compute: StepScheduler | None = None,
+    ) -> DraftModel:
         """A loaded model as the worker's drafter; a new step scheduler unless given one."""
         compute = compute or StepScheduler(loaded.model, name="draft-compute")
         return cls(loaded, ModelDrafter(loaded, draft_top_k), compute)
@@ -46,11 +50,22 @@ def start_draft_model(config: DraftConfig, loaded: LoadedModel | None = None) ->
     compute = StepScheduler(name="draft-compute")
     compute.run(configure_threads, config.threads or None)
     if loaded is None:
-        loaded = compute.run(load_model, config.model, device=config.device, dtype=config.dtype,
-                             quantize=config.quantization, keep_output_layer=config.keep_output_layer)
+        loaded = compute.run(
+            load_model,
+            config.model,
+            device=config.device,
+            dtype=config.dtype,
+            quantize=config.quantization,
+            keep_output_layer=config.keep_output_layer,
+        )
     compute.model = loaded.model
-    compute.run(static_passes.install, loaded.model, config.static_passes, config.static_slots,
-                min(config.static_capacity, loaded.context_length))
+    compute.run(
+        static_passes.install,
+        loaded.model,
+        config.static_passes,
+        config.static_slots,
+        min(config.static_capacity, loaded.context_length),
+    )
     if warmup.pays_off(loaded):
         log.info("warmed up in %.2f s", compute.run(warmup.warm_up, loaded) * 1e-9)
     return DraftModel.of(loaded, config.draft_top_k, compute)

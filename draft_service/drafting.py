@@ -17,10 +17,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from speculative.drafter_base import Drafter, DraftSession, Proposal
 from foundation.errors import InvalidArgument
-from speculative.prompt_lookup import LookupThenModelDrafter, LookupThenModelSession, NgramDrafter, NgramDraftSession
-from speculative.types import MODEL, NGRAM, NGRAM_THEN_MODEL, REPLAY, SamplingParams, check_drafter_name
+from speculative.drafter_base import Drafter, DraftSession, Proposal
+from speculative.prompt_lookup import (
+    LookupThenModelDrafter,
+    LookupThenModelSession,
+    NgramDrafter,
+    NgramDraftSession,
+)
+from speculative.types import (
+    MODEL,
+    NGRAM,
+    NGRAM_THEN_MODEL,
+    REPLAY,
+    SamplingParams,
+    check_drafter_name,
+)
 
 if TYPE_CHECKING:
     from draft_service.draft_model import DraftModel
@@ -44,16 +56,26 @@ class Drafters:
     """The worker's drafters: n-gram lookup and, if a model is loaded, the model drafter
     and the two together."""
 
-    def __init__(self, model: DraftModel | None, default_drafter: str, min_ngram: int, max_ngram: int,
-                 replay_file: str = ""):
+    def __init__(
+        self,
+        model: DraftModel | None,
+        default_drafter: str,
+        min_ngram: int,
+        max_ngram: int,
+        replay_file: str = "",
+    ):
         self.model = model
         self.loaded = model.loaded if model is not None else None
         self.by_name: dict[str, Drafter] = {NGRAM: NgramDrafter(min_ngram, max_ngram)}
         if model is not None:
             self.by_name[MODEL] = model.drafter
-            self.by_name[NGRAM_THEN_MODEL] = LookupThenModelDrafter(model.drafter, self.by_name[NGRAM])
+            self.by_name[NGRAM_THEN_MODEL] = LookupThenModelDrafter(
+                model.drafter, self.by_name[NGRAM]
+            )
         if replay_file and model is None:
-            raise InvalidArgument("--replay-file needs a --model: the replay drafter pays the model's passes")
+            raise InvalidArgument(
+                "--replay-file needs a --model: the replay drafter pays the model's passes"
+            )
         if model is not None and replay_file:  # benchmarks only
             from speculative.replay_drafter import ReplayDrafter
 
@@ -67,8 +89,10 @@ class Drafters:
         if not name:
             return self.default
         if name == REPLAY and name not in self.by_name:
-            raise InvalidArgument("drafter 'replay' is for benchmarks: offered only by a draft worker started "
-                                  "with --replay-file")
+            raise InvalidArgument(
+                "drafter 'replay' is for benchmarks: offered only by a draft worker started "
+                "with --replay-file"
+            )
         if name not in self.by_name:
             raise InvalidArgument(
                 f"drafter {name!r} needs a draft model, and this draft worker was started without "
@@ -90,7 +114,9 @@ class Drafters:
         bad = [t for t in token_ids if t < 0 or (limit is not None and t >= limit)]
         if bad:
             vocabulary = f"[0, {limit})" if limit is not None else "ids >= 0"
-            raise InvalidArgument(f"token ids {bad[:5]} are outside the draft vocabulary {vocabulary}")
+            raise InvalidArgument(
+                f"token ids {bad[:5]} are outside the draft vocabulary {vocabulary}"
+            )
         if name in WITH_MODEL and num_existing + len(token_ids) >= self.loaded.context_length:
             raise InvalidArgument(
                 f"{num_existing + len(token_ids)} tokens leave no room to generate in the draft "
@@ -107,14 +133,21 @@ class Drafters:
         if name == NGRAM:
             return self.by_name[name].open(prompt_token_ids, SamplingParams())
         if name == REPLAY:
-            session = SerializedModelDraftSession(self.by_name[REPLAY].open(prompt_token_ids, SamplingParams()),
-                                                  self.model.compute)
+            session = SerializedModelDraftSession(
+                self.by_name[REPLAY].open(prompt_token_ids, SamplingParams()), self.model.compute
+            )
             session.prefill()
             return session
-        model = SerializedModelDraftSession(self.by_name[MODEL].open(prompt_token_ids, SamplingParams()),
-                                            self.model.compute)
-        session = model if name == MODEL else LookupThenModelSession(
-            self.by_name[NGRAM].open(prompt_token_ids, SamplingParams()), model)
+        model = SerializedModelDraftSession(
+            self.by_name[MODEL].open(prompt_token_ids, SamplingParams()), self.model.compute
+        )
+        session = (
+            model
+            if name == MODEL
+            else LookupThenModelSession(
+                self.by_name[NGRAM].open(prompt_token_ids, SamplingParams()), model
+            )
+        )
         session.prefill()  # now, alongside the target's prefill, not in the first round
         return session
 
@@ -134,7 +167,9 @@ class SerializedModelDraftSession(DraftSession):
     def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
         return self.compute.submit(self.inner.propose_steps(k, min_reach))[0]
 
-    def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
+    def propose_tree(
+        self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0
+    ) -> Proposal:
         return self.compute.submit(self.inner.propose_steps(k, min_reach, width, min_branch))[0]
 
     def prefill(self) -> None:

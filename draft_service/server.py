@@ -10,6 +10,7 @@ from draft_service.drafting import Drafters
 from draft_service.servicer import DraftServicer
 from draft_service.sessions import SessionCache
 from draft_service.target_connections import TargetConnections
+from foundation.errors import SpeculativeError
 from service_common import config as config_flags
 from service_common import server as common_server
 from service_common import telemetry
@@ -17,7 +18,6 @@ from service_common.logs import configure_logging
 from service_common.registry import create_worker_service
 from service_common.security import tls_of
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from foundation.errors import SpeculativeError
 
 if TYPE_CHECKING:
     from model_runtime.loading import LoadedModel
@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
-def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) -> common_server.Service:
+def create_server(
+    config: DraftConfig, loaded_model: LoadedModel | None = None
+) -> common_server.Service:
     """Builds (does not start) the worker; with config.redis_url it joins the draft pool
     once it serves.
 
@@ -41,14 +43,26 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
         from draft_service.draft_model import start_draft_model
 
         model = start_draft_model(config, loaded_model)
-    drafters = Drafters(model, config.default_drafter, config.prompt_lookup_min, config.prompt_lookup_max,
-                        config.replay_file)
-    servicer = DraftServicer(config, drafters, SessionCache(config.max_sessions, config.max_cached_tokens),
-                             TargetConnections(tls_of(config)))
+    drafters = Drafters(
+        model,
+        config.default_drafter,
+        config.prompt_lookup_min,
+        config.prompt_lookup_max,
+        config.replay_file,
+    )
+    servicer = DraftServicer(
+        config,
+        drafters,
+        SessionCache(config.max_sessions, config.max_cached_tokens),
+        TargetConnections(tls_of(config)),
+    )
 
     service = create_worker_service(
-        config, lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s), SERVICE_NAME,
-        common_pb2.WORKER_POOL_DRAFT, lambda: servicer.Info(common_pb2.InfoRequest(), None),
+        config,
+        lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
+        SERVICE_NAME,
+        common_pb2.WORKER_POOL_DRAFT,
+        lambda: servicer.Info(common_pb2.InfoRequest(), None),
     )
     servicer.advertise_address = config.resolved_advertise_address(service.port)
     return service
@@ -56,7 +70,9 @@ def create_server(config: DraftConfig, loaded_model: LoadedModel | None = None) 
 
 def main(argv: list[str] | None = None) -> int:
     config = config_flags.parse(
-        DraftConfig, ENV_PREFIX, argv,
+        DraftConfig,
+        ENV_PREFIX,
+        argv,
         description="Draft worker: drafts tokens and runs speculation rounds against a target worker.",
     )
     configure_logging("draft", config.log_level)
@@ -67,11 +83,18 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start: %s", error)
         return 2
     # One parseable line for launchers: the bound port (address ":0" picks a free one).
-    log.info("draft worker serving", extra={"fields": {
-        "port": service.port, "address": config.resolved_advertise_address(service.port),
-        "worker_id": config.resolved_worker_id(), "model": config.model or None,
-        "default_drafter": config.default_drafter,
-    }})
+    log.info(
+        "draft worker serving",
+        extra={
+            "fields": {
+                "port": service.port,
+                "address": config.resolved_advertise_address(service.port),
+                "worker_id": config.resolved_worker_id(),
+                "model": config.model or None,
+                "default_drafter": config.default_drafter,
+            }
+        },
+    )
     service.serve_until_signalled(config.grace_s)
     telemetry.current().shutdown()  # flushes the spans still buffered
     log.info("stopped")

@@ -18,13 +18,13 @@ from draft_service.remote_verifier import RemoteVerifier
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
 from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
 from draft_service.target_connections import TargetConnections
+from foundation.errors import InvalidArgument, StaleProposal
 from model_runtime.fingerprint import ANY_VOCABULARY
 from service_common import telemetry
 from service_common.convert import model_info
 from service_common.deadlines import Deadline, bounded, time_remaining
 from service_common.status import Unavailable, rpc_errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from foundation.errors import InvalidArgument, StaleProposal
 from speculative.policy import AdaptiveK
 from speculative.types import MODEL
 
@@ -33,7 +33,13 @@ tracer = trace.get_tracer(__name__)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, config: DraftConfig, drafters: Drafters, sessions: SessionCache, targets: TargetConnections):
+    def __init__(
+        self,
+        config: DraftConfig,
+        drafters: Drafters,
+        sessions: SessionCache,
+        targets: TargetConnections,
+    ):
         self.config = config
         self.drafters = drafters
         self.sessions = sessions
@@ -58,7 +64,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             prefill_ns = time.perf_counter_ns() - start
             span.set_attribute("specdec.prefill_ns", prefill_ns)
         self.sessions.add(SessionEntry(session_id, drafter, draft))
-        return draft_pb2.DraftOpenSessionResponse(handle=self._handle(session_id, len(prompt)), prefill_ns=prefill_ns)
+        return draft_pb2.DraftOpenSessionResponse(
+            handle=self._handle(session_id, len(prompt)), prefill_ns=prefill_ns
+        )
 
     @rpc_errors
     def Extend(self, request, context):
@@ -105,10 +113,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         else:
             model = common_pb2.ModelInfo(model_id="ngram", tokenizer_fingerprint=ANY_VOCABULARY)
         load = self._load()
-        return common_pb2.InfoResponse(worker_id=self.worker_id, model=model, load=common_pb2.WorkerLoad(
-            active_sessions=load.active_sessions, max_sessions=load.max_sessions,
-            cached_tokens=load.cached_tokens, max_cached_tokens=load.max_cached_tokens,
-        ))
+        return common_pb2.InfoResponse(
+            worker_id=self.worker_id,
+            model=model,
+            load=common_pb2.WorkerLoad(
+                active_sessions=load.active_sessions,
+                max_sessions=load.max_sessions,
+                cached_tokens=load.cached_tokens,
+                max_cached_tokens=load.max_cached_tokens,
+            ),
+        )
 
     # --- the speculation loop ---------------------------------------------------------
 
@@ -124,31 +138,50 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             context_length = check_start(entry, request, plan, self.drafters, target)
             apply_settings(entry.draft, plan.settings)
             adaptive = self._adaptive_policy(entry, plan)
-            plan.policy.estimator.passes.step_costs = target.step_ms  # its passes priced by its own timing
+            # its passes priced by its own timing
+            plan.policy.estimator.passes.step_costs = target.step_ms
             # The rounds run as long as the caller waits for them (no cap on the whole
             # call: under load, a long generation is slow, not hung).
             verifier = RemoteVerifier(
-                self.targets.stub(plan.target_address), plan.target_address, plan.target_session_id,
-                plan.settings.params, entry.next_round, Deadline.of_caller(context),
-                self.config.verdict_stall_timeout_s, overlaps=self.config.pipeline,
+                self.targets.stub(plan.target_address),
+                plan.target_address,
+                plan.target_session_id,
+                plan.settings.params,
+                entry.next_round,
+                Deadline.of_caller(context),
+                self.config.verdict_stall_timeout_s,
+                overlaps=self.config.pipeline,
             )
             try:
                 yield from run_rounds(
-                    entry, verifier, plan, request.base_len, context_length,
+                    entry,
+                    verifier,
+                    plan,
+                    request.base_len,
+                    context_length,
                     cancelled=lambda: cancelled.is_set() or not context.is_active(),
                 )
             except Unavailable:  # it may come back with another model: ask it again
                 self.targets.forget(plan.target_address)
                 raise
             finally:
-                log.debug("speculate ended", extra={"fields": {
-                    "session_id": entry.session_id, "target": plan.target_address,
-                    "rounds": verifier.round - entry.next_round, "committed_len": entry.length,
-                }})
+                log.debug(
+                    "speculate ended",
+                    extra={
+                        "fields": {
+                            "session_id": entry.session_id,
+                            "target": plan.target_address,
+                            "rounds": verifier.round - entry.next_round,
+                            "committed_len": entry.length,
+                        }
+                    },
+                )
                 entry.next_round = verifier.round
                 verifier.close()
                 if adaptive is not None and adaptive.estimator.measured:
-                    self.targets.remember_costs(plan.target_address, entry.drafter, adaptive.estimator.costs())
+                    self.targets.remember_costs(
+                        plan.target_address, entry.drafter, adaptive.estimator.costs()
+                    )
 
     # --- helpers ----------------------------------------------------------------------
 
@@ -167,14 +200,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _load(self) -> telemetry.WorkerLoad:
         return telemetry.WorkerLoad(
-            active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions,
-            cached_tokens=self.sessions.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
+            active_sessions=len(self.sessions),
+            max_sessions=self.sessions.max_sessions,
+            cached_tokens=self.sessions.cached_tokens,
+            max_cached_tokens=self.sessions.max_cached_tokens,
         )
 
     def _handle(self, session_id: str, committed_len: int) -> common_pb2.KvHandle:
         return common_pb2.KvHandle(
-            worker_id=self.worker_id, worker_address=self.advertise_address,
-            session_id=session_id, committed_len=committed_len,
+            worker_id=self.worker_id,
+            worker_address=self.advertise_address,
+            session_id=session_id,
+            committed_len=committed_len,
         )
 
     def _session_wait_s(self, context) -> float:
@@ -184,14 +221,21 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _locked(self, session_id: str, context):
         """The session, held for the block; ABORTED if another call holds it too long."""
-        return _AbortWhenBusy(self.sessions.locked(session_id, self._session_wait_s(context)), context)
+        return _AbortWhenBusy(
+            self.sessions.locked(session_id, self._session_wait_s(context)), context
+        )
 
 
 def _prefill_span(session_id: str, base_len: int, num_tokens: int):
     """A specdec.prefill span around new input entering a draft session."""
-    return tracer.start_as_current_span(telemetry.PREFILL_SPAN, attributes={
-        "specdec.session_id": session_id, "specdec.base_len": base_len, "specdec.tokens": num_tokens,
-    })
+    return tracer.start_as_current_span(
+        telemetry.PREFILL_SPAN,
+        attributes={
+            "specdec.session_id": session_id,
+            "specdec.base_len": base_len,
+            "specdec.tokens": num_tokens,
+        },
+    )
 
 
 class _AbortWhenBusy:

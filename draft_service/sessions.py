@@ -15,9 +15,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from foundation.errors import NotFound, ResourceExhausted, SpeculativeError
 from service_common.status import AlreadyExists
 from speculative.drafter_base import DraftSession
-from foundation.errors import NotFound, ResourceExhausted, SpeculativeError
 from speculative.policy import AdaptiveK
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,9 @@ class SessionEntry:
 
 
 def not_found(session_id: str) -> NotFound:
-    return NotFound(f"draft session {session_id!r} not found: evicted or never opened: open it again")
+    return NotFound(
+        f"draft session {session_id!r} not found: evicted or never opened: open it again"
+    )
 
 
 class SessionCache:
@@ -69,7 +71,9 @@ class SessionCache:
     def check_new(self, session_id: str) -> None:
         with self._lock:
             if session_id in self._entries:
-                raise AlreadyExists(f"draft session {session_id!r} already exists: choose another id or none")
+                raise AlreadyExists(
+                    f"draft session {session_id!r} already exists: choose another id or none"
+                )
 
     def make_room(self, num_tokens: int, keep: SessionEntry | None = None) -> None:
         """Evicts idle sessions, least recently used first, until one more session (or,
@@ -98,20 +102,27 @@ class SessionCache:
 
     def _fits(self, num_tokens: int, new_sessions: int) -> bool:
         tokens = sum(entry.length for entry in self._entries.values())
-        return (len(self._entries) + new_sessions <= self.max_sessions
-                and tokens + num_tokens <= self.max_cached_tokens)
+        return (
+            len(self._entries) + new_sessions <= self.max_sessions
+            and tokens + num_tokens <= self.max_cached_tokens
+        )
 
     def _evict(self, entry: SessionEntry) -> None:
         del self._entries[entry.session_id]
         entry.closed = True
         entry.draft.release()
-        log.info("evicted draft session", extra={"fields": {"session_id": entry.session_id, "tokens": entry.length}})
+        log.info(
+            "evicted draft session",
+            extra={"fields": {"session_id": entry.session_id, "tokens": entry.length}},
+        )
 
     def add(self, entry: SessionEntry) -> None:
         with self._lock:
             if entry.session_id in self._entries:
                 entry.draft.release()
-                raise AlreadyExists(f"draft session {entry.session_id!r} already exists: choose another id or none")
+                raise AlreadyExists(
+                    f"draft session {entry.session_id!r} already exists: choose another id or none"
+                )
             self._entries[entry.session_id] = entry
 
     @contextlib.contextmanager

@@ -27,12 +27,12 @@ from draft_service.drafting import Drafters, DraftSettings
 from draft_service.remote_verifier import RemoteVerifier
 from draft_service.sessions import SessionEntry
 from draft_service.target_connections import TargetInfo
+from foundation.errors import InvalidArgument, ResourceExhausted, StaleProposal
+from foundation.limits import validate_num_speculative_tokens
 from model_runtime.fingerprint import check_compatible
 from service_common import telemetry
 from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
 from specdec.v1 import draft_pb2
-from foundation.errors import InvalidArgument, ResourceExhausted, StaleProposal
-from foundation.limits import validate_num_speculative_tokens
 from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.prompt_lookup import LookupStop
 from speculative.speculation_loop import Features, RoundResult, speculation_rounds
@@ -55,31 +55,51 @@ class SpeculatePlan:
 def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> SpeculatePlan:
     """Raises InvalidArgument naming the bad field."""
     if not request.target.worker_address or not request.target.session_id:
-        raise InvalidArgument("target.worker_address and target.session_id are required: the target session to verify with")
+        raise InvalidArgument(
+            "target.worker_address and target.session_id are required: the target session to verify with"
+        )
     params = sampling_from_proto(request.sampling, config.default_max_new_tokens)
     speculation = request.speculation
-    k = speculation.num_speculative_tokens if speculation.HasField("num_speculative_tokens") else config.default_k
+    k = (
+        speculation.num_speculative_tokens
+        if speculation.HasField("num_speculative_tokens")
+        else config.default_k
+    )
     validate_num_speculative_tokens(k)
     if speculation.draft_top_k < 0:
-        raise InvalidArgument(f"draft_top_k must be >= 0 (0 = server default), got {speculation.draft_top_k}")
+        raise InvalidArgument(
+            f"draft_top_k must be >= 0 (0 = server default), got {speculation.draft_top_k}"
+        )
     min_ngram = speculation.prompt_lookup_min or config.prompt_lookup_min
     max_ngram = speculation.prompt_lookup_max or config.prompt_lookup_max
     LookupStop(min_ngram, max_ngram)  # raises InvalidArgument for sizes prompt lookup refuses
     return SpeculatePlan(
-        settings=DraftSettings(params, speculation.draft_top_k or config.draft_top_k, min_ngram, max_ngram),
-        policy=(AdaptiveK(k, overlaps=config.pipeline, max_width=config.tree_width) if speculation.adaptive
-                else FixedK(k, config.tree_width)),
+        settings=DraftSettings(
+            params, speculation.draft_top_k or config.draft_top_k, min_ngram, max_ngram
+        ),
+        policy=(
+            AdaptiveK(k, overlaps=config.pipeline, max_width=config.tree_width)
+            if speculation.adaptive
+            else FixedK(k, config.tree_width)
+        ),
         drafter=speculation.drafter,
         target_address=request.target.worker_address,
         target_session_id=request.target.session_id,
-        features=Features(draft_ahead=config.pipeline, stretches=config.stretches,
-                          target_lookup=config.target_lookup, draft_stop=config.draft_stop),
+        features=Features(
+            draft_ahead=config.pipeline,
+            stretches=config.stretches,
+            target_lookup=config.target_lookup,
+            draft_stop=config.draft_stop,
+        ),
     )
 
 
 def check_start(
-    entry: SessionEntry, request: draft_pb2.SpeculateRequest, plan: SpeculatePlan,
-    drafters: Drafters, target: TargetInfo,
+    entry: SessionEntry,
+    request: draft_pb2.SpeculateRequest,
+    plan: SpeculatePlan,
+    drafters: Drafters,
+    target: TargetInfo,
 ) -> int:
     """Checks that draft, target and request agree; returns the context length to
     generate within, in tokens."""
@@ -94,8 +114,12 @@ def check_start(
             f"holds {entry.length} committed tokens and the target handle says "
             f"{request.target.committed_len}: truncate both to the committed length first"
         )
-    check_compatible(target.model_id, target.tokenizer_fingerprint,
-                     drafters.model_name(entry.drafter), drafters.fingerprint(entry.drafter))
+    check_compatible(
+        target.model_id,
+        target.tokenizer_fingerprint,
+        drafters.model_name(entry.drafter),
+        drafters.fingerprint(entry.drafter),
+    )
     limits = [n for n in (target.context_length, drafters.context_length(entry.drafter)) if n]
     context_length = min(limits) if limits else 2**31 - 1
     if request.base_len >= context_length:
@@ -122,8 +146,15 @@ def run_rounds(
     try:
         # Round times are taken around the loop's own work, not the sending of updates.
         round_start_ns = time.time_ns()
-        rounds = speculation_rounds(verifier, entry.draft, base_len, plan.settings.params, plan.policy,
-                                    context_length, plan.features)
+        rounds = speculation_rounds(
+            verifier,
+            entry.draft,
+            base_len,
+            plan.settings.params,
+            plan.policy,
+            context_length,
+            plan.features,
+        )
         with contextlib.closing(rounds):
             for result in rounds:
                 round_end_ns = time.time_ns()
@@ -142,7 +173,9 @@ def run_rounds(
         timing.record()
 
 
-def _update(result: RoundResult, committed_len: int, first_round: int, verifier: RemoteVerifier) -> draft_pb2.SpeculateUpdate:
+def _update(
+    result: RoundResult, committed_len: int, first_round: int, verifier: RemoteVerifier
+) -> draft_pb2.SpeculateUpdate:
     stats = dataclasses.replace(result.stats, index=first_round + result.stats.index)  # per session
     return draft_pb2.SpeculateUpdate(
         token_ids=result.token_ids,
@@ -178,8 +211,14 @@ def _update(result: RoundResult, committed_len: int, first_round: int, verifier:
 #   specdec.finish_reason: on the last round of a call: length or stop_token
 
 
-def _observe_round(update: draft_pb2.SpeculateUpdate, result: RoundResult, session_id: str,
-                   plan: SpeculatePlan, start_ns: int, end_ns: int) -> None:
+def _observe_round(
+    update: draft_pb2.SpeculateUpdate,
+    result: RoundResult,
+    session_id: str,
+    plan: SpeculatePlan,
+    start_ns: int,
+    end_ns: int,
+) -> None:
     """One finished round as a span (start and end in Unix nanoseconds) and in metrics;
     a token of a stretch only in metrics (the target's specdec.decode span times it)."""
     stats = result.stats
@@ -227,4 +266,6 @@ class _CallTiming:
 
     def record(self) -> None:
         if self.num_tokens:
-            telemetry.instruments().time_per_output_token.record(self.round_ns * 1e-9 / self.num_tokens)
+            telemetry.instruments().time_per_output_token.record(
+                self.round_ns * 1e-9 / self.num_tokens
+            )

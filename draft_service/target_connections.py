@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from foundation.errors import InvalidArgument
 from service_common.security import Tls
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, target_pb2_grpc
-from foundation.errors import InvalidArgument
 from speculative.estimator import MeasuredCosts
 
 
@@ -48,7 +48,9 @@ class TargetInfo:
     model_id: str
     tokenizer_fingerprint: str
     context_length: int | None  # tokens; None = the target did not say
-    step_ms: tuple[float, ...] = ()  # [w - 1] what the target timed a step of w tokens to cost (empty: not)
+    step_ms: tuple[
+        float, ...
+    ] = ()  # [w - 1] what the target timed a step of w tokens to cost (empty: not)
 
 
 class TargetConnections:
@@ -92,8 +94,12 @@ class TargetConnections:
             self._drop_channel_if_never_reached(address)
             raise as_target_error(address, error) from None
         model = response.model
-        info = TargetInfo(model.model_id, model.tokenizer_fingerprint, model.context_length or None,
-                          _step_ms(model.step_ms))
+        info = TargetInfo(
+            model.model_id,
+            model.tokenizer_fingerprint,
+            model.context_length or None,
+            _step_ms(model.step_ms),
+        )
         with self._lock:
             self._infos[address] = info
             self._reached.add(address)
@@ -135,7 +141,9 @@ def as_target_error(address: str, error: grpc.RpcError) -> Exception:
     if hasattr(error, "code") and error.code() == grpc.StatusCode.UNIMPLEMENTED:
         # Another service answered (a draft, an orchestrator): the address is wrong, and
         # UNIMPLEMENTED would claim that this draft lacks Speculate.
-        return InvalidArgument(f"target.worker_address {address} serves no TargetService: {error.details()}")
+        return InvalidArgument(
+            f"target.worker_address {address} serves no TargetService: {error.details()}"
+        )
     return TargetRpcError.from_rpc_error(address, error)
 
 

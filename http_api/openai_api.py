@@ -34,9 +34,18 @@ FINISH_REASONS = {
 # Fields OpenAI defines that this server does not implement: refused when set to
 # anything but their neutral value, rather than silently ignored.
 UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none"), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), "audio": (None,), "prediction": (None,), "echo": (None, False), "suffix": (None, ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "audio": (None,),
+    "prediction": (None,),
+    "echo": (None, False),
+    "suffix": (None, ""),
     "best_of": (None, 1),
 }
 
@@ -44,13 +53,30 @@ UNSUPPORTED = {
 class ApiError(Exception):
     """An error response: HTTP status and OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -92,15 +118,20 @@ class Parsed:
     speculation: dict = field(default_factory=dict)  # the settings used, echoed in the response
 
 
-def _number(body: dict, name: str, low: float, high: float, *, integer: bool = False, low_open: bool = False):
+def _number(
+    body: dict, name: str, low: float, high: float, *, integer: bool = False, low_open: bool = False
+):
     value = body.get(name)
     if value is None:
         return None
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise bad_request(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+        raise bad_request(
+            f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name
+        )
     if value < low or value > high or (low_open and value == low):
-        bounds = (f"{bound:d}" if integer else f"{bound:g}" for bound in (low, high))  # 2147483647, not 2.14748e+09
+        # 2147483647, not 2.14748e+09
+        bounds = (f"{bound:d}" if integer else f"{bound:g}" for bound in (low, high))
         interval = f"{'(' if low_open else '['}{', '.join(bounds)}]"
         raise bad_request(f"'{name}' must be in {interval}, got {value!r}", name, "invalid_value")
     return value
@@ -115,11 +146,21 @@ def _content(message: dict, index: int) -> str:
     if isinstance(content, list):  # content parts: text only
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{index}].content: only text parts are supported", f"messages[{index}].content")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise bad_request(
+                    f"messages[{index}].content: only text parts are supported",
+                    f"messages[{index}].content",
+                )
             texts.append(part["text"])
         return "".join(texts)
-    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", f"messages[{index}].content")
+    raise bad_request(
+        f"messages[{index}].content must be a string or a list of text parts",
+        f"messages[{index}].content",
+    )
 
 
 def normalize_messages(body: dict) -> list[dict]:
@@ -132,8 +173,10 @@ def normalize_messages(body: dict) -> list[dict]:
             raise bad_request(f"messages[{index}] must be an object", f"messages[{index}]")
         role = message.get("role")
         if role not in ROLES:
-            raise bad_request(f"messages[{index}].role must be one of {sorted(ROLES)}, got {role!r}",
-                              f"messages[{index}].role")
+            raise bad_request(
+                f"messages[{index}].role must be one of {sorted(ROLES)}, got {role!r}",
+                f"messages[{index}].role",
+            )
         normalized.append({"role": ROLES[role], "content": _content(message, index)})
     return normalized
 
@@ -155,12 +198,17 @@ def _prompt(body: dict, request: orchestrator_pb2.GenerateRequest) -> None:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         request.text = prompt
-    elif (isinstance(prompt, list) and prompt
-          and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         request.token_ids.ids.extend(prompt)
     else:
-        raise bad_request("'prompt' must be a non-empty string or list of token ids (one prompt per request)",
-                          "prompt")
+        raise bad_request(
+            "'prompt' must be a non-empty string or list of token ids (one prompt per request)",
+            "prompt",
+        )
 
 
 def parse(body, kind: str, defaults) -> Parsed:
@@ -169,13 +217,17 @@ def parse(body, kind: str, defaults) -> Parsed:
         raise bad_request("the request body must be a JSON object")
     for name, neutral in UNSUPPORTED.items():
         if name in body and body[name] not in neutral:
-            raise bad_request(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+            raise bad_request(
+                f"'{name}' is not supported by this server", name, "unsupported_parameter"
+            )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
     n = _number(body, "n", 1, 1_000_000, integer=True)
     if n not in (None, 1):
-        raise bad_request(f"only n=1 is supported (one choice per request), got n={n}", "n", "unsupported_value")
+        raise bad_request(
+            f"only n=1 is supported (one choice per request), got n={n}", "n", "unsupported_value"
+        )
     request = orchestrator_pb2.GenerateRequest(include_stats=True, stop=_stop(body))
     parsed = Parsed(kind, model, request)
     if kind == "chat":
@@ -210,7 +262,11 @@ def parse(body, kind: str, defaults) -> Parsed:
     if not isinstance(adaptive, bool):
         raise bad_request("'adaptive' must be true or false", "adaptive")
     speculation.adaptive = adaptive
-    parsed.speculation = {"num_speculative_tokens": k, "drafter": drafter or None, "adaptive": adaptive}
+    parsed.speculation = {
+        "num_speculative_tokens": k,
+        "drafter": drafter or None,
+        "adaptive": adaptive,
+    }
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise bad_request("'stream' must be true or false", "stream")
@@ -256,8 +312,11 @@ class Totals:
             self.stats = chunk.stats
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     def speculation(self, settings: dict) -> dict:
         """The extension field: the settings used and what speculation did."""
@@ -265,18 +324,25 @@ class Totals:
         seconds = s.total_ns * 1e-9
         return {
             **settings,
-            "rounds": s.num_rounds, "drafted_tokens": s.num_drafted, "accepted_tokens": s.num_accepted,
-            "acceptance_rate": s.acceptance_rate, "mean_accepted_per_round": s.mean_accepted_per_round,
-            "token_sources": dict(self.sources), "prefill_tokens": s.num_prefill_tokens,
-            "failovers": s.num_failovers, "time_s": seconds,
+            "rounds": s.num_rounds,
+            "drafted_tokens": s.num_drafted,
+            "accepted_tokens": s.num_accepted,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_per_round": s.mean_accepted_per_round,
+            "token_sources": dict(self.sources),
+            "prefill_tokens": s.num_prefill_tokens,
+            "failovers": s.num_failovers,
+            "time_s": seconds,
             "tokens_per_s": self.completion_tokens / seconds if seconds else 0.0,
         }
 
 
 def chunk_sources(chunk: orchestrator_pb2.GenerateChunk) -> list[dict]:
     """Each token of a chunk with its text and how it was produced (the playground's extension)."""
-    return [{"text": text, "source": SOURCE_NAMES.get(source, "unknown")}
-            for text, source in zip(chunk.token_texts, chunk.token_sources)]
+    return [
+        {"text": text, "source": SOURCE_NAMES.get(source, "unknown")}
+        for text, source in zip(chunk.token_texts, chunk.token_sources)
+    ]
 
 
 class Responder:
@@ -290,16 +356,34 @@ class Responder:
         self.object = "chat.completion" if self.chat else "text_completion"
 
     def _base(self, suffix: str = "") -> dict:
-        return {"id": self.id, "object": self.object + suffix, "created": self.created, "model": self.model}
+        return {
+            "id": self.id,
+            "object": self.object + suffix,
+            "created": self.created,
+            "model": self.model,
+        }
 
     def whole(self, totals: Totals) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": totals.text},
-                      "logprobs": None, "finish_reason": totals.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": totals.text},
+                "logprobs": None,
+                "finish_reason": totals.finish_reason,
+            }
         else:
-            choice = {"index": 0, "text": totals.text, "logprobs": None, "finish_reason": totals.finish_reason}
-        return {**self._base(), "choices": [choice], "usage": totals.usage(),
-                "speculation": totals.speculation(self.parsed.speculation)}
+            choice = {
+                "index": 0,
+                "text": totals.text,
+                "logprobs": None,
+                "finish_reason": totals.finish_reason,
+            }
+        return {
+            **self._base(),
+            "choices": [choice],
+            "usage": totals.usage(),
+            "speculation": totals.speculation(self.parsed.speculation),
+        }
 
     def _chunk(self, choice: dict, **extra) -> dict:
         chunk = {**self._base(".chunk" if self.chat else ""), "choices": [choice], **extra}
@@ -311,14 +395,25 @@ class Responder:
         """The chat stream's opening chunk (the assistant role), None for completions."""
         if not self.chat:
             return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+        return self._chunk(
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        )
 
     def delta(self, chunk: orchestrator_pb2.GenerateChunk) -> dict | None:
         if not chunk.text_delta and not (self.parsed.token_sources and chunk.token_ids):
             return None
         if self.chat:
-            choice = {"index": 0, "delta": {"content": chunk.text_delta}, "logprobs": None, "finish_reason": None}
+            choice = {
+                "index": 0,
+                "delta": {"content": chunk.text_delta},
+                "logprobs": None,
+                "finish_reason": None,
+            }
         else:
             choice = {"index": 0, "text": chunk.text_delta, "logprobs": None, "finish_reason": None}
         extra = {}
@@ -328,9 +423,19 @@ class Responder:
 
     def last(self, totals: Totals) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": totals.finish_reason}
+            choice = {
+                "index": 0,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": totals.finish_reason,
+            }
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": totals.finish_reason}
+            choice = {
+                "index": 0,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": totals.finish_reason,
+            }
         return self._chunk(choice, speculation=totals.speculation(self.parsed.speculation))
 
     def usage(self, totals: Totals) -> dict:

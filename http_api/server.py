@@ -31,13 +31,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from foundation.errors import InvalidArgument
+from http_api.config import HttpApiConfig
+from http_api.openai_api import ApiError, Parsed, Responder, Totals, error_of_rpc, parse
 from service_common import config as config_flags
 from service_common.logs import configure_logging
 from service_common.security import aio_channel, tls_of
-from foundation.errors import InvalidArgument
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from http_api.config import HttpApiConfig
-from http_api.openai_api import ApiError, Parsed, Responder, Totals, error_of_rpc, parse
 
 log = logging.getLogger(__name__)
 ENV_PREFIX = "HTTP_API"
@@ -52,7 +52,11 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _sse(data) -> bytes:
-    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data, ensure_ascii=False).encode()) + b"\n\n"
+    return (
+        b"data: "
+        + (data if isinstance(data, bytes) else json.dumps(data, ensure_ascii=False).encode())
+        + b"\n\n"
+    )
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -118,10 +122,19 @@ class Api:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         # TLS with the front's own certificate when its config names the files (docs/security.md).
-        self.channel = aio_channel(self.config.orchestrator_address, tls_of(self.config), CHANNEL_OPTIONS)
+        self.channel = aio_channel(
+            self.config.orchestrator_address, tls_of(self.config), CHANNEL_OPTIONS
+        )
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
-        log.info("http api serving", extra={"fields": {
-            "address": self.config.address, "orchestrator": self.config.orchestrator_address}})
+        log.info(
+            "http api serving",
+            extra={
+                "fields": {
+                    "address": self.config.address,
+                    "orchestrator": self.config.orchestrator_address,
+                }
+            },
+        )
         try:
             yield
         finally:
@@ -142,7 +155,9 @@ class Api:
     # ------------------------------------------------------------ small routes
 
     async def playground(self, request: Request) -> Response:
-        return HTMLResponse(resources.files("http_api").joinpath("playground.html").read_text(encoding="utf-8"))
+        return HTMLResponse(
+            resources.files("http_api").joinpath("playground.html").read_text(encoding="utf-8")
+        )
 
     async def live(self, request: Request) -> Response:
         """Liveness: the server answers (the orchestrator may be down)."""
@@ -151,21 +166,32 @@ class Api:
     async def health(self, request: Request) -> Response:
         """Readiness: 200 when the orchestrator reports SERVING, else 503."""
         try:
-            reply = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2.0
+            )
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         except grpc.RpcError as error:
             status = error.code().name
         code = 200 if status == "SERVING" else 503
-        return JSONResponse({"status": "ok" if code == 200 else "unavailable", "orchestrator": status},
-                            status_code=code)
+        return JSONResponse(
+            {"status": "ok" if code == 200 else "unavailable", "orchestrator": status},
+            status_code=code,
+        )
 
     async def models(self, request: Request) -> Response:
         try:
             names = await self._served_models(_metadata(request))
         except ApiError as error:
             return error_response(error)
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "specdec"} for name in names]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "created": 0, "owned_by": "specdec"}
+                    for name in names
+                ],
+            }
+        )
 
     async def _served_models(self, metadata) -> list[str]:
         if self.config.model_name:
@@ -175,13 +201,22 @@ class Api:
         if names and time.monotonic() - fetched < self.config.models_cache_s:
             return names
         try:
-            reply = await self.stub.ListWorkers(orchestrator_pb2.ListWorkersRequest(), timeout=10.0, metadata=metadata)
+            reply = await self.stub.ListWorkers(
+                orchestrator_pb2.ListWorkersRequest(), timeout=10.0, metadata=metadata
+            )
         except grpc.RpcError as error:
             raise error_of_rpc(error) from None
-        names = sorted({w.model.model_id for w in reply.workers if w.pool == common_pb2.WORKER_POOL_TARGET})
+        names = sorted(
+            {w.model.model_id for w in reply.workers if w.pool == common_pb2.WORKER_POOL_TARGET}
+        )
         if not names:
-            raise ApiError(503, "no target worker is serving a model yet", "service_unavailable_error", None,
-                           "unavailable")
+            raise ApiError(
+                503,
+                "no target worker is serving a model yet",
+                "service_unavailable_error",
+                None,
+                "unavailable",
+            )
         if len(self._models) >= 1024:
             self._models.clear()
         self._models[caller] = (time.monotonic(), names)
@@ -191,8 +226,13 @@ class Api:
         names = await self._served_models(metadata)
         if parsed.model is None or parsed.model in names:
             return parsed.model or names[0]
-        raise ApiError(404, f"The model '{parsed.model}' does not exist; this server serves {names}",
-                       "invalid_request_error", "model", "model_not_found")
+        raise ApiError(
+            404,
+            f"The model '{parsed.model}' does not exist; this server serves {names}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
 
     # ------------------------------------------------------------ completions
 
@@ -208,7 +248,9 @@ class Api:
             try:
                 body = json.loads(await request.body())
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ApiError(400, f"the request body is not valid JSON: {error}", "invalid_request_error") from None
+                raise ApiError(
+                    400, f"the request body is not valid JSON: {error}", "invalid_request_error"
+                ) from None
             parsed = parse(body, kind, self.config)
             model = await self._model(parsed, metadata)
             generation = Generation(self, parsed, model, metadata)
@@ -217,8 +259,11 @@ class Api:
             return error_response(error)
         responder = Responder(parsed, model)
         if parsed.stream:
-            return StreamingResponse(self._stream(request, generation, responder, first),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(
+                self._stream(request, generation, responder, first),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
         totals = Totals()
         try:
             async for chunk in _watch_disconnect(request, generation, generation.chunks(first)):
@@ -228,8 +273,13 @@ class Api:
         generation.finished(totals)
         return JSONResponse(responder.whole(totals))
 
-    async def _stream(self, request: Request, generation: Generation, responder: Responder,
-                      first: orchestrator_pb2.GenerateChunk) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        request: Request,
+        generation: Generation,
+        responder: Responder,
+        first: orchestrator_pb2.GenerateChunk,
+    ) -> AsyncIterator[bytes]:
         totals = Totals()
         opening = responder.first()
         if opening:
@@ -253,11 +303,16 @@ class Api:
     def close_sessions(self, sessions: list[tuple[str, tuple]]) -> None:
         """Closes (session id, its caller's metadata) on the orchestrator in the
         background (frees their KV caches)."""
+
         async def close() -> None:
             for session_id, metadata in sessions:
                 with contextlib.suppress(grpc.RpcError):
-                    await self.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id),
-                                                 timeout=10.0, metadata=metadata)
+                    await self.stub.CloseSession(
+                        common_pb2.CloseSessionRequest(session_id=session_id),
+                        timeout=10.0,
+                        metadata=metadata,
+                    )
+
         if sessions:
             task = asyncio.get_running_loop().create_task(close())
             self._background.add(task)
@@ -274,7 +329,9 @@ class Generation:
         self.keys: list[bytes] = []
         if parsed.kind == "chat":
             scope = dict(metadata).get("authorization", "")
-            self.keys = Conversations.keys(hashlib.sha256(scope.encode()).hexdigest(), model, parsed.messages)
+            self.keys = Conversations.keys(
+                hashlib.sha256(scope.encode()).hexdigest(), model, parsed.messages
+            )
 
     def _request(self, session_id: str, skip: int) -> orchestrator_pb2.GenerateRequest:
         request = orchestrator_pb2.GenerateRequest()
@@ -301,14 +358,21 @@ class Generation:
             raise error_of_rpc(error) from None
 
     async def _open(self, session_id: str, skip: int) -> orchestrator_pb2.GenerateChunk:
-        self.call = self.api.stub.GenerateStream(self._request(session_id, skip), timeout=self.api.config.timeout_s,
-                                                 metadata=self.metadata)
+        self.call = self.api.stub.GenerateStream(
+            self._request(session_id, skip),
+            timeout=self.api.config.timeout_s,
+            metadata=self.metadata,
+        )
         chunk = await self.call.read()
         if chunk is grpc.aio.EOF:
-            raise ApiError(502, "the orchestrator ended the stream without a chunk", "internal_error")
+            raise ApiError(
+                502, "the orchestrator ended the stream without a chunk", "internal_error"
+            )
         return chunk
 
-    async def chunks(self, first: orchestrator_pb2.GenerateChunk) -> AsyncIterator[orchestrator_pb2.GenerateChunk]:
+    async def chunks(
+        self, first: orchestrator_pb2.GenerateChunk
+    ) -> AsyncIterator[orchestrator_pb2.GenerateChunk]:
         try:
             yield first
             while (chunk := await self.call.read()) is not grpc.aio.EOF:
@@ -336,6 +400,7 @@ def _extend(key: bytes, message: dict) -> bytes:
 async def _watch_disconnect(request: Request, generation: Generation, chunks: AsyncIterator):
     """The chunks, with the gRPC call cancelled as soon as the HTTP client disconnects
     (not only when the next write fails: the next chunk may be long in coming)."""
+
     async def watch() -> None:
         while True:
             message = await request.receive()
@@ -362,24 +427,33 @@ def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
 async def _http_error(request: Request, error: HTTPException) -> Response:
     """Starlette's own errors (unknown path, wrong method) in OpenAI's error JSON."""
     type_ = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-    return error_response(ApiError(error.status_code, f"{error.detail}: {request.method} {request.url.path}", type_))
+    return error_response(
+        ApiError(error.status_code, f"{error.detail}: {request.method} {request.url.path}", type_)
+    )
 
 
 async def _internal_error(request: Request, error: Exception) -> Response:
     log.exception("unexpected error in %s %s", request.method, request.url.path)
-    return error_response(ApiError(500, "internal error in the HTTP API; see its log", "internal_error"))
+    return error_response(
+        ApiError(500, "internal error in the HTTP API; see its log", "internal_error")
+    )
 
 
 def create_app(config: HttpApiConfig) -> Starlette:
     api = Api(config)
-    app = Starlette(routes=api.routes(), lifespan=api.lifespan,
-                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app = Starlette(
+        routes=api.routes(),
+        lifespan=api.lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )
     app.state.api = api
     return app
 
 
 def main(argv=None) -> int:
-    config = config_flags.parse(HttpApiConfig, ENV_PREFIX, argv, description=__doc__.splitlines()[0])
+    config = config_flags.parse(
+        HttpApiConfig, ENV_PREFIX, argv, description=__doc__.splitlines()[0]
+    )
     configure_logging("http_api", config.log_level)
     host, _, port = config.address.rpartition(":")
     if not port.isdigit():
@@ -394,8 +468,16 @@ def main(argv=None) -> int:
     # handler it found: this one, so that the process exits 0 as the other roles do.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: None)
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(config), host=host.strip("[]") or "0.0.0.0", port=int(port), log_config=None, access_log=False,
-        timeout_graceful_shutdown=int(config.grace_s), lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=host.strip("[]") or "0.0.0.0",
+            port=int(port),
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=int(config.grace_s),
+            lifespan="on",
+        )
+    )
     server.run()
     return 0 if server.started else 2

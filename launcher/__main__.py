@@ -24,23 +24,36 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cluster = Cluster(Path(args.log_dir))
     try:
-        print(f"starting target ({args.target_model}), draft ({args.draft_model or 'n-gram'}), orchestrator, HTTP API; "
-              f"logs in {args.log_dir}", file=sys.stderr)
+        print(
+            f"starting target ({args.target_model}), draft ({args.draft_model or 'n-gram'}), orchestrator, HTTP API; "
+            f"logs in {args.log_dir}",
+            file=sys.stderr,
+        )
         started = time.monotonic()
         roles = layout(args)
         address = start_system(args, cluster, roles)
-        print(f"ready in {time.monotonic() - started:.0f} s: orchestrator at {address}", file=sys.stderr)
+        print(
+            f"ready in {time.monotonic() - started:.0f} s: orchestrator at {address}",
+            file=sys.stderr,
+        )
         for role in (r for r in roles if r.pool == "http"):
-            print(f"OpenAI-compatible HTTP API at http://{role.address}/v1, playground at http://{role.address}/",
-                  file=sys.stderr)
+            print(
+                f"OpenAI-compatible HTTP API at http://{role.address}/v1, playground at http://{role.address}/",
+                file=sys.stderr,
+            )
         tls = tls_files(args)
         if tls:
-            print(f"TLS: python -m client PROMPT --address {address} --tls-ca {tls['client'].ca}", file=sys.stderr)
+            print(
+                f"TLS: python -m client PROMPT --address {address} --tls-ca {tls['client'].ca}",
+                file=sys.stderr,
+            )
         if args.prompt is not None:
             client_args = [a for a in args.client_args if a != "--"]
             if tls:
                 client_args += ["--tls-ca", tls["client"].ca]
-            return subprocess.call([sys.executable, "-m", "client", args.prompt, "--address", address, *client_args])
+            return subprocess.call(
+                [sys.executable, "-m", "client", args.prompt, "--address", address, *client_args]
+            )
         stop = threading.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())

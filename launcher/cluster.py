@@ -57,15 +57,21 @@ class Cluster:
     def start(self, name: str, module: str, args: list[str]) -> None:
         restarted = any(n == name for n, _ in self.processes)
         log = open(self.log_dir / f"{name}.log", "a" if restarted else "w")
-        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT
+        )
         self.processes.append((name, process))
 
-    def wait_healthy(self, name: str, address: str, timeout_s: float, sees: Sequence[str] = ()) -> None:
+    def wait_healthy(
+        self, name: str, address: str, timeout_s: float, sees: Sequence[str] = ()
+    ) -> None:
         """Waits for SERVING on the gRPC health service at address, or for a 200 from an
         http:// address (the HTTP API's /health)."""
         deadline = time.monotonic() + timeout_s
         if address.startswith("http://"):
-            return self._poll(name, lambda: _http_ok(address), deadline, f"not healthy at {address}")
+            return self._poll(
+                name, lambda: _http_ok(address), deadline, f"not healthy at {address}"
+            )
         stub = health_pb2_grpc.HealthStub(channel(address, self.tls))
         self._poll(name, lambda: _serving(stub), deadline, f"not healthy at {address}")
         self._wait_seen(name, address, sees, deadline)
@@ -75,7 +81,9 @@ class Cluster:
         process = dict(self.processes)[name]
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise SystemExit(f"{name} exited with {process.returncode}; see {self.log_dir / (name + '.log')}")
+                raise SystemExit(
+                    f"{name} exited with {process.returncode}; see {self.log_dir / (name + '.log')}"
+                )
             if ready():
                 return
             time.sleep(POLL_S)
@@ -88,7 +96,9 @@ class Cluster:
         missing = set(workers)
         while missing:
             try:
-                listed = stub.ListWorkers(orchestrator_pb2.ListWorkersRequest(), timeout=1.0).workers
+                listed = stub.ListWorkers(
+                    orchestrator_pb2.ListWorkersRequest(), timeout=1.0
+                ).workers
                 missing -= {worker.address for worker in listed}
             except grpc.RpcError as error:
                 if error.code() == grpc.StatusCode.UNAVAILABLE and error.details():
@@ -97,7 +107,9 @@ class Cluster:
                     print(f"{name}: {error.details()}", file=sys.stderr)
                     return
             if missing and time.monotonic() > deadline:
-                raise SystemExit(f"{name} at {address} does not see {sorted(missing)}; see {self.log_dir}")
+                raise SystemExit(
+                    f"{name} at {address} does not see {sorted(missing)}; see {self.log_dir}"
+                )
             if missing:
                 time.sleep(POLL_S)
 
@@ -114,7 +126,10 @@ class Cluster:
 
 def _serving(stub) -> bool:
     try:
-        return stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING
+        return (
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     except grpc.RpcError:
         return False
 
@@ -128,69 +143,139 @@ def _http_ok(url: str) -> bool:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m launcher", description="Target, draft, orchestrator and HTTP API as local processes, health-checked.")
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher",
+        description="Target, draft, orchestrator and HTTP API as local processes, health-checked.",
+    )
     parser.add_argument("--target-model", default="smollm2-135m")
-    parser.add_argument("--draft-model", default="",
-                        help="model for the 'model' drafter; 'self' = the target's own weights, quantized; "
-                             "empty = n-gram only")
-    parser.add_argument("--draft-quantization", default="",
-                        help="the draft model's linears (model_runtime/quantization.py: none, int8-dynamic, ...); "
-                             f"empty = {SELF_QUANTIZATION} for a 'self' draft, none otherwise")
-    parser.add_argument("--draft-keep-output-layer", action="store_true",
-                        help="leave the draft model's output layer unquantized")
-    parser.add_argument("--draft-pipeline", choices=("auto", "on", "off"), default="auto",
-                        help="draft the next proposal while the last is verified; auto = off with a draft "
-                             "model (here every role shares this host's cores, and drafting ahead would slow "
-                             "the target's passes), on for n-gram lookup (it costs no compute)")
+    parser.add_argument(
+        "--draft-model",
+        default="",
+        help="model for the 'model' drafter; 'self' = the target's own weights, quantized; "
+        "empty = n-gram only",
+    )
+    parser.add_argument(
+        "--draft-quantization",
+        default="",
+        help="the draft model's linears (model_runtime/quantization.py: none, int8-dynamic, ...); "
+        f"empty = {SELF_QUANTIZATION} for a 'self' draft, none otherwise",
+    )
+    parser.add_argument(
+        "--draft-keep-output-layer",
+        action="store_true",
+        help="leave the draft model's output layer unquantized",
+    )
+    parser.add_argument(
+        "--draft-pipeline",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="draft the next proposal while the last is verified; auto = off with a draft "
+        "model (here every role shares this host's cores, and drafting ahead would slow "
+        "the target's passes), on for n-gram lookup (it costs no compute)",
+    )
     parser.add_argument("--drafter", default="ngram", help="the draft workers' default drafter")
-    parser.add_argument("--draft-tree-width", type=int, default=None,
-                        help="continuations a round may propose as a token tree, verified in one target pass "
-                             "(docs/speculation.md, 'Token trees'); default: the draft worker's (1, chains)")
-    parser.add_argument("--target-dtype", default="float32",
-                        help="the target's weights: float32 (here the default, for runs comparable across hosts), "
-                             "bfloat16, float16, or auto (the worker's own default: bfloat16 on a GPU and on a CPU "
-                             "with AMX, exact there with row invariance; `make run` uses it)")
-    parser.add_argument("--target-row-invariant", choices=("auto", "on", "off"), default="auto",
-                        help="the target's rows computed the same whatever the pass, so that speculation cannot "
-                             "change a greedy token (docs/speculation.md, Exactness); auto = on where it costs "
-                             "little (bf16 on a CPU)")
+    parser.add_argument(
+        "--draft-tree-width",
+        type=int,
+        default=None,
+        help="continuations a round may propose as a token tree, verified in one target pass "
+        "(docs/speculation.md, 'Token trees'); default: the draft worker's (1, chains)",
+    )
+    parser.add_argument(
+        "--target-dtype",
+        default="float32",
+        help="the target's weights: float32 (here the default, for runs comparable across hosts), "
+        "bfloat16, float16, or auto (the worker's own default: bfloat16 on a GPU and on a CPU "
+        "with AMX, exact there with row invariance; `make run` uses it)",
+    )
+    parser.add_argument(
+        "--target-row-invariant",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the target's rows computed the same whatever the pass, so that speculation cannot "
+        "change a greedy token (docs/speculation.md, Exactness); auto = on where it costs "
+        "little (bf16 on a CPU)",
+    )
     parser.add_argument("--target-workers", type=int, default=1)
-    parser.add_argument("--tensor-parallel", type=int, default=1,
-                        help="ranks each target worker's model is sharded over (processes here, GPUs in a cluster)")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="ranks each target worker's model is sharded over (processes here, GPUs in a cluster)",
+    )
     parser.add_argument("--draft-workers", type=int, default=1)
-    parser.add_argument("--orchestrators", type=int, default=1, help="orchestrator replicas (more than 1 needs Redis)")
-    parser.add_argument("--redis-url", default="",
-                        help="shared Redis: sessions and the worker registry (e.g. redis://127.0.0.1:6379/0); "
-                             "empty = sessions in memory, worker addresses passed to one orchestrator")
-    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="worker heartbeat period, with --redis-url")
-    parser.add_argument("--heartbeat-ttl-s", type=float, default=5.0, help="registration lifetime without heartbeat")
-    parser.add_argument("--draft-target-delay-ms", type=float, default=0.0,
-                        help="one-way delay added between draft and target workers (a delaying TCP proxy in "
-                             "front of each target; the orchestrator reaches targets through it too)")
-    parser.add_argument("--port", type=int, default=50050, help="the first orchestrator's port (0 = any free port)")
-    parser.add_argument("--http-port", type=int, default=8000,
-                        help="the OpenAI-compatible HTTP API and playground (python -m http_api), started after "
-                             "the orchestrator: 0 = any free port (also when this one is taken), -1 = none")
-    parser.add_argument("--tls", action="store_true",
-                        help="mutual TLS between all roles and TLS to the orchestrator, with a throwaway CA and "
-                             "certificates made in LOG_DIR/tls (the client needs --tls-ca LOG_DIR/tls/ca.pem)")
-    parser.add_argument("--api-keys", default="", metavar="FILE",
-                        help="the orchestrator's API keys file (python -m service_common.auth add NAME FILE); "
-                             "the client then needs --api-key")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = default)")
+    parser.add_argument(
+        "--orchestrators",
+        type=int,
+        default=1,
+        help="orchestrator replicas (more than 1 needs Redis)",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default="",
+        help="shared Redis: sessions and the worker registry (e.g. redis://127.0.0.1:6379/0); "
+        "empty = sessions in memory, worker addresses passed to one orchestrator",
+    )
+    parser.add_argument(
+        "--heartbeat-s", type=float, default=1.0, help="worker heartbeat period, with --redis-url"
+    )
+    parser.add_argument(
+        "--heartbeat-ttl-s", type=float, default=5.0, help="registration lifetime without heartbeat"
+    )
+    parser.add_argument(
+        "--draft-target-delay-ms",
+        type=float,
+        default=0.0,
+        help="one-way delay added between draft and target workers (a delaying TCP proxy in "
+        "front of each target; the orchestrator reaches targets through it too)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=50050, help="the first orchestrator's port (0 = any free port)"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the OpenAI-compatible HTTP API and playground (python -m http_api), started after "
+        "the orchestrator: 0 = any free port (also when this one is taken), -1 = none",
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS between all roles and TLS to the orchestrator, with a throwaway CA and "
+        "certificates made in LOG_DIR/tls (the client needs --tls-ca LOG_DIR/tls/ca.pem)",
+    )
+    parser.add_argument(
+        "--api-keys",
+        default="",
+        metavar="FILE",
+        help="the orchestrator's API keys file (python -m service_common.auth add NAME FILE); "
+        "the client then needs --api-key",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per worker (0 = default)"
+    )
     parser.add_argument("--log-dir", default=".run/logs")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--prompt", default=None, help="generate once through the client, then stop")
-    parser.add_argument("client_args", nargs=argparse.REMAINDER, help="after --: flags for the client")
+    parser.add_argument(
+        "--prompt", default=None, help="generate once through the client, then stop"
+    )
+    parser.add_argument(
+        "client_args", nargs=argparse.REMAINDER, help="after --: flags for the client"
+    )
     return parser.parse_args(argv)
 
 
 def draft_flags(args) -> list[str]:
     """The draft workers' model flags: 'self' resolved to the target's model, its
     quantization, token trees, and drafting ahead as --draft-pipeline says."""
-    model, quantization = resolve_draft(args.draft_model, args.draft_quantization, args.target_model)
+    model, quantization = resolve_draft(
+        args.draft_model, args.draft_quantization, args.target_model
+    )
     flags = ["--model", model, "--default-drafter", args.drafter]
-    flags += ["--tree-width", str(args.draft_tree_width)] if args.draft_tree_width is not None else []
+    flags += (
+        ["--tree-width", str(args.draft_tree_width)] if args.draft_tree_width is not None else []
+    )
     if model:
         flags += ["--quantization", quantization]
         flags += ["--keep-output-layer"] if args.draft_keep_output_layer else []
@@ -213,9 +298,17 @@ class Role:
 
 
 def target_flags(args) -> list[str]:
-    parallel = ["--tensor-parallel", str(args.tensor_parallel)] if getattr(args, "tensor_parallel", 1) > 1 else []
-    precision = ["--dtype", getattr(args, "target_dtype", "float32"),
-                 "--row-invariant", getattr(args, "target_row_invariant", "auto")]
+    parallel = (
+        ["--tensor-parallel", str(args.tensor_parallel)]
+        if getattr(args, "tensor_parallel", 1) > 1
+        else []
+    )
+    precision = [
+        "--dtype",
+        getattr(args, "target_dtype", "float32"),
+        "--row-invariant",
+        getattr(args, "target_row_invariant", "auto"),
+    ]
     return ["--model", args.target_model, *precision, *parallel]
 
 
@@ -223,8 +316,18 @@ def layout(args) -> list[Role]:
     """The processes to start for args, each on a free port: workers first."""
     if args.orchestrators > 1 and not args.redis_url:
         raise SystemExit("several orchestrators share sessions through Redis: give --redis-url")
-    registry = ["--redis-url", args.redis_url, "--heartbeat-s", str(args.heartbeat_s),
-                "--heartbeat-ttl-s", str(args.heartbeat_ttl_s)] if args.redis_url else []
+    registry = (
+        [
+            "--redis-url",
+            args.redis_url,
+            "--heartbeat-s",
+            str(args.heartbeat_s),
+            "--heartbeat-ttl-s",
+            str(args.heartbeat_ttl_s),
+        ]
+        if args.redis_url
+        else []
+    )
     tls = tls_files(args)
     roles = []
     for pool, count, module, flags in (
@@ -233,8 +336,15 @@ def layout(args) -> list[Role]:
     ):
         for index in range(count):
             address = f"127.0.0.1:{free_port()}"
-            worker_flags = [*flags, "--address", address, "--threads", str(args.threads), *registry,
-                            *(tls[pool].flags() if tls else [])]
+            worker_flags = [
+                *flags,
+                "--address",
+                address,
+                "--threads",
+                str(args.threads),
+                *registry,
+                *(tls[pool].flags() if tls else []),
+            ]
             if pool == "target" and args.draft_target_delay_ms > 0:
                 proxy = _delay_proxy(f"{pool}-{index}", address, args.draft_target_delay_ms)
                 roles.append(proxy)
@@ -242,17 +352,36 @@ def layout(args) -> list[Role]:
                 worker_flags += ["--advertise-address", address]
             roles.append(Role(f"{pool}-{index}", pool, module, worker_flags, address))
     if args.redis_url:
-        discovery = ["--redis-url", args.redis_url, "--worker-refresh-s", str(min(1.0, args.heartbeat_s))]
+        discovery = [
+            "--redis-url",
+            args.redis_url,
+            "--worker-refresh-s",
+            str(min(1.0, args.heartbeat_s)),
+        ]
     else:
-        discovery = ["--target-addresses", ",".join(r.address for r in roles if r.pool == "target"),
-                     "--draft-addresses", ",".join(r.address for r in roles if r.pool == "draft")]
+        discovery = [
+            "--target-addresses",
+            ",".join(r.address for r in roles if r.pool == "target"),
+            "--draft-addresses",
+            ",".join(r.address for r in roles if r.pool == "draft"),
+        ]
     for index in range(args.orchestrators):
         port = args.port if index == 0 and args.port else free_port()
         address = f"127.0.0.1:{port}"
         name = "orchestrator" if index == 0 else f"orchestrator-{index}"
-        security = [*(tls["orchestrator"].flags() if tls else []),
-                    *(["--api-keys-file", str(Path(args.api_keys).resolve())] if args.api_keys else [])]
-        roles.append(Role(name, "orchestrator", "orchestrator", ["--address", address, *discovery, *security], address))
+        security = [
+            *(tls["orchestrator"].flags() if tls else []),
+            *(["--api-keys-file", str(Path(args.api_keys).resolve())] if args.api_keys else []),
+        ]
+        roles.append(
+            Role(
+                name,
+                "orchestrator",
+                "orchestrator",
+                ["--address", address, *discovery, *security],
+                address,
+            )
+        )
     if args.http_port >= 0:
         roles.append(_http_api(args, next(r.address for r in roles if r.pool == "orchestrator")))
     return roles
@@ -262,8 +391,19 @@ def _http_api(args, orchestrator: str) -> Role:
     port = args.http_port if args.http_port and port_is_free(args.http_port) else free_port()
     address = f"127.0.0.1:{port}"
     tls = tls_files(args)  # the front calls the orchestrator with the client certificate
-    return Role("http", "http", "http_api", ["--address", address, "--orchestrator-address", orchestrator,
-                                             *(tls["client"].flags() if tls else [])], address)
+    return Role(
+        "http",
+        "http",
+        "http_api",
+        [
+            "--address",
+            address,
+            "--orchestrator-address",
+            orchestrator,
+            *(tls["client"].flags() if tls else []),
+        ],
+        address,
+    )
 
 
 def tls_files(args) -> dict[str, TlsFiles] | None:
@@ -271,15 +411,25 @@ def tls_files(args) -> dict[str, TlsFiles] | None:
     if not args.tls:
         return None
     directory = Path(args.log_dir).resolve() / "tls"
-    return {role: TlsFiles(str(directory / f"{role}.pem"), str(directory / f"{role}-key.pem"),
-                           str(directory / "ca.pem"))
-            for role in ("orchestrator", "target", "draft", "client")}
+    return {
+        role: TlsFiles(
+            str(directory / f"{role}.pem"),
+            str(directory / f"{role}-key.pem"),
+            str(directory / "ca.pem"),
+        )
+        for role in ("orchestrator", "target", "draft", "client")
+    }
 
 
 def _delay_proxy(name: str, upstream: str, delay_ms: float) -> Role:
     address = f"127.0.0.1:{free_port()}"
-    return Role(f"{name}-delay", "proxy", "launcher.delay_proxy",
-                ["--listen", address, "--upstream", upstream, "--delay-ms", str(delay_ms)], address)
+    return Role(
+        f"{name}-delay",
+        "proxy",
+        "launcher.delay_proxy",
+        ["--listen", address, "--upstream", upstream, "--delay-ms", str(delay_ms)],
+        address,
+    )
 
 
 def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str:

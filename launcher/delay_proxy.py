@@ -111,7 +111,9 @@ class DelayProxy:
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
 
-    async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+    async def _accept(
+        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
         task = asyncio.current_task()
         self._connections.add(task)
         upstream_writer = None
@@ -162,15 +164,24 @@ class DelayProxy:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launcher.delay_proxy", description=__doc__.splitlines()[0])
-    parser.add_argument("--listen", default="127.0.0.1:0", help="host:port to accept on (port 0: any free port)")
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher.delay_proxy", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--listen", default="127.0.0.1:0", help="host:port to accept on (port 0: any free port)"
+    )
     parser.add_argument("--upstream", required=True, help="host:port to forward to")
-    parser.add_argument("--delay-ms", type=float, required=True, help="one-way delay added in each direction, ms")
+    parser.add_argument(
+        "--delay-ms", type=float, required=True, help="one-way delay added in each direction, ms"
+    )
     args = parser.parse_args(argv)
     proxy = DelayProxy(args.upstream, args.delay_ms, args.listen)
     proxy.start()
     # One parseable line for launchers: where to connect.
-    print(f"delay proxy listening on {proxy.address} -> {args.upstream}, {args.delay_ms:g} ms each way", flush=True)
+    print(
+        f"delay proxy listening on {proxy.address} -> {args.upstream}, {args.delay_ms:g} ms each way",
+        flush=True,
+    )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

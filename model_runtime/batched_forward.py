@@ -44,8 +44,12 @@ from model_runtime.static_passes import passes_of, static_attention
 RAGGED_ATTENTION = "specdec_ragged"
 EXACT_ROWS = 64  # steps up to this wide run as they are: decode steps and proposals
 KV_GROWTH_TOKENS = 256  # a cache grows by at least this many tokens: few reallocations
-WIDTHS_ATTR = "specdec_width_plan"  # on a model: its calibrated small-step widths (width_padding.py)
-LOCKSTEP_ATTR = "specdec_lockstep"  # on rank 0 of a tensor-parallel model: what announces its passes
+WIDTHS_ATTR = (
+    "specdec_width_plan"  # on a model: its calibrated small-step widths (width_padding.py)
+)
+LOCKSTEP_ATTR = (
+    "specdec_lockstep"  # on rank 0 of a tensor-parallel model: what announces its passes
+)
 # Mask creation sees this 4D "mask" and passes it through untouched; the ragged
 # attention builds each sequence's causal mask itself.
 _NO_MASK = torch.empty(1, 1, 0, 0, dtype=torch.bool)
@@ -62,7 +66,9 @@ class SequenceKV:
         # Edits other ranks' copies must replay (a tensor-parallel model: tensor_parallel.py); None: none kept.
         self.edits: list[tuple] | None = None
 
-    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(
+        self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores `[num_kv_heads, t, head_dim]` keys and values at positions
         start..start+t; returns views of positions 0..start+t."""
         end = start + keys.shape[1]
@@ -72,7 +78,9 @@ class SequenceKV:
         cached_values[:, start:end] = values
         return cached_keys[:, :end], cached_values[:, :end]
 
-    def _room(self, store: dict[int, torch.Tensor], layer: int, like: torch.Tensor, end: int) -> torch.Tensor:
+    def _room(
+        self, store: dict[int, torch.Tensor], layer: int, like: torch.Tensor, end: int
+    ) -> torch.Tensor:
         current = store.get(layer)
         if current is not None and current.shape[1] >= end:
             return current
@@ -125,7 +133,9 @@ class SlotKV(SequenceKV):
         if self._own:
             return super()._room(store, layer, like, end)
         if layer not in store:
-            store[layer] = (self.pool.keys if store is self._keys else self.pool.values)[layer][self.slot]
+            store[layer] = (self.pool.keys if store is self._keys else self.pool.values)[layer][
+                self.slot
+            ]
         return store[layer]
 
     def _leave_slot(self) -> None:
@@ -188,7 +198,10 @@ class Segment:
         """Keeps the first `num_tokens` new tokens (a prefill chunk; in place, so the
         session that handed the segment out sees what ran). A cut chunk no longer ends
         with the token whose logits it was to give."""
-        assert (self.fill or self.num_logits == 0) and 1 <= num_tokens, (self.num_logits, num_tokens)
+        assert (self.fill or self.num_logits == 0) and 1 <= num_tokens, (
+            self.num_logits,
+            num_tokens,
+        )
         if num_tokens < self.num_tokens:
             del self.token_ids[num_tokens:]
             self.num_logits = 0
@@ -218,7 +231,10 @@ def forward_segments(model: PreTrainedModel, segments: Sequence[Segment]) -> lis
     ready is not run: its logits are returned as they are."""
     to_run = [segment for segment in segments if segment.ready_logits is None]
     computed = iter(_forward(model, to_run) if to_run else [])
-    return [segment.ready_logits if segment.ready_logits is not None else next(computed) for segment in segments]
+    return [
+        segment.ready_logits if segment.ready_logits is not None else next(computed)
+        for segment in segments
+    ]
 
 
 def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.Tensor]:
@@ -235,14 +251,30 @@ def _forward(model: PreTrainedModel, segments: Sequence[Segment]) -> list[torch.
     offsets = [0]
     for segment in segments:
         offsets.append(offsets[-1] + segment.num_tokens)
-    padding = padded_rows(offsets[-1], getattr(model, WIDTHS_ATTR, None)) - offsets[-1] if device.type == "cpu" else 0
+    padding = (
+        padded_rows(offsets[-1], getattr(model, WIDTHS_ATTR, None)) - offsets[-1]
+        if device.type == "cpu"
+        else 0
+    )
     token_ids = [t for s in segments for t in s.token_ids] + [0] * padding
     input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-    positions = torch.cat([s.positions() for s in segments] + [torch.zeros(padding, dtype=torch.long)]).to(device)
-    keep = [offsets[i + 1] - s.num_logits + j for i, s in enumerate(segments) for j in range(s.num_logits)]
-    masks = [_causal_mask(s.start, s.num_tokens, device) if s.parents is None
-             else _tree_mask(s.start, s.parents, device) for s in segments]
-    lockstep = getattr(model, LOCKSTEP_ATTR, None)  # rank 0 of a tensor-parallel model (tensor_parallel.py)
+    positions = torch.cat(
+        [s.positions() for s in segments] + [torch.zeros(padding, dtype=torch.long)]
+    ).to(device)
+    keep = [
+        offsets[i + 1] - s.num_logits + j
+        for i, s in enumerate(segments)
+        for j in range(s.num_logits)
+    ]
+    masks = [
+        _causal_mask(s.start, s.num_tokens, device)
+        if s.parents is None
+        else _tree_mask(s.start, s.parents, device)
+        for s in segments
+    ]
+    lockstep = getattr(
+        model, LOCKSTEP_ATTR, None
+    )  # rank 0 of a tensor-parallel model (tensor_parallel.py)
     with lockstep.announced(segments) if lockstep is not None else contextlib.nullcontext():
         output = model(
             input_ids=input_ids,
@@ -291,30 +323,50 @@ def _tree_mask(start: int, parents: list[int], device: torch.device) -> torch.Te
     return torch.cat([torch.ones(len(parents), start, dtype=torch.bool), sees], dim=1).to(device)
 
 
-def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      ragged_batch: _RaggedBatch | None = None, static_batch=None, **kwargs):
+def _ragged_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    ragged_batch: _RaggedBatch | None = None,
+    static_batch=None,
+    **kwargs,
+):
     """query `[1, num_heads, T, head_dim]`, key and value `[1, num_kv_heads, T, head_dim]`
     for the step's new tokens -> `[1, T, num_heads, head_dim]`, as sdpa_attention_forward."""
     if static_batch is not None:  # a fixed-shape pass (static_passes.py)
         return static_attention(module, query, key, value, static_batch, scaling)
     if ragged_batch is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     output = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
     gqa = query.shape[1] != key.shape[1]
     offsets = ragged_batch.offsets
     for i, segment in enumerate(ragged_batch.segments):
         a, b = offsets[i], offsets[i + 1]
-        keys, values = segment.kv.write(module.layer_idx, segment.start, key[0, :, a:b], value[0, :, a:b])
+        keys, values = segment.kv.write(
+            module.layer_idx, segment.start, key[0, :, a:b], value[0, :, a:b]
+        )
         if ragged_batch.row_invariant:
-            output[0, a:b] = row_attention(query[:, :, a:b], keys, values, segment.start, segment.parents, scaling)
+            output[0, a:b] = row_attention(
+                query[:, :, a:b], keys, values, segment.start, segment.parents, scaling
+            )
             continue
         mask = ragged_batch.masks[i]
         if mask is not None and mask.device != query.device:  # a layer on another GPU (device_map)
             mask = mask.to(query.device)
         attended = F.scaled_dot_product_attention(
-            query[:, :, a:b], keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask, scale=scaling, enable_gqa=gqa,
+            query[:, :, a:b],
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            scale=scaling,
+            enable_gqa=gqa,
         )  # [1, num_heads, t, head_dim]
         output[0, a:b] = attended[0].transpose(0, 1)
-    output[0, offsets[-1]:] = 0  # padding rows (padded_rows): nothing to attend to
+    output[0, offsets[-1] :] = 0  # padding rows (padded_rows): nothing to attend to
     return output, None

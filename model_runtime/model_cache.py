@@ -59,7 +59,9 @@ def content_hash(path: Path) -> str:
     path = path.resolve()
     stat = path.stat()
     identity = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    memo = cache_root() / HASHES_DIR / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
+    memo = (
+        cache_root() / HASHES_DIR / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
+    )
     with contextlib.suppress(OSError, ValueError):
         remembered = json.loads(memo.read_text())
         if remembered.get("identity") == identity:
@@ -112,27 +114,53 @@ def ensure_converted(gguf_path: Path, dtype: str) -> Path | None:
         converted.mkdir(parents=True, exist_ok=True)
         lock = open(converted / f".{entry.name}.lock", "a")  # noqa: SIM115 - held across the conversion
     except OSError as error:
-        log.warning("model cache %s is not writable (%s): loading %s without converting it", converted, error, gguf_path)
+        log.warning(
+            "model cache %s is not writable (%s): loading %s without converting it",
+            converted,
+            error,
+            gguf_path,
+        )
         return None
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
+        fcntl.flock(
+            lock, fcntl.LOCK_EX
+        )  # released when the file closes, also when the process dies
         if entry.is_dir():  # another process converted it while this one waited
             return entry
         start, partial = time.perf_counter(), None
         try:
-            partial = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".partial", dir=converted))
-            log.info("converting %s (%s) into the model cache: once, later loads map it", gguf_path, dtype)
+            partial = Path(
+                tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".partial", dir=converted)
+            )
+            log.info(
+                "converting %s (%s) into the model cache: once, later loads map it",
+                gguf_path,
+                dtype,
+            )
             convert_gguf(gguf_path, dtype, partial)
-            _write_atomically(partial / SOURCE_FILE, json.dumps({
-                "source": str(gguf_path.resolve()), "sha256": sha256, "dtype": dtype, "format_version": FORMAT_VERSION,
-                "converted_s": round(time.perf_counter() - start, 2),
-            }, indent=1))
+            _write_atomically(
+                partial / SOURCE_FILE,
+                json.dumps(
+                    {
+                        "source": str(gguf_path.resolve()),
+                        "sha256": sha256,
+                        "dtype": dtype,
+                        "format_version": FORMAT_VERSION,
+                        "converted_s": round(time.perf_counter() - start, 2),
+                    },
+                    indent=1,
+                ),
+            )
             _readable_by_all(partial)
             os.rename(partial, entry)
         except OSError as error:
             if entry.is_dir():  # a writer that took no lock (another host on a shared volume) won
                 return entry
-            log.warning("cannot write %s into the model cache (%s): loading it without converting", gguf_path, error)
+            log.warning(
+                "cannot write %s into the model cache (%s): loading it without converting",
+                gguf_path,
+                error,
+            )
             return None
         finally:
             if partial is not None:
@@ -149,7 +177,9 @@ def convert_gguf(gguf_path: Path, dtype: str, out: Path) -> None:
 
     directory, file_name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file_name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file_name, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=file_name, dtype=getattr(torch, dtype)
+    )
     # transformers marks a GGUF-loaded model as quantized, only to de-quantize it while
     # loading; the tensors are plain, so the model saves as a plain checkpoint.
     model.hf_quantizer = None
@@ -179,15 +209,26 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from model_runtime.loading import DTYPES, resolve_model_source
     from foundation.errors import SpeculativeError
+    from model_runtime.loading import DTYPES, resolve_model_source
 
     parser = argparse.ArgumentParser(
         prog="python -m model_runtime.model_cache",
-        description="Convert GGUF models into the model cache ahead of their first load (e.g. while building an image).")
+        description="Convert GGUF models into the model cache ahead of their first load "
+        "(e.g. while building an image).",
+    )
     parser.add_argument("models", nargs="+", help="packaged model names or .gguf paths")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the dtype the workers will serve")
-    parser.add_argument("--cache-dir", default="", help="instead of SPECULATIVE_MODEL_CACHE / ~/.cache/speculative-serving")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="the dtype the workers will serve",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default="",
+        help="instead of SPECULATIVE_MODEL_CACHE / ~/.cache/speculative-serving",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.cache_dir:
@@ -199,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {error}", file=sys.stderr)
             return 2
         if not source.gguf_file:
-            print(f"{name}: not a GGUF model; it loads as it is, nothing to convert", file=sys.stderr)
+            print(
+                f"{name}: not a GGUF model; it loads as it is, nothing to convert", file=sys.stderr
+            )
             continue
         entry = ensure_converted(Path(source.path) / source.gguf_file, args.dtype)
         if entry is None:

@@ -26,9 +26,9 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from model_runtime.batched_forward import Segment, forward_segments, new_sequence_kv
 from foundation.errors import InvalidArgument
 from foundation.sequence import TokenSequence
+from model_runtime.batched_forward import Segment, forward_segments, new_sequence_kv
 
 T = TypeVar("T")
 
@@ -58,7 +58,9 @@ class ModelSession:
         self._kv = new_sequence_kv(model)  # in the model's KV pool where it has one
         self._tokens = TokenSequence()
         self._cached_len = 0  # tokens whose keys and values are in the cache
-        self._ready: torch.Tensor | None = None  # [1, vocab] logits of the pending last token, from its prefill
+        self._ready: torch.Tensor | None = (
+            None  # [1, vocab] logits of the pending last token, from its prefill
+        )
         self.num_forward_passes = 0
         self.num_forward_tokens = 0  # tokens run through the model, prefill included
 
@@ -102,7 +104,8 @@ class ModelSession:
         while (segment := self.prefill_segment()) is not None:
             logits, _ = yield segment
             self.segment_done(segment)
-            if segment.num_logits:  # the last chunk ran the last token: its logits serve the next call
+            # the last chunk ran the last token: its logits serve the next call
+            if segment.num_logits:
                 self._ready = logits.clone()  # not a view pinning the whole step's logits
 
     def logits(self, num_positions: int) -> torch.Tensor:
@@ -118,10 +121,17 @@ class ModelSession:
         pending token (cached ones re-run if fewer are pending)."""
         assert 1 <= num_positions <= self.length, (num_positions, self.length)
         ready = self._ready if num_positions == 1 and self._cached_len == self.length - 1 else None
-        self._ready = None  # kept for the next pass only: any other rewrites its token's keys and values
+        self._ready = (
+            None  # kept for the next pass only: any other rewrites its token's keys and values
+        )
         self._crop_cache(min(self._cached_len, self.length - num_positions))
-        return Segment(self._kv, self._cached_len, self._tokens.ids[self._cached_len :], num_positions,
-                       ready_logits=ready)
+        return Segment(
+            self._kv,
+            self._cached_len,
+            self._tokens.ids[self._cached_len :],
+            num_positions,
+            ready_logits=ready,
+        )
 
     def greedy_chain(self, k: int, chain) -> list[int] | None:
         """k greedy tokens appended by `chain(kv, start, pending token ids, k)` (a
@@ -152,14 +162,21 @@ class ModelSession:
         pending = self._tokens.ids[self._cached_len :]
         chain = list(range(-1, len(pending) - 1))
         tree = [len(pending) - 1 if parent < 0 else len(pending) + parent for parent in parents]
-        return Segment(self._kv, self._cached_len, [*pending, *token_ids], len(token_ids) + 1, parents=chain + tree)
+        return Segment(
+            self._kv,
+            self._cached_len,
+            [*pending, *token_ids],
+            len(token_ids) + 1,
+            parents=chain + tree,
+        )
 
     def tree_done(self, segment: Segment, path: Sequence[int]) -> None:
         """Records that a `tree_segment` ran, keeping the tree's nodes on `path` (root-most
         first): their keys and values move into place after the pending tokens, now
         cached, and their tokens are appended (pending none)."""
         self.segment_done(segment)
-        first = segment.start + segment.num_tokens - (segment.num_logits - 1)  # the tree's first node
+        # the tree's first node
+        first = segment.start + segment.num_tokens - (segment.num_logits - 1)
         sources = [first + node for node in path]
         if sources != list(range(first, first + len(path))):
             self._kv.move(sources, first)
@@ -174,7 +191,9 @@ class ModelSession:
         if self.length - 1 <= self._cached_len:
             return None
         self._ready = None
-        return Segment(self._kv, self._cached_len, self._tokens.ids[self._cached_len :], 1, fill=True)
+        return Segment(
+            self._kv, self._cached_len, self._tokens.ids[self._cached_len :], 1, fill=True
+        )
 
     def segment_done(self, segment: Segment) -> None:
         """Records that `segment` (from this session, as last handed out) ran. The last

@@ -7,9 +7,10 @@ the device picks the kernel that runs it fast:
 | scheme | CPU (x86) | CUDA |
 | --- | --- | --- |
 | `none` | fp32 linears packed for oneDNN (cpu_linear.py) | the model as loaded |
-| `int8-dynamic` | int8 weights per output channel, activations quantized per call (fbgemm) | torchao int8 weights and activations |
+| `int8-dynamic` | int8 weights per output channel, activations per call (fbgemm) | torchao int8 |
 | `int8-dynamic-per-tensor` | the same, one scale per weight matrix | refused: use `int8-dynamic` |
-| `int8-weight-only`, `int4-weight-only`, `fp8` | refused: no fast CPU kernel | torchao weight-only int8 / int4, fp8 weights and activations |
+| `int8-weight-only`, `int4-weight-only` | refused: no fast CPU kernel | torchao weight-only int8 / int4 |
+| `fp8` | refused: no fast CPU kernel | torchao fp8 weights and activations |
 
 Measured here (2-core EPYC, benchmarks/results_drafts.md): torchao's int8 schemes run
 5-10x slower than fp32 on this CPU, while torch's dynamic quantization (fbgemm) runs
@@ -66,12 +67,22 @@ SCHEMES = {
     NONE: Scheme(cpu="none", cuda="none"),
     "int8-dynamic": Scheme(cpu="fbgemm-per-channel", cuda="Int8DynamicActivationInt8WeightConfig"),
     "int8-dynamic-per-tensor": Scheme(cpu="fbgemm-per-tensor", cuda=None),
-    "int8-weight-only": Scheme(cpu=None, cuda="Int8WeightOnlyConfig",
-                               why_not_cpu="torchao's int8 weight-only kernel is 5-7x slower than fp32 on CPU"),
-    "int4-weight-only": Scheme(cpu=None, cuda="Int4WeightOnlyConfig", cuda_args=INT4_CUDA_ARGS,
-                               why_not_cpu="torchao's int4 weight-only kernel needs CUDA"),
-    "fp8": Scheme(cpu=None, cuda="Float8DynamicActivationFloat8WeightConfig",
-                  why_not_cpu="fp8 matmuls need a CUDA GPU with fp8 support (Ada, Hopper or newer)"),
+    "int8-weight-only": Scheme(
+        cpu=None,
+        cuda="Int8WeightOnlyConfig",
+        why_not_cpu="torchao's int8 weight-only kernel is 5-7x slower than fp32 on CPU",
+    ),
+    "int4-weight-only": Scheme(
+        cpu=None,
+        cuda="Int4WeightOnlyConfig",
+        cuda_args=INT4_CUDA_ARGS,
+        why_not_cpu="torchao's int4 weight-only kernel needs CUDA",
+    ),
+    "fp8": Scheme(
+        cpu=None,
+        cuda="Float8DynamicActivationFloat8WeightConfig",
+        why_not_cpu="fp8 matmuls need a CUDA GPU with fp8 support (Ada, Hopper or newer)",
+    ),
 }
 
 
@@ -83,9 +94,13 @@ def check_scheme(scheme: str, device: str = "cpu") -> Scheme:
     entry = SCHEMES[scheme]
     on_cuda = device.partition(":")[0] == "cuda"
     if on_cuda and entry.cuda is None:
-        raise InvalidArgument(f"quantization {scheme!r} runs on CPU only; on CUDA use 'int8-dynamic'")
+        raise InvalidArgument(
+            f"quantization {scheme!r} runs on CPU only; on CUDA use 'int8-dynamic'"
+        )
     if not on_cuda and entry.cpu is None:
-        raise InvalidArgument(f"quantization {scheme!r} is for CUDA: {entry.why_not_cpu}; on CPU use 'int8-dynamic'")
+        raise InvalidArgument(
+            f"quantization {scheme!r} is for CUDA: {entry.why_not_cpu}; on CPU use 'int8-dynamic'"
+        )
     return entry
 
 
@@ -116,14 +131,26 @@ def _quantize_fbgemm(model: nn.Module, per_channel: bool, skip: set[str]) -> nn.
     from torch import nn
 
     if model.dtype != torch.float32:
-        raise InvalidArgument(f"int8 dynamic quantization on CPU starts from float32 weights, got {model.dtype}")
-    from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
+        raise InvalidArgument(
+            f"int8 dynamic quantization on CPU starts from float32 weights, got {model.dtype}"
+        )
+    from torch.ao.quantization import (
+        default_dynamic_qconfig,
+        per_channel_dynamic_qconfig,
+        quantize_dynamic,
+    )
 
-    torch.backends.quantized.engine = "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines \
+    torch.backends.quantized.engine = (
+        "fbgemm"
+        if "fbgemm" in torch.backends.quantized.supported_engines
         else torch.backends.quantized.engine
+    )
     qconfig = per_channel_dynamic_qconfig if per_channel else default_dynamic_qconfig
-    spec = {name: qconfig for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and name not in skip}
+    spec = {
+        name: qconfig
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name not in skip
+    }
     with warnings.catch_warnings():  # torch.ao.quantization's deprecation: see the module docstring
         for category in (DeprecationWarning, FutureWarning, UserWarning):
             warnings.simplefilter("ignore", category)
@@ -140,8 +167,11 @@ def torchao_config(entry: Scheme):
 
 
 def _quantize_torchao(model: nn.Module, config, skip: set[str]) -> None:
-    from torch import nn
     import torchao.quantization as torchao_quantization
+    from torch import nn
 
     torchao_quantization.quantize_(
-        model, config, filter_fn=lambda module, name: isinstance(module, nn.Linear) and name not in skip)
+        model,
+        config,
+        filter_fn=lambda module, name: isinstance(module, nn.Linear) and name not in skip,
+    )

@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_runtime.cpu_linear import PackedLinear, onednn_available
 from foundation.errors import InvalidArgument
+from model_runtime.cpu_linear import PackedLinear, onednn_available
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,9 @@ class RowInvariance:
 
     def describe(self) -> str:
         kinds = sorted({choice.describe() for choice in self.linears.values()})
-        return f"linears {', '.join(kinds)}; attention per row; linear cost {self.cost_ratio():.2f}x"
+        return (
+            f"linears {', '.join(kinds)}; attention per row; linear cost {self.cost_ratio():.2f}x"
+        )
 
     def cost_ratio(self) -> float:
         """The model's linears' decoding plus verification time, invariant, against the
@@ -109,14 +111,19 @@ class InvariantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        return run_in_blocks(self._kernel, rows, self.choice.block_rows, self.choice.padded).reshape(
-            *x.shape[:-1], self.out_features)
+        return run_in_blocks(
+            self._kernel, rows, self.choice.block_rows, self.choice.padded
+        ).reshape(*x.shape[:-1], self.out_features)
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.packed(rows) if self.packed is not None else F.linear(rows, self.weight, self.bias)
+        return (
+            self.packed(rows) if self.packed is not None else F.linear(rows, self.weight, self.bias)
+        )
 
 
-def run_in_blocks(kernel: Callable, rows: torch.Tensor, block_rows: int, padded: bool) -> torch.Tensor:
+def run_in_blocks(
+    kernel: Callable, rows: torch.Tensor, block_rows: int, padded: bool
+) -> torch.Tensor:
     """kernel over `rows` [n, in] in blocks of block_rows rows (the last padded with zeros
     to block_rows if `padded`) -> [n, out]."""
     n = rows.shape[0]
@@ -124,7 +131,7 @@ def run_in_blocks(kernel: Callable, rows: torch.Tensor, block_rows: int, padded:
         return kernel(rows)
     outputs = []
     for start in range(0, n, block_rows):
-        block = rows[start:start + block_rows]
+        block = rows[start : start + block_rows]
         if padded and block.shape[0] < block_rows:
             block = F.pad(block, (0, 0, 0, block_rows - block.shape[0]))
         outputs.append(kernel(block)[: min(block_rows, n - start)])
@@ -138,8 +145,14 @@ def _kernel(linear: nn.Module, name: str) -> Callable:
     return lambda x: F.linear(x, weight, bias)
 
 
-def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                  parents: list[int] | None, scaling: float | None) -> torch.Tensor:
+def row_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    parents: list[int] | None,
+    scaling: float | None,
+) -> torch.Tensor:
     """Each new token's attention alone, over exactly the positions it sees.
 
     query `[1, num_heads, t, head_dim]` for the t new tokens; keys and values
@@ -158,7 +171,12 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             index = visible[j].to(keys.device)
             row_keys, row_values = keys.index_select(1, index), values.index_select(1, index)
         attended = F.scaled_dot_product_attention(
-            query[:, :, j : j + 1], row_keys.unsqueeze(0), row_values.unsqueeze(0), scale=scaling, enable_gqa=gqa)
+            query[:, :, j : j + 1],
+            row_keys.unsqueeze(0),
+            row_values.unsqueeze(0),
+            scale=scaling,
+            enable_gqa=gqa,
+        )
         output[j] = attended[0, :, 0]
     return output
 
@@ -171,7 +189,9 @@ def _visible_positions(start: int, parents: list[int]) -> list[torch.Tensor]:
     return [torch.cat([torch.arange(start), torch.tensor(chain)]) for chain in chains]
 
 
-def plan_row_invariance(model: nn.Module, choose: Callable[[nn.Linear], LinearChoice] | None = None) -> RowInvariance:
+def plan_row_invariance(
+    model: nn.Module, choose: Callable[[nn.Linear], LinearChoice] | None = None
+) -> RowInvariance:
     """Each linear shape's choice (default `choose_linear`: measured and cached per host);
     changes nothing."""
     choose = choose or choose_linear
@@ -217,7 +237,9 @@ def apply_mode(model: nn.Module, mode: str) -> RowInvariance | None:
     if mode not in MODES:
         raise InvalidArgument(f"row invariance must be one of {', '.join(MODES)}, got {mode!r}")
     parameter = next(model.parameters())
-    if mode == OFF or (mode == AUTO and (parameter.device.type != "cpu" or parameter.dtype == torch.float32)):
+    if mode == OFF or (
+        mode == AUTO and (parameter.device.type != "cpu" or parameter.dtype == torch.float32)
+    ):
         return None
     return make_row_invariant(model, plan_row_invariance(model))
 
@@ -235,8 +257,13 @@ def choose_linear(linear: nn.Linear) -> LinearChoice:
     cache = _load_cache()
     if key in cache:
         entry = cache[key]
-        return LinearChoice(entry["kernel"], entry["block_rows"], entry["padded"], tuple(entry["ms"]),
-                            tuple(entry["fastest_ms"]))
+        return LinearChoice(
+            entry["kernel"],
+            entry["block_rows"],
+            entry["padded"],
+            tuple(entry["ms"]),
+            tuple(entry["fastest_ms"]),
+        )
     choice = measure_linear(linear)
     cache[key] = asdict(choice)
     _save_cache(cache)
@@ -248,7 +275,9 @@ def choose_linear(linear: nn.Linear) -> LinearChoice:
 def measure_linear(linear: nn.Linear, seed: int = 0) -> LinearChoice:
     """Times every candidate (kernels x blocks) at TIMED_WIDTHS; keeps the invariant ones."""
     generator = torch.Generator().manual_seed(seed)
-    rows = torch.randn(2 * MAX_NATIVE_ROWS, linear.in_features, generator=generator).to(linear.weight.dtype)
+    rows = torch.randn(2 * MAX_NATIVE_ROWS, linear.in_features, generator=generator).to(
+        linear.weight.dtype
+    )
     kernels = {"plain": _kernel(linear, "plain")}
     if linear.weight.dtype == torch.float32 and onednn_available():
         kernels["packed"] = _kernel(linear, "packed")
@@ -259,12 +288,19 @@ def measure_linear(linear: nn.Linear, seed: int = 0) -> LinearChoice:
         fastest = ms if fastest is None or sum(ms[:2]) < sum(fastest[:2]) else fastest
         native = native_invariant_rows(kernel, rows)
         if native >= min(PADDED_BLOCKS):
-            candidates.append(LinearChoice(name, native, False, _time_blocks(kernel, rows, native, False)))
+            candidates.append(
+                LinearChoice(name, native, False, _time_blocks(kernel, rows, native, False))
+            )
         for block in PADDED_BLOCKS:
             if padded_is_invariant(kernel, rows, block):
-                candidates.append(LinearChoice(name, block, True, _time_blocks(kernel, rows, block, True)))
-    if not candidates:  # one row at a time: the width-1 kernel for every row, invariant by construction
-        candidates.append(LinearChoice("plain", 1, True, _time_blocks(kernels["plain"], rows, 1, True)))
+                candidates.append(
+                    LinearChoice(name, block, True, _time_blocks(kernel, rows, block, True))
+                )
+    # one row at a time: the width-1 kernel for every row, invariant by construction
+    if not candidates:
+        candidates.append(
+            LinearChoice("plain", 1, True, _time_blocks(kernels["plain"], rows, 1, True))
+        )
     best = min(candidates, key=_score)
     return LinearChoice(best.kernel, best.block_rows, best.padded, best.ms, tuple(fastest))
 
@@ -282,7 +318,9 @@ def native_invariant_rows(kernel: Callable, rows: torch.Tensor) -> int:
 
 def padded_is_invariant(kernel: Callable, rows: torch.Tensor, block: int) -> bool:
     """Whether a row gives the same bits at every place of a block, whatever shares it."""
-    alone = torch.cat([run_in_blocks(kernel, rows[i : i + 1], block, True) for i in range(2 * block)])
+    alone = torch.cat(
+        [run_in_blocks(kernel, rows[i : i + 1], block, True) for i in range(2 * block)]
+    )
     together = run_in_blocks(kernel, rows[: 2 * block], block, True)
     shifted = run_in_blocks(kernel, rows[1 : 2 * block + 1], block, True)
     return torch.equal(together, alone) and torch.equal(shifted[: 2 * block - 1], alone[1:])
@@ -293,7 +331,9 @@ def _score(choice: LinearChoice) -> float:
     return one + verify + PREFILL_WEIGHT * chunk
 
 
-def _time_blocks(kernel: Callable, rows: torch.Tensor, block: int, padded: bool) -> tuple[float, ...]:
+def _time_blocks(
+    kernel: Callable, rows: torch.Tensor, block: int, padded: bool
+) -> tuple[float, ...]:
     return _time_widths(lambda x: run_in_blocks(kernel, x, block, padded), rows)
 
 
@@ -314,8 +354,10 @@ def _time_widths(fn: Callable, rows: torch.Tensor, repeats: int = 5) -> tuple[fl
 
 def _cache_key(linear: nn.Linear) -> str:
     bias = "+bias" if linear.bias is not None else ""
-    return (f"{_cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
-            f"{str(linear.weight.dtype).removeprefix('torch.')}|{linear.in_features}x{linear.out_features}{bias}")
+    return (
+        f"{_cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
+        f"{str(linear.weight.dtype).removeprefix('torch.')}|{linear.in_features}x{linear.out_features}{bias}"
+    )
 
 
 def _cpu_name() -> str:
@@ -333,7 +375,9 @@ def cache_path() -> str:
     """Where choices are cached: SPECULATIVE_KERNEL_CACHE, else beside the model cache."""
     from model_runtime.loading import model_cache_dir
 
-    return os.environ.get("SPECULATIVE_KERNEL_CACHE") or str(model_cache_dir() / "row_invariant_linears.json")
+    return os.environ.get("SPECULATIVE_KERNEL_CACHE") or str(
+        model_cache_dir() / "row_invariant_linears.json"
+    )
 
 
 def _load_cache() -> dict:

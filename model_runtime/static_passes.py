@@ -52,7 +52,9 @@ class KVPool:
     def __init__(self, model: PreTrainedModel, num_slots: int, capacity: int):
         config = model.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         parameter = next(model.parameters())
         shape = (num_slots + 1, kv_heads, capacity + 1, head_dim)
         self.keys = [parameter.new_zeros(shape) for _ in range(config.num_hidden_layers)]
@@ -91,12 +93,21 @@ def static_attention(module, query, key, value, batch: StaticBatch, scaling):
     written into the slots first."""
     layer = module.layer_idx
     keys, values = batch.pool.keys[layer], batch.pool.values[layer]
-    index = (batch.slots[:, None], slice(None), batch.positions)  # -> [sessions, rows, kv_heads, head_dim]
+    index = (
+        batch.slots[:, None],
+        slice(None),
+        batch.positions,
+    )  # -> [sessions, rows, kv_heads, head_dim]
     keys[index] = key.transpose(1, 2)
     values[index] = value.transpose(1, 2)
     attended = torch.nn.functional.scaled_dot_product_attention(
-        query, keys.index_select(0, batch.slots), values.index_select(0, batch.slots), attn_mask=batch.mask,
-        scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        query,
+        keys.index_select(0, batch.slots),
+        values.index_select(0, batch.slots),
+        attn_mask=batch.mask,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
     return attended.transpose(1, 2), None
 
 
@@ -126,7 +137,8 @@ class CudaGraphs:
         buffers = [t.clone() for t in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: libraries' handles and workspaces exist before capture
+        # warm-up: libraries' handles and workspaces exist before capture
+        with torch.cuda.stream(side):
             for _ in range(2):
                 self.step(*buffers)  # writes the same keys and values the pass will
         torch.cuda.current_stream().wait_stream(side)
@@ -146,17 +158,23 @@ class StaticPasses:
         self._positions = torch.arange(pool.capacity + 1, device=device)
         from model_runtime.batched_forward import _NO_MASK
 
-        self._no_mask = _NO_MASK.to(device)  # made before any capture: a copy from the host cannot be captured
+        self._no_mask = _NO_MASK.to(
+            device
+        )  # made before any capture: a copy from the host cannot be captured
         self._step = self._eager_step
         self.compile_mode = compile_mode
         self.failure: str | None = None  # why compiled passes were given up, if they were
         if compile_mode == "cuda-graphs":
             self._step = CudaGraphs(self._eager_step)
         elif compile_mode == "inductor":  # one compiled graph per bucket
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(BUCKETS) ** 2)
+            torch._dynamo.config.cache_size_limit = max(
+                torch._dynamo.config.cache_size_limit, len(BUCKETS) ** 2
+            )
             self._step = torch.compile(self._eager_step, dynamic=False)
         elif compile_mode is not None:
-            raise ValueError(f"compile_mode must be cuda-graphs, inductor or None, got {compile_mode!r}")
+            raise ValueError(
+                f"compile_mode must be cuda-graphs, inductor or None, got {compile_mode!r}"
+            )
         self.num_static = self.num_eager = 0  # passes run each way
         # Greedy draft chains run back to back on the device (greedy_chain): where each
         # pass is one graph launch, a read back per token would idle the GPU between them.
@@ -166,9 +184,13 @@ class StaticPasses:
         from model_runtime.batched_forward import SlotKV
 
         return len(segments) <= BUCKETS[-1] and all(
-            s.parents is None and isinstance(s.kv, SlotKV) and s.kv.slot is not None
-            and 1 <= s.num_tokens <= BUCKETS[-1] and s.start + s.num_tokens <= self.pool.capacity
-            for s in segments)
+            s.parents is None
+            and isinstance(s.kv, SlotKV)
+            and s.kv.slot is not None
+            and 1 <= s.num_tokens <= BUCKETS[-1]
+            and s.start + s.num_tokens <= self.pool.capacity
+            for s in segments
+        )
 
     def run(self, segments) -> list[torch.Tensor] | None:
         """Each segment's logits `[num_logits, vocab]` from one fixed-shape pass; None
@@ -188,7 +210,10 @@ class StaticPasses:
             return None
         self.num_static += 1
         # Copies: a graph's output is overwritten by its next replay.
-        return [logits[i, s.num_tokens - s.num_logits : s.num_tokens].clone() for i, s in enumerate(segments)]
+        return [
+            logits[i, s.num_tokens - s.num_logits : s.num_tokens].clone()
+            for i, s in enumerate(segments)
+        ]
 
     def greedy_chain(self, kv, start: int, token_ids: list[int], k: int) -> list[int] | None:
         """k greedy tokens after `token_ids` (new, from position `start`): k passes back
@@ -197,7 +222,11 @@ class StaticPasses:
         token's are not (it runs with the next pass, if accepted). None where they do not
         fit the fixed shapes (no slot, too long)."""
         t = len(token_ids)
-        if getattr(kv, "slot", None) is None or t > BUCKETS[-1] or start + t + k > self.pool.capacity:
+        if (
+            getattr(kv, "slot", None) is None
+            or t > BUCKETS[-1]
+            or start + t + k > self.pool.capacity
+        ):
             return None
         device = self.pool.keys[0].device
         ids = torch.zeros(1, bucket(t), dtype=torch.long)
@@ -233,14 +262,23 @@ class StaticPasses:
             self._step, self.device_loop = self._eager_step, False
             return None
 
-    def _eager_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        mask = (self._positions[None, None, None, :] <= positions[:, None, :, None])
-        output = self.model(input_ids=ids, position_ids=positions, attention_mask=self._no_mask,
-                            use_cache=False, static_batch=StaticBatch(self.pool, slots, positions, mask))
+    def _eager_step(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        mask = self._positions[None, None, None, :] <= positions[:, None, :, None]
+        output = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=self._no_mask,
+            use_cache=False,
+            static_batch=StaticBatch(self.pool, slots, positions, mask),
+        )
         return output.logits  # [sessions, rows, vocab]
 
 
-def install(model: PreTrainedModel, mode: str, num_slots: int, capacity: int) -> StaticPasses | None:
+def install(
+    model: PreTrainedModel, mode: str, num_slots: int, capacity: int
+) -> StaticPasses | None:
     """Gives `model` a KV pool and fixed-shape passes as `mode` says (auto: compiled as
     CUDA graphs on a GPU; off on a CPU, where the eager ragged path measured faster:
     docs/batching.md); returns them, or None when off."""
@@ -251,10 +289,16 @@ def install(model: PreTrainedModel, mode: str, num_slots: int, capacity: int) ->
     device = next(model.parameters()).device
     if mode == OFF or (mode == AUTO and device.type != "cuda"):
         return None
-    passes = StaticPasses(model, KVPool(model, num_slots, capacity), "cuda-graphs" if device.type == "cuda" else None)
+    passes = StaticPasses(
+        model, KVPool(model, num_slots, capacity), "cuda-graphs" if device.type == "cuda" else None
+    )
     setattr(model, STATIC_ATTR, passes)
-    log.info("static passes: %d slots of %d tokens, %s", num_slots, capacity,
-             "CUDA graphs" if device.type == "cuda" else "eager")
+    log.info(
+        "static passes: %d slots of %d tokens, %s",
+        num_slots,
+        capacity,
+        "CUDA graphs" if device.type == "cuda" else "eager",
+    )
     return passes
 
 

@@ -61,10 +61,10 @@ from typing import NamedTuple, TypeVar
 
 from transformers import PreTrainedModel
 
-from model_runtime.batched_forward import Segment, forward_segments
-from model_runtime.model_session import Emit, ForwardSteps, run_alone
 from foundation.errors import InvalidArgument
 from foundation.load import StepLoad
+from model_runtime.batched_forward import Segment, forward_segments
+from model_runtime.model_session import Emit, ForwardSteps, run_alone
 
 T = TypeVar("T")
 
@@ -116,7 +116,9 @@ class _Turnarounds:
         if since is not None:
             old = self._mean_ns.get(key)
             gap = now_ns - since
-            self._mean_ns[key] = gap if old is None else TURNAROUND_DECAY * old + (1 - TURNAROUND_DECAY) * gap
+            self._mean_ns[key] = (
+                gap if old is None else TURNAROUND_DECAY * old + (1 - TURNAROUND_DECAY) * gap
+            )
 
     def wait_until(self, window_end_ns: float, now_ns: int) -> float:
         """Until when a step should wait, within the window: the last moment a caller
@@ -136,10 +138,18 @@ class _Turnarounds:
 
 
 class _Job:
-    def __init__(self, steps: ForwardSteps, key: object = None, streaming: bool = False, resumes: bool = False):
+    def __init__(
+        self,
+        steps: ForwardSteps,
+        key: object = None,
+        streaming: bool = False,
+        resumes: bool = False,
+    ):
         self.steps = steps
         self.key = key  # the caller's stream (e.g. its session): turn-arounds are per key
-        self.resumes = resumes  # its prefill resumes a stream its client reads: not held to the prefill share
+        self.resumes = (
+            resumes  # its prefill resumes a stream its client reads: not held to the prefill share
+        )
         self.future: Future = Future()
         self.segment: Segment | None = None  # the pass it waits for
         self.ready_ns = time.perf_counter_ns()  # since when it waits for a step
@@ -214,9 +224,14 @@ class _Job:
 
 
 class StepScheduler:
-    def __init__(self, model: PreTrainedModel | None = None, max_batch_tokens: int = 512,
-                 name: str = "model-compute", expected_jobs: Callable[[], int] | None = None,
-                 prefill_share: float = PREFILL_SHARE):
+    def __init__(
+        self,
+        model: PreTrainedModel | None = None,
+        max_batch_tokens: int = 512,
+        name: str = "model-compute",
+        expected_jobs: Callable[[], int] | None = None,
+        prefill_share: float = PREFILL_SHARE,
+    ):
         """expected_jobs: how many calls may bring work for the next step (e.g. the
         calls running on the worker); None = do not wait for any. prefill_share: the
         most a step's prefill chunks may add to its decoding work's time (0: no cap)."""
@@ -238,18 +253,23 @@ class StepScheduler:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, steps: ForwardSteps[T], key: object = None, resumes: bool = False) -> tuple[T, StepLoad | None]:
+    def submit(
+        self, steps: ForwardSteps[T], key: object = None, resumes: bool = False
+    ) -> tuple[T, StepLoad | None]:
         """Runs `steps` batched with other jobs; returns its result and what its steps
         were like (None if it needed no pass), or raises its error. key: the caller's
         stream (its session), whose turn-around the scheduler learns to wait for.
         resumes: its prefill resumes a stream a client is reading (see the rules)."""
-        if threading.current_thread() is self._thread:  # from a step's own work: no batching, no deadlock
+        # from a step's own work: no batching, no deadlock
+        if threading.current_thread() is self._thread:
             return run_alone(self.model, steps), None
         job = _Job(steps, key, resumes=resumes)
         self._queue.put(job)
         return job.future.result()
 
-    def stream(self, steps: ForwardSteps[T], key: object = None) -> Iterator[tuple[object, StepLoad | None]]:
+    def stream(
+        self, steps: ForwardSteps[T], key: object = None
+    ) -> Iterator[tuple[object, StepLoad | None]]:
         """Runs a streaming job batched with other jobs: yields each value it emits
         with the load of the step that produced it, as its steps end, and raises its
         error if it fails. Closing the iterator early stops the job: it leaves the
@@ -306,7 +326,9 @@ class StepScheduler:
         while (expected := self.expected_jobs()) > len(self._jobs):
             missing_share = (expected - len(self._jobs)) / expected
             now = time.perf_counter_ns()
-            window_end = self._turnarounds.wait_until(self._last_end_ns + missing_share * self._last_step_ns, now)
+            window_end = self._turnarounds.wait_until(
+                self._last_end_ns + missing_share * self._last_step_ns, now
+            )
             left_s = (window_end - now) * 1e-9
             if left_s <= 0:
                 return True
@@ -340,7 +362,9 @@ class StepScheduler:
         prefill share; the oldest job always."""
         budget = self.max_batch_tokens
         picked: list[_Job] = []
-        prefill_room: float | None = None  # shared prefill tokens this step may still take (None: no cap)
+        prefill_room: float | None = (
+            None  # shared prefill tokens this step may still take (None: no cap)
+        )
         for job in sorted(self._jobs, key=lambda j: (j.prefill, j.shared)):  # stable: oldest first
             room = budget - sum(j.segment.num_run_tokens for j in picked)
             size = job.segment.num_run_tokens
@@ -385,22 +409,33 @@ class StepScheduler:
         tokens = sum(job.segment.num_tokens for job in jobs)
         run_tokens = sum(job.segment.num_run_tokens for job in jobs)
         logit_tokens = sum(job.segment.num_logits for job in jobs if job.segment.num_run_tokens)
-        finished = [job for job, logits in zip(jobs, outputs) if not job.advance((logits, forward_ns))]
+        finished = [
+            job for job, logits in zip(jobs, outputs) if not job.advance((logits, forward_ns))
+        ]
         going_on = [job for job in jobs if job not in finished]
         self._jobs.extend(going_on)
         self._last_end_ns = time.perf_counter_ns()
         step_ns = self._last_end_ns - start  # the pass and every job's decision
-        if run_tokens:  # a step whose logits were all ready ran no pass: it says nothing of a pass's cost
+        # a step whose logits were all ready ran no pass: it says nothing of a pass's cost
+        if run_tokens:
             self._last_step_ns = step_ns
             self._recent.append((run_tokens, logit_tokens, step_ns))
         self._cost = fit_step_cost(list(self._recent))
         for job in jobs:
-            job.load = StepLoad(job.queue_ns, step_ns, tokens, len(jobs), waiting, self._cost.base_ns,
-                                self._cost.per_token_ns)
+            job.load = StepLoad(
+                job.queue_ns,
+                step_ns,
+                tokens,
+                len(jobs),
+                waiting,
+                self._cost.base_ns,
+                self._cost.per_token_ns,
+            )
         for job in going_on:
             job.deliver()
         ready_ns = time.perf_counter_ns()
-        for job in going_on:  # its next segment waits for a step from here on, not during this one's bookkeeping
+        # its next segment waits for a step from here on, not during this one's bookkeeping
+        for job in going_on:
             job.ready_ns = ready_ns
         for job in finished:
             self._turnarounds.left(job.key, self._last_end_ns)
@@ -431,7 +466,9 @@ def fit_step_cost(steps: list[tuple[int, int, int]]) -> StepCost:
     logits = [logits for _, logits, _ in steps]
     cost = [c for _, _, c in steps]
     mean_p, mean_l, mean_c = sum(plain) / n, sum(logits) / n, sum(cost) / n
-    dp, dl, dc = [p - mean_p for p in plain], [x - mean_l for x in logits], [c - mean_c for c in cost]
+    dp = [p - mean_p for p in plain]
+    dl = [x - mean_l for x in logits]
+    dc = [c - mean_c for c in cost]
     var_p, var_l = _dot(dp, dp) / n, _dot(dl, dl) / n
     cov_lp, cov_lc, cov_pc = _dot(dl, dp) / n, _dot(dl, dc) / n, _dot(dp, dc) / n
     determinant = var_l * var_p - cov_lp**2

@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
+from foundation.errors import InvalidArgument, WorkerLost
 from model_runtime import loading
 from model_runtime.batched_forward import LOCKSTEP_ATTR, Segment, SequenceKV, forward_segments
-from foundation.errors import InvalidArgument, WorkerLost
 
 log = logging.getLogger(__name__)
 
@@ -63,27 +63,43 @@ IDLE_TIMEOUT = timedelta(days=365)
 def check_shardable(model: PreTrainedModel, world_size: int) -> None:
     """Every rank must hold whole attention heads: N divides the query and key-value heads."""
     config = model.config
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % world_size or kv_heads % world_size:
-        raise InvalidArgument(f"--tensor-parallel {world_size} must divide the model's {heads} attention heads and "
-                              f"{kv_heads} key-value heads")
+        raise InvalidArgument(
+            f"--tensor-parallel {world_size} must divide the model's {heads} attention heads and "
+            f"{kv_heads} key-value heads"
+        )
 
 
 def backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def join(rank: int, world_size: int, port: int, device: str, master_addr: str = "127.0.0.1",
-         local_rank: int | None = None) -> dist.ProcessGroup:
+def join(
+    rank: int,
+    world_size: int,
+    port: int,
+    device: str,
+    master_addr: str = "127.0.0.1",
+    local_rank: int | None = None,
+) -> dist.ProcessGroup:
     """Joins the ranks' process group at rank 0's master_addr:port (the environment
     transformers reads is set too); returns the gloo group that carries rank 0's
     announcements (small pickles, on the CPU). local_rank: the GPU on this node (default
     rank: one node)."""
     if device not in ("cpu", "cuda"):
-        raise InvalidArgument(f"tensor parallelism runs on 'cpu' or 'cuda' (rank r on cuda:r), not {device!r}")
+        raise InvalidArgument(
+            f"tensor parallelism runs on 'cpu' or 'cuda' (rank r on cuda:r), not {device!r}"
+        )
     local_rank = rank if local_rank is None else local_rank
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR=master_addr, MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(port),
+    )
     if device == "cuda":
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend(device), rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT)
@@ -105,13 +121,15 @@ def load_shard(name: str, *, device: str, dtype: str, world_size: int) -> loadin
         config, _, mesh = model_class.prepare_distribute_model(config)
         model_class.maybe_distribute_model(loaded.model, config, mesh)
         return loaded
-    loaded = loading.load_model(name, device=rank_device, dtype=dtype, pack_cpu_linears=False,
-                                distributed_config=config)
+    loaded = loading.load_model(
+        name, device=rank_device, dtype=dtype, pack_cpu_linears=False, distributed_config=config
+    )
     check_shardable(loaded.model, world_size)
     return loaded
 
 
 # --- rank 0 -------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class _SegmentCopy:
@@ -154,7 +172,9 @@ class Leader:
             dist.broadcast_object_list([_Pass(freed, copies)], src=0, group=self._group)
             yield
         except RuntimeError as error:  # gloo and NCCL failures (DistBackendError is one)
-            raise WorkerLost(f"a tensor-parallel rank of this worker is gone ({_first_line(error)})") from error
+            raise WorkerLost(
+                f"a tensor-parallel rank of this worker is gone ({_first_line(error)})"
+            ) from error
 
     def _copy(self, segment: Segment) -> _SegmentCopy:
         kv = segment.kv
@@ -164,8 +184,14 @@ class Leader:
             kv.edits = []
             weakref.finalize(kv, self._free, number)
         edits, kv.edits = kv.edits, []
-        return _SegmentCopy(number, edits, segment.start, list(segment.token_ids), segment.num_logits,
-                            None if segment.parents is None else list(segment.parents))
+        return _SegmentCopy(
+            number,
+            edits,
+            segment.start,
+            list(segment.token_ids),
+            segment.num_logits,
+            None if segment.parents is None else list(segment.parents),
+        )
 
     def _free(self, number: int) -> None:
         with self._lock:
@@ -177,19 +203,35 @@ class Ranks:
     N: one node; the other nodes start theirs); `on_lost` runs once if one exits while
     the worker serves. port 0: a free one (one node); several nodes need a fixed one."""
 
-    def __init__(self, world_size: int, model: str, device: str, dtype: str, threads: int,
-                 on_lost: Callable[[int, int], None], local_ranks: int = 0, master_addr: str = "127.0.0.1",
-                 port: int = 0):
+    def __init__(
+        self,
+        world_size: int,
+        model: str,
+        device: str,
+        dtype: str,
+        threads: int,
+        on_lost: Callable[[int, int], None],
+        local_ranks: int = 0,
+        master_addr: str = "127.0.0.1",
+        port: int = 0,
+    ):
         local_ranks = local_ranks or world_size
         if world_size % local_ranks:
-            raise InvalidArgument(f"--tensor-parallel-local {local_ranks} must divide --tensor-parallel {world_size}: "
-                                  "every node runs as many ranks")
+            raise InvalidArgument(
+                f"--tensor-parallel-local {local_ranks} must divide --tensor-parallel {world_size}: "
+                "every node runs as many ranks"
+            )
         self.world_size, self.master_addr, self.port = world_size, master_addr, port or _free_port()
         self._closing = threading.Event()
-        self.processes = [subprocess.Popen(
-            rank_command(rank, world_size, self.port, model, device, dtype, threads, master_addr),
-            preexec_fn=_die_with_parent,
-        ) for rank in range(1, local_ranks)]
+        self.processes = [
+            subprocess.Popen(
+                rank_command(
+                    rank, world_size, self.port, model, device, dtype, threads, master_addr
+                ),
+                preexec_fn=_die_with_parent,
+            )
+            for rank in range(1, local_ranks)
+        ]
         self._on_lost = on_lost
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
@@ -214,12 +256,40 @@ class Ranks:
             process.wait()
 
 
-def rank_command(rank: int, world_size: int, port: int, model: str, device: str, dtype: str, threads: int,
-                 master_addr: str = "127.0.0.1", local_rank: int | None = None) -> list[str]:
-    return [sys.executable, "-m", "model_runtime.tensor_parallel", "--rank", str(rank), "--world-size",
-            str(world_size), "--port", str(port), "--master-addr", master_addr, "--local-rank",
-            str(rank if local_rank is None else local_rank), "--model", model, "--device", device, "--dtype", dtype,
-            "--threads", str(threads)]
+def rank_command(
+    rank: int,
+    world_size: int,
+    port: int,
+    model: str,
+    device: str,
+    dtype: str,
+    threads: int,
+    master_addr: str = "127.0.0.1",
+    local_rank: int | None = None,
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "model_runtime.tensor_parallel",
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(world_size),
+        "--port",
+        str(port),
+        "--master-addr",
+        master_addr,
+        "--local-rank",
+        str(rank if local_rank is None else local_rank),
+        "--model",
+        model,
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--threads",
+        str(threads),
+    ]
 
 
 def load_rank_zero(name: str, *, device: str, dtype: str, ranks: Ranks) -> loading.LoadedModel:
@@ -258,6 +328,7 @@ def _die_with_parent() -> None:
 
 # --- ranks 1..N-1 ---------------------------------------------------------------------
 
+
 def follow(model: PreTrainedModel, group: dist.ProcessGroup) -> None:
     """Runs every pass rank 0 announces, on this rank's copies of the caches, until rank 0 stops."""
     caches: dict[int, SequenceKV] = {}
@@ -274,7 +345,9 @@ def follow(model: PreTrainedModel, group: dist.ProcessGroup) -> None:
             kv = caches.setdefault(copy.cache, SequenceKV())
             for edit in copy.edits:
                 _apply(kv, edit)
-            segments.append(Segment(kv, copy.start, copy.token_ids, copy.num_logits, parents=copy.parents))
+            segments.append(
+                Segment(kv, copy.start, copy.token_ids, copy.num_logits, parents=copy.parents)
+            )
         forward_segments(model, segments)
 
 
@@ -289,23 +362,46 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m model_runtime.tensor_parallel",
         description="Tensor-parallel ranks after rank 0: one (--rank, started by the target worker), or a node's "
-                    "(--node-index with --local-ranks: ranks I*L..I*L+L-1 on this node's GPUs 0..L-1).")
+        "(--node-index with --local-ranks: ranks I*L..I*L+L-1 on this node's GPUs 0..L-1).",
+    )
     # A node's defaults are the target worker's settings (TARGET_* variables: in Kubernetes
     # the worker pods read the leader's ConfigMap), so that both sides agree.
-    for flag, kind, variable in (("--world-size", int, "TENSOR_PARALLEL"), ("--port", int, "TENSOR_PARALLEL_PORT"),
-                                 ("--model", str, "MODEL"), ("--device", str, "DEVICE"), ("--dtype", str, "DTYPE"),
-                                 ("--threads", int, "THREADS")):
+    for flag, kind, variable in (
+        ("--world-size", int, "TENSOR_PARALLEL"),
+        ("--port", int, "TENSOR_PARALLEL_PORT"),
+        ("--model", str, "MODEL"),
+        ("--device", str, "DEVICE"),
+        ("--dtype", str, "DTYPE"),
+        ("--threads", int, "THREADS"),
+    ):
         default = os.environ.get(f"TARGET_{variable}")
-        parser.add_argument(flag, type=kind, default=default, required=default is None,
-                            help=f"default: $TARGET_{variable}")
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            required=default is None,
+            help=f"default: $TARGET_{variable}",
+        )
     parser.add_argument("--rank", type=int, default=-1, help="this process's rank (one rank)")
-    parser.add_argument("--local-rank", type=int, default=-1, help="its GPU on this node (default: --rank)")
-    parser.add_argument("--node-index", type=int, default=-1, help="this node's place in the group (1..): its ranks")
-    parser.add_argument("--local-ranks", type=int, default=int(os.environ.get("TARGET_TENSOR_PARALLEL_LOCAL") or 1),
-                        help="ranks per node, with --node-index (default: $TARGET_TENSOR_PARALLEL_LOCAL or 1)")
-    parser.add_argument("--master-addr", default="127.0.0.1", help="where rank 0 listens (the leader's address)")
+    parser.add_argument(
+        "--local-rank", type=int, default=-1, help="its GPU on this node (default: --rank)"
+    )
+    parser.add_argument(
+        "--node-index", type=int, default=-1, help="this node's place in the group (1..): its ranks"
+    )
+    parser.add_argument(
+        "--local-ranks",
+        type=int,
+        default=int(os.environ.get("TARGET_TENSOR_PARALLEL_LOCAL") or 1),
+        help="ranks per node, with --node-index (default: $TARGET_TENSOR_PARALLEL_LOCAL or 1)",
+    )
+    parser.add_argument(
+        "--master-addr", default="127.0.0.1", help="where rank 0 listens (the leader's address)"
+    )
     args = parser.parse_args(argv)
-    args.dtype = loading.resolve_dtype(args.dtype, args.device, sharded=True)  # TARGET_DTYPE may say auto
+    args.dtype = loading.resolve_dtype(
+        args.dtype, args.device, sharded=True
+    )  # TARGET_DTYPE may say auto
     if args.node_index >= 0:
         return run_node(args)
     if args.rank < 1:
@@ -314,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     loading.configure_threads(args.threads)
     local_rank = args.rank if args.local_rank < 0 else args.local_rank
     group = join(args.rank, args.world_size, args.port, args.device, args.master_addr, local_rank)
-    loaded = load_shard(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size)
+    loaded = load_shard(
+        args.model, device=args.device, dtype=args.dtype, world_size=args.world_size
+    )
     try:
         follow(loaded.model, group)
     except RuntimeError as error:  # rank 0 is gone: its sockets closed (DistBackendError is one)
@@ -328,11 +426,27 @@ def run_node(args) -> int:
     ends (a rank that fails takes the node down, and its group is restarted whole)."""
     first = args.node_index * args.local_ranks
     if args.node_index < 1 or first + args.local_ranks > args.world_size:
-        raise SystemExit(f"--node-index {args.node_index} x --local-ranks {args.local_ranks} is outside "
-                         f"--world-size {args.world_size} (node 0 is the leader's target worker)")
-    processes = [subprocess.Popen(rank_command(first + i, args.world_size, args.port, args.model, args.device,
-                                               args.dtype, args.threads, args.master_addr, local_rank=i),
-                                  preexec_fn=_die_with_parent) for i in range(args.local_ranks)]
+        raise SystemExit(
+            f"--node-index {args.node_index} x --local-ranks {args.local_ranks} is outside "
+            f"--world-size {args.world_size} (node 0 is the leader's target worker)"
+        )
+    processes = [
+        subprocess.Popen(
+            rank_command(
+                first + i,
+                args.world_size,
+                args.port,
+                args.model,
+                args.device,
+                args.dtype,
+                args.threads,
+                args.master_addr,
+                local_rank=i,
+            ),
+            preexec_fn=_die_with_parent,
+        )
+        for i in range(args.local_ranks)
+    ]
     from multiprocessing.connection import wait
 
     sentinels = {_pid_sentinel(p.pid): p for p in processes}

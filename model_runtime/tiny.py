@@ -29,7 +29,13 @@ from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from foundation.errors import InvalidArgument, NotFound
 
@@ -82,7 +88,9 @@ def tiny_llama(seed: int, hidden_size: int = 64, num_layers: int = 2) -> LlamaFo
 # --- random:SHAPE[:SEED] ---------------------------------------------------------------
 
 RANDOM_PREFIX = "random"
-QWEN_VOCAB_SIZE = 151936  # Qwen2.5's tokenizer width (the 7B pads its own to 152064; one width pairs them all)
+QWEN_VOCAB_SIZE = (
+    151936  # Qwen2.5's tokenizer width (the 7B pads its own to 152064; one width pairs them all)
+)
 
 
 @dataclass(frozen=True)
@@ -117,10 +125,14 @@ def parse_random_name(name: str) -> tuple[Shape, int]:
     InvalidArgument for a malformed name or seed."""
     parts = name.split(":")
     if parts[0] != RANDOM_PREFIX or len(parts) not in (2, 3) or not parts[1]:
-        raise InvalidArgument(f"a random-shaped model is named {RANDOM_PREFIX}:SHAPE[:SEED], got {name!r}")
+        raise InvalidArgument(
+            f"a random-shaped model is named {RANDOM_PREFIX}:SHAPE[:SEED], got {name!r}"
+        )
     shape = SHAPES.get(parts[1])
     if shape is None:
-        raise NotFound(f"unknown random model shape {parts[1]!r} in {name!r}: one of {', '.join(SHAPES)}")
+        raise NotFound(
+            f"unknown random model shape {parts[1]!r} in {name!r}: one of {', '.join(SHAPES)}"
+        )
     seed_text = parts[2] if len(parts) == 3 else "0"
     if not seed_text.isdigit():
         raise InvalidArgument(f"random model seed must be a non-negative integer, got {name!r}")
@@ -159,15 +171,20 @@ def random_shaped_config(shape: Shape) -> Qwen2Config:
     )
 
 
-def random_shaped(name: str, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
+def random_shaped(
+    name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Qwen2ForCausalLM:
     """The model `random:SHAPE[:SEED]` names, built on `device` in `dtype` and filled
     from the seed; on the meta device, the shapes only (no memory, no values)."""
     shape, seed = parse_random_name(name)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    with _default_dtype(dtype), device, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with (
+        _default_dtype(dtype),
+        device,
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+    ):
         # Built where it will run; transformers' own initialisation (skipped on meta)
         # draws from the forked generator and is overwritten below.
         model = Qwen2ForCausalLM(random_shaped_config(shape))
@@ -203,7 +220,6 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-
 # --- near-tied: a model whose top two logits sit within a bf16 rounding step -----------
 
 NEAR_TIED_GAP = 0.03  # the typical logit gap within a pair of twin tokens: half a bf16 step at 16
@@ -219,6 +235,8 @@ def near_tied_llama(seed: int, hidden_size: int = 128, num_layers: int = 2) -> L
     generator = torch.Generator().manual_seed(seed + 1)
     twins = head.shape[0] // 2 * 2
     with torch.no_grad():  # the final norm's output has a norm of about sqrt(hidden_size)
-        difference = torch.randn(twins // 2, hidden_size, generator=generator) * NEAR_TIED_GAP / hidden_size
+        difference = (
+            torch.randn(twins // 2, hidden_size, generator=generator) * NEAR_TIED_GAP / hidden_size
+        )
         head[1:twins:2] = head[0:twins:2] + difference
     return model

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import time
 
+from foundation.limits import MAX_SPECULATIVE_TOKENS
 from model_runtime.loading import LoadedModel
 from model_runtime.model_session import ModelSession
-from foundation.limits import MAX_SPECULATIVE_TOKENS
 
 PROMPT_LEN = 16  # tokens of context the passes extend: attention over a short cache
 

@@ -53,8 +53,9 @@ class WidthPlan:
         return self.run_as[rows - 1] if rows <= len(self.run_as) else rows
 
 
-def pass_times(model: PreTrainedModel, widths, prefix: int = PREFIX, repeats: int = REPEATS,
-               untimed: int = 1) -> dict[int, float]:
+def pass_times(
+    model: PreTrainedModel, widths, prefix: int = PREFIX, repeats: int = REPEATS, untimed: int = 1
+) -> dict[int, float]:
     """Median ms of a pass of each width over `prefix` cached tokens (the worker's path:
     a ModelSession's pending tokens), after `untimed` passes of that width."""
     from model_runtime.model_session import ModelSession

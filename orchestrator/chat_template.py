@@ -27,29 +27,43 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
-def render_chat_template(template: str, messages: Sequence[Mapping], special_tokens: Mapping[str, str],
-                         add_generation_prompt: bool) -> str:
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping],
+    special_tokens: Mapping[str, str],
+    add_generation_prompt: bool,
+) -> str:
     """The prompt text. jinja2.TemplateError, as in transformers, for a conversation the
     template refuses (its raise_exception) or a broken template."""
     return _compiled(template).render(
         messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
-        tools=None, documents=None, add_generation_prompt=add_generation_prompt, **special_tokens,
+        tools=None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **special_tokens,
     )
 
 
 @functools.lru_cache(maxsize=8)
 def _compiled(template: str) -> jinja2.Template:
     environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     environment.filters["tojson"] = _tojson
-    environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
-                               dict=_DictConstructor(), namespace=_Namespace)
+    environment.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        dict=_DictConstructor(),
+        namespace=_Namespace,
+    )
     return environment.from_string(template)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Jinja's own tojson escapes <, >, & and ' for HTML: a prompt is not HTML.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message):
@@ -87,7 +101,9 @@ class _Namespace(jinja2.utils.Namespace):
     @staticmethod
     def _check(name) -> None:
         if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template cannot set {name!r} on a namespace"
+            )
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -26,8 +26,16 @@ from specdec.v1 import orchestrator_pb2
 
 
 class Generation:
-    def __init__(self, config: OrchestratorConfig, pool: WorkerPool, store: SessionStore, tokenizer,
-                 request: orchestrator_pb2.GenerateRequest, context: grpc.ServicerContext, owner: str = ""):
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        pool: WorkerPool,
+        store: SessionStore,
+        tokenizer,
+        request: orchestrator_pb2.GenerateRequest,
+        context: grpc.ServicerContext,
+        owner: str = "",
+    ):
         self.config, self.pool, self.store, self.tokenizer = config, pool, store, tokenizer
         self.request, self.context = request, context
         self.owner = owner  # the API key's name: the session must be its, a new one becomes its
@@ -41,7 +49,9 @@ class Generation:
         self._in_flight = contextlib.ExitStack()  # counts the call on its workers' load
         self.placer = Placer(config, pool, deadline, self.stats, self.placement, self._in_flight)
         self.streams = RoundStreams(context, deadline, self.placement, self.generated, self.stats)
-        self.failover = Failover(config.max_failovers, context, self.placer, self.streams, self.generated, self.stats)
+        self.failover = Failover(
+            config.max_failovers, context, self.placer, self.streams, self.generated, self.stats
+        )
 
     def run(self) -> Iterator[Chunk]:
         check_stop_strings(self.config, self.request)
@@ -64,7 +74,9 @@ class Generation:
     def _generate(self, plan: Plan, lease: Lease) -> Iterator[Chunk]:
         text = TextStream(self.tokenizer, self.request.stop, self.generated)
         try:
-            finish = yield from text.chunks(self.failover.rounds(plan), self.context.is_active, self.streams.cancel)
+            finish = yield from text.chunks(
+                self.failover.rounds(plan), self.context.is_active, self.streams.cancel
+            )
         finally:
             self._commit(plan, text.assembler, lease)
         last = text.last_chunk()
@@ -84,7 +96,9 @@ class Generation:
         record.token_ids = plan.tokens + assembler.kept_tokens
         if self.request.WhichOneof("prompt") == "chat":
             record.messages.append({"role": "assistant", "content": assembler.text})
-        self.placer.roll_back(record, cut_tokens=len(self.generated.token_ids) - len(assembler.kept_tokens))
+        self.placer.roll_back(
+            record, cut_tokens=len(self.generated.token_ids) - len(assembler.kept_tokens)
+        )
         record.last_used_ms = int(time.time() * 1000)
         if not record.sampling and self.request.HasField("sampling"):
             record.sampling = self.request.sampling.SerializeToString()
@@ -92,6 +106,7 @@ class Generation:
 
     def _close(self, record: SessionRecord, lease: Lease) -> None:
         self.closed = True
-        close_worker_sessions(self.pool, ((TARGET, record.target), (DRAFT, record.draft)),
-                              self.config.rpc_timeout_s)
+        close_worker_sessions(
+            self.pool, ((TARGET, record.target), (DRAFT, record.draft)), self.config.rpc_timeout_s
+        )
         self.store.delete(record.session_id, lease)

@@ -42,7 +42,9 @@ class CallStats:
 
     def to_proto(self) -> common_pb2.GenerationStats:
         s = self.totals
-        orchestrator_ns = max(0, s.total_ns - s.prefill_ns - s.draft_ns - s.verify_ns)  # what no worker measured
+        orchestrator_ns = max(
+            0, s.total_ns - s.prefill_ns - s.draft_ns - s.verify_ns
+        )  # what no worker measured
         stats = generation_stats_to_proto(s, orchestrator_ns, self.num_prefill_tokens)
         stats.num_failovers = self.num_failovers
         return stats

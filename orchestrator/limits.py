@@ -13,14 +13,16 @@ def check_prompt_tokens(config, num_tokens: int) -> None:
     if config.max_prompt_tokens and num_tokens > config.max_prompt_tokens:
         raise InvalidArgument(
             f"prompt of {num_tokens} tokens is above the limit of {config.max_prompt_tokens} tokens "
-            f"(max_prompt_tokens; a continued session's history counts)")
+            f"(max_prompt_tokens; a continued session's history counts)"
+        )
 
 
 def check_max_new_tokens(config, max_new_tokens: int) -> None:
     if config.max_new_tokens_limit and max_new_tokens > config.max_new_tokens_limit:
         raise InvalidArgument(
             f"max_new_tokens {max_new_tokens} is above the limit of {config.max_new_tokens_limit} "
-            f"(max_new_tokens_limit)")
+            f"(max_new_tokens_limit)"
+        )
 
 
 def check_session_quota(config, store, owner: str) -> None:
@@ -31,4 +33,5 @@ def check_session_quota(config, store, owner: str) -> None:
     if held >= config.max_sessions_per_key:
         raise ResourceExhausted(
             f"API key {owner!r} holds {held} sessions, its limit (max_sessions_per_key="
-            f"{config.max_sessions_per_key}); close some (CloseSession) or let them expire")
+            f"{config.max_sessions_per_key}); close some (CloseSession) or let them expire"
+        )

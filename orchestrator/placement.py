@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from foundation.errors import InvalidArgument
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation_stats import CallStats
 from orchestrator.planning import Plan
@@ -19,7 +20,6 @@ from service_common.convert import sampling_to_proto
 from service_common.deadlines import Deadline
 from service_common.telemetry import instruments
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
-from foundation.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -52,7 +52,9 @@ def check_room(plan: Plan, target: Worker) -> None:
         )
     for token in plan.tokens:
         if not 0 <= token < target.model.vocab_size:
-            raise InvalidArgument(f"token id {token} is outside the vocabulary [0, {target.model.vocab_size})")
+            raise InvalidArgument(
+                f"token id {token} is outside the vocabulary [0, {target.model.vocab_size})"
+            )
 
 
 class Placer:
@@ -60,9 +62,19 @@ class Placer:
     Truncate is bookkeeping (rpc_timeout_s); OpenSession and Extend prefill, under the
     call's deadline."""
 
-    def __init__(self, config: OrchestratorConfig, pool: WorkerPool, deadline: Deadline, stats: CallStats,
-                 placement: Placement, in_flight: contextlib.ExitStack):
-        self.rpc_timeout_s, self.pool, self.deadline, self.stats = config.rpc_timeout_s, pool, deadline, stats
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        pool: WorkerPool,
+        deadline: Deadline,
+        stats: CallStats,
+        placement: Placement,
+        in_flight: contextlib.ExitStack,
+    ):
+        self.rpc_timeout_s = config.rpc_timeout_s
+        self.pool = pool
+        self.deadline = deadline
+        self.stats = stats
         self.placement = placement
         self.in_flight = in_flight  # counts the call on its workers' load until the call ends
 
@@ -70,11 +82,14 @@ class Placer:
         """The workers that hold the session's caches when they are alive, else the
         least-loaded ones; no draft when the call speculates nothing."""
         record, placement = plan.record, self.placement
-        placement.target = self._worker_for(record.target, TARGET) or self._adopt(self.pool.pick_target())
+        placement.target = self._worker_for(record.target, TARGET) or self._adopt(
+            self.pool.pick_target()
+        )
         check_room(plan, placement.target)
         if plan.k > 0:
-            placement.draft = (self._worker_for(record.draft, DRAFT)
-                               or self._adopt(self.pool.pick_draft(placement.target, plan.drafter)))
+            placement.draft = self._worker_for(record.draft, DRAFT) or self._adopt(
+                self.pool.pick_draft(placement.target, plan.drafter)
+            )
             if placement.draft is None:  # an empty draft pool: the target decodes alone
                 instruments().fallbacks.add(1)
 
@@ -92,24 +107,42 @@ class Placer:
             plan.record.draft = None
             placement.draft = self._adopt(self.pool.pick_draft(placement.target, plan.drafter))
             if placement.draft is None:
-                log.warning("no draft worker left: session %s goes on with target-only decoding",
-                            plan.record.session_id)
+                log.warning(
+                    "no draft worker left: session %s goes on with target-only decoding",
+                    plan.record.session_id,
+                )
                 instruments().fallbacks.add(1)
 
-    def sync(self, plan: Plan, tokens: list[int], keep: int, synced: set[tuple[str, str]],
-             resumes: bool = False) -> None:
+    def sync(
+        self,
+        plan: Plan,
+        tokens: list[int],
+        keep: int,
+        synced: set[tuple[str, str]],
+        resumes: bool = False,
+    ) -> None:
         """Syncs each worker not yet in synced ((pool, address)) to tokens, adding it there;
         a worker's RpcError is raised, for the caller to replace it and retry. resumes: the
         call's stream is under way (a failover), its client waiting for the next token."""
         for worker, field in ((self.placement.target, "target"), (self.placement.draft, "draft")):
             if worker is None or (worker.pool, worker.address) in synced:
                 continue
-            setattr(plan.record, field,
-                    self.sync_worker(worker, getattr(plan.record, field), tokens, keep, plan, resumes))
+            setattr(
+                plan.record,
+                field,
+                self.sync_worker(worker, getattr(plan.record, field), tokens, keep, plan, resumes),
+            )
             synced.add((worker.pool, worker.address))
 
-    def sync_worker(self, worker: Worker, handle: WorkerHandle | None, tokens: list[int], keep: int,
-                    plan: Plan, resumes: bool = False) -> WorkerHandle:
+    def sync_worker(
+        self,
+        worker: Worker,
+        handle: WorkerHandle | None,
+        tokens: list[int],
+        keep: int,
+        plan: Plan,
+        resumes: bool = False,
+    ) -> WorkerHandle:
         """Rolls the worker's session back to what it shares with tokens, then extends
         it; opens (prefills) a new one where it has none, lost it, or shares nothing."""
         resumes = resumes and worker.pool == TARGET  # a target runs it beside its running sessions
@@ -151,39 +184,69 @@ class Placer:
             self.in_flight.enter_context(self.pool.placed(worker))
         return worker
 
-    def _extend(self, worker: Worker, handle: WorkerHandle, tokens: list[int], keep: int,
-                resumes: bool) -> WorkerHandle:
+    def _extend(
+        self, worker: Worker, handle: WorkerHandle, tokens: list[int], keep: int, resumes: bool
+    ) -> WorkerHandle:
         # Always: a round in flight when the previous call stopped may have run past the committed tokens.
-        worker.stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=keep),
-                             timeout=self.rpc_timeout_s)
-        if keep < len(tokens):  # a call with no new input (generation just continues) extends nothing
-            response = worker.stub.Extend(common_pb2.ExtendRequest(
-                session_id=handle.session_id, base_len=keep, token_ids=tokens[keep:], resumes_stream=resumes),
-                timeout=self.deadline.remaining())
+        worker.stub.Truncate(
+            common_pb2.TruncateRequest(session_id=handle.session_id, length=keep),
+            timeout=self.rpc_timeout_s,
+        )
+        # a call with no new input (generation just continues) extends nothing
+        if keep < len(tokens):
+            response = worker.stub.Extend(
+                common_pb2.ExtendRequest(
+                    session_id=handle.session_id,
+                    base_len=keep,
+                    token_ids=tokens[keep:],
+                    resumes_stream=resumes,
+                ),
+                timeout=self.deadline.remaining(),
+            )
             self.stats.count_prefill(worker.pool, response.prefill_ns, len(tokens) - keep)
-        return WorkerHandle(handle.worker_id, worker.address, handle.session_id, len(tokens), handle.drafter)
+        return WorkerHandle(
+            handle.worker_id, worker.address, handle.session_id, len(tokens), handle.drafter
+        )
 
     def _open(self, worker: Worker, tokens: list[int], plan: Plan, resumes: bool) -> WorkerHandle:
         timeout = self.deadline.remaining()  # a prefill: it may queue behind other sessions'
         if worker.pool == TARGET:
-            response = worker.stub.OpenSession(target_pb2.OpenSessionRequest(
-                prompt_token_ids=tokens, sampling=sampling_to_proto(plan.params), resumes_stream=resumes),
-                timeout=timeout)
+            response = worker.stub.OpenSession(
+                target_pb2.OpenSessionRequest(
+                    prompt_token_ids=tokens,
+                    sampling=sampling_to_proto(plan.params),
+                    resumes_stream=resumes,
+                ),
+                timeout=timeout,
+            )
         else:
-            response = worker.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
-                prompt_token_ids=tokens, drafter=plan.drafter), timeout=timeout)
+            response = worker.stub.OpenSession(
+                draft_pb2.DraftOpenSessionRequest(prompt_token_ids=tokens, drafter=plan.drafter),
+                timeout=timeout,
+            )
         self.stats.count_prefill(worker.pool, response.prefill_ns, len(tokens))
         handle = response.handle
-        return WorkerHandle(handle.worker_id, worker.address, handle.session_id, handle.committed_len,
-                            plan.drafter if worker.pool == DRAFT else "")
+        return WorkerHandle(
+            handle.worker_id,
+            worker.address,
+            handle.session_id,
+            handle.committed_len,
+            plan.drafter if worker.pool == DRAFT else "",
+        )
 
     def _truncate(self, worker: Worker, handle: WorkerHandle, length: int) -> None:
         """Absolute rollback: harmless when the worker already has exactly length."""
         try:
-            worker.stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=length),
-                                 timeout=self.rpc_timeout_s)
+            worker.stub.Truncate(
+                common_pb2.TruncateRequest(session_id=handle.session_id, length=length),
+                timeout=self.rpc_timeout_s,
+            )
             handle.committed_len = length
         except grpc.RpcError as error:
             # The next call re-syncs or re-prefills from the committed tokens.
-            log.warning("truncate on %s failed (%s); session will be re-synced", worker.address, error.code())
+            log.warning(
+                "truncate on %s failed (%s); session will be re-synced",
+                worker.address,
+                error.code(),
+            )
             handle.committed_len = min(handle.committed_len, length)

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from foundation.errors import InvalidArgument
+from foundation.limits import validate_num_speculative_tokens
+from foundation.sequence import common_prefix_length
 from orchestrator.config import OrchestratorConfig
 from orchestrator.limits import check_max_new_tokens, check_prompt_tokens
 from orchestrator.store import SessionRecord
 from orchestrator.text import render_chat
 from service_common.convert import sampling_from_proto
 from specdec.v1 import common_pb2, orchestrator_pb2
-from foundation.errors import InvalidArgument
-from foundation.limits import validate_num_speculative_tokens
 from speculative.prompt_lookup import MAX_LOOKUP_NGRAM, LookupStop
-from foundation.sequence import common_prefix_length
 from speculative.types import SamplingParams, check_drafter_name
 
 
@@ -30,11 +30,17 @@ class Plan:
     k: int
     drafter: str
     adaptive: bool
-    speculation: common_pb2.SpeculationParams = field(default_factory=common_pb2.SpeculationParams)  # to forward
+    speculation: common_pb2.SpeculationParams = field(
+        default_factory=common_pb2.SpeculationParams
+    )  # to forward
 
 
-def plan_call(config: OrchestratorConfig, tokenizer, request: orchestrator_pb2.GenerateRequest,
-              record: SessionRecord) -> Plan:
+def plan_call(
+    config: OrchestratorConfig,
+    tokenizer,
+    request: orchestrator_pb2.GenerateRequest,
+    record: SessionRecord,
+) -> Plan:
     """The request's parameters over the session's defaults, and its new input after the
     session's history; raises InvalidArgument where they break a limit."""
     params = _sampling(config, tokenizer, request, record)
@@ -44,16 +50,31 @@ def plan_call(config: OrchestratorConfig, tokenizer, request: orchestrator_pb2.G
         raise InvalidArgument("prompt is empty: give text, token ids or chat messages")
     check_prompt_tokens(config, len(tokens))
     check_max_new_tokens(config, params.max_new_tokens)
-    k = speculation.num_speculative_tokens if speculation.HasField("num_speculative_tokens") else config.default_k
-    return Plan(record, tokens, keep, params, validate_num_speculative_tokens(k),
-                speculation.drafter, speculation.adaptive, speculation)
+    k = (
+        speculation.num_speculative_tokens
+        if speculation.HasField("num_speculative_tokens")
+        else config.default_k
+    )
+    return Plan(
+        record,
+        tokens,
+        keep,
+        params,
+        validate_num_speculative_tokens(k),
+        speculation.drafter,
+        speculation.adaptive,
+        speculation,
+    )
 
 
-def check_stop_strings(config: OrchestratorConfig, request: orchestrator_pb2.GenerateRequest) -> None:
+def check_stop_strings(
+    config: OrchestratorConfig, request: orchestrator_pb2.GenerateRequest
+) -> None:
     stops = request.stop
     if len(stops) > config.max_stop_strings:
-        raise InvalidArgument(f"at most {config.max_stop_strings} stop strings (max_stop_strings), "
-                              f"got {len(stops)}")
+        raise InvalidArgument(
+            f"at most {config.max_stop_strings} stop strings (max_stop_strings), got {len(stops)}"
+        )
     for stop in stops:
         if not stop or len(stop) > config.max_stop_string_chars:
             raise InvalidArgument(
@@ -62,8 +83,12 @@ def check_stop_strings(config: OrchestratorConfig, request: orchestrator_pb2.Gen
             )
 
 
-def _sampling(config: OrchestratorConfig, tokenizer, request: orchestrator_pb2.GenerateRequest,
-              record: SessionRecord) -> SamplingParams:
+def _sampling(
+    config: OrchestratorConfig,
+    tokenizer,
+    request: orchestrator_pb2.GenerateRequest,
+    record: SessionRecord,
+) -> SamplingParams:
     message = common_pb2.SamplingParams()
     if record.sampling:
         message.ParseFromString(record.sampling)
@@ -77,7 +102,9 @@ def _sampling(config: OrchestratorConfig, tokenizer, request: orchestrator_pb2.G
     return params
 
 
-def _speculation(request: orchestrator_pb2.GenerateRequest, record: SessionRecord) -> common_pb2.SpeculationParams:
+def _speculation(
+    request: orchestrator_pb2.GenerateRequest, record: SessionRecord
+) -> common_pb2.SpeculationParams:
     message = common_pb2.SpeculationParams()
     if record.speculation:
         message.ParseFromString(record.speculation)
@@ -92,21 +119,30 @@ def _check_draft_settings(message: common_pb2.SpeculationParams) -> None:
     """The draft worker's settings a request may override, each in its range; the draft worker
     checks them again against its own defaults (a lookup size left 0)."""
     if message.draft_top_k < 0:
-        raise InvalidArgument(f"draft_top_k must be >= 0 (0 = server default), got {message.draft_top_k}")
+        raise InvalidArgument(
+            f"draft_top_k must be >= 0 (0 = server default), got {message.draft_top_k}"
+        )
     for name in ("prompt_lookup_min", "prompt_lookup_max"):
         if not 0 <= getattr(message, name) <= MAX_LOOKUP_NGRAM:
-            raise InvalidArgument(f"{name} must be in 1..{MAX_LOOKUP_NGRAM} (0 = server default), "
-                                  f"got {getattr(message, name)}")
+            raise InvalidArgument(
+                f"{name} must be in 1..{MAX_LOOKUP_NGRAM} (0 = server default), "
+                f"got {getattr(message, name)}"
+            )
     if message.prompt_lookup_min and message.prompt_lookup_max:
         LookupStop(message.prompt_lookup_min, message.prompt_lookup_max)  # raises for min > max
 
 
-def _tokens(tokenizer, request: orchestrator_pb2.GenerateRequest, record: SessionRecord) -> tuple[list[int], int]:
+def _tokens(
+    tokenizer, request: orchestrator_pb2.GenerateRequest, record: SessionRecord
+) -> tuple[list[int], int]:
     """The sequence to continue from, and how much of the committed one it keeps."""
     kind = request.WhichOneof("prompt")
     history = record.token_ids
     if kind == "chat":
-        messages = [*record.messages, *({"role": m.role, "content": m.content} for m in request.chat.messages)]
+        messages = [
+            *record.messages,
+            *({"role": m.role, "content": m.content} for m in request.chat.messages),
+        ]
         tokens = render_chat(tokenizer, messages)
         record.messages = messages
         # The whole conversation, rendered: the session equals a fresh one; the common prefix keeps its KV cache.

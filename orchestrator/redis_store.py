@@ -72,15 +72,24 @@ class RedisSessionStore(SessionStore):
         self._held: dict[str, Lease] = {}  # leases this replica holds, renewed
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._renewer = threading.Thread(target=self._renew_forever, name="lease-renewal", daemon=True)
+        self._renewer = threading.Thread(
+            target=self._renew_forever, name="lease-renewal", daemon=True
+        )
         self._renewer.start()
 
     def put(self, record: SessionRecord, lease: Lease | None = None) -> None:
         value = json.dumps(record.to_json())
         with unavailable_on_error(self.url, f"saving session {record.session_id!r}"):
-            saved = self._save(keys=[*self._keys(record.session_id), OWNER_KEY.format(record.owner)],
-                               args=[lease.token if lease else "", value, self._ttl_ms, record.session_id,
-                                     record.owner])
+            saved = self._save(
+                keys=[*self._keys(record.session_id), OWNER_KEY.format(record.owner)],
+                args=[
+                    lease.token if lease else "",
+                    value,
+                    self._ttl_ms,
+                    record.session_id,
+                    record.owner,
+                ],
+            )
         if not saved:
             lease.lost = True
             raise busy(record.session_id)
@@ -102,7 +111,9 @@ class RedisSessionStore(SessionStore):
     def lease(self, session_id: str):
         lease = Lease(session_id)
         with unavailable_on_error(self.url, f"locking session {session_id!r}"):
-            taken = self.client.set(LEASE_KEY.format(session_id), lease.token, nx=True, px=self._lease_ttl_ms)
+            taken = self.client.set(
+                LEASE_KEY.format(session_id), lease.token, nx=True, px=self._lease_ttl_ms
+            )
         if not taken:
             raise busy(session_id)
         with self._lock:
@@ -142,8 +153,10 @@ class RedisSessionStore(SessionStore):
                 leases = list(self._held.values())
             for lease in leases:
                 try:
-                    if not self._renew(keys=[LEASE_KEY.format(lease.session_id)],
-                                       args=[lease.token, self._lease_ttl_ms]):
+                    if not self._renew(
+                        keys=[LEASE_KEY.format(lease.session_id)],
+                        args=[lease.token, self._lease_ttl_ms],
+                    ):
                         lease.lost = True
                 except redis.RedisError:
                     pass  # Redis is away; the save at the end will say so

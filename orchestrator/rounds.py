@@ -33,8 +33,11 @@ def token_sources(round_stats: common_pb2.RoundStats) -> list[int]:
     that verified prompt lookup's tokens is a round."""
     if round_stats.num_drafted == 0:
         return [orchestrator_pb2.TOKEN_SOURCE_TARGET]
-    last = (orchestrator_pb2.TOKEN_SOURCE_RECOVERED
-            if round_stats.next_token_kind == common_pb2.NEXT_TOKEN_KIND_RECOVERED else orchestrator_pb2.TOKEN_SOURCE_BONUS)
+    last = (
+        orchestrator_pb2.TOKEN_SOURCE_RECOVERED
+        if round_stats.next_token_kind == common_pb2.NEXT_TOKEN_KIND_RECOVERED
+        else orchestrator_pb2.TOKEN_SOURCE_BONUS
+    )
     return [orchestrator_pb2.TOKEN_SOURCE_ACCEPTED] * round_stats.num_accepted + [last]
 
 
@@ -83,8 +86,14 @@ class RoundStreams:
     """Opens a call's stream of rounds on its workers as placed now, counts each round
     and adds its tokens to generated before passing it on."""
 
-    def __init__(self, context: grpc.ServicerContext, deadline: Deadline, placement: Placement,
-                 generated: Generated, stats: CallStats):
+    def __init__(
+        self,
+        context: grpc.ServicerContext,
+        deadline: Deadline,
+        placement: Placement,
+        generated: Generated,
+        stats: CallStats,
+    ):
         self.context, self.deadline, self.placement = context, deadline, placement
         self.generated, self.stats = generated, stats
         self.call = None  # the streaming call to a worker, cancelled with the client's
@@ -106,15 +115,27 @@ class RoundStreams:
         seed it is sent: moved on by the tokens drawn so far after a failover."""
         record, base_len = plan.record, len(plan.tokens) + len(self.generated.token_ids)
         speculation = common_pb2.SpeculationParams()
-        speculation.CopyFrom(plan.speculation)  # the lookup sizes and draft_top_k travel as the client gave them
+        speculation.CopyFrom(
+            plan.speculation
+        )  # the lookup sizes and draft_top_k travel as the client gave them
         speculation.num_speculative_tokens = plan.k
-        self.call = self.placement.draft.stub.Speculate(draft_pb2.SpeculateRequest(
-            session_id=record.draft.session_id, base_len=base_len,
-            target=common_pb2.KvHandle(worker_id=record.target.worker_id, worker_address=self.placement.target.address,
-                                       session_id=record.target.session_id, committed_len=base_len),
-            sampling=sampling_to_proto(remaining_params(plan.params, len(self.generated.token_ids))),
-            speculation=speculation),
-            timeout=self.deadline.remaining())
+        self.call = self.placement.draft.stub.Speculate(
+            draft_pb2.SpeculateRequest(
+                session_id=record.draft.session_id,
+                base_len=base_len,
+                target=common_pb2.KvHandle(
+                    worker_id=record.target.worker_id,
+                    worker_address=self.placement.target.address,
+                    session_id=record.target.session_id,
+                    committed_len=base_len,
+                ),
+                sampling=sampling_to_proto(
+                    remaining_params(plan.params, len(self.generated.token_ids))
+                ),
+                speculation=speculation,
+            ),
+            timeout=self.deadline.remaining(),
+        )
         self.context.add_callback(self.call.cancel)
         for update in self.call:
             record.draft.committed_len = update.committed_len  # the draft holds each round's tokens
@@ -123,29 +144,50 @@ class RoundStreams:
     def _decode_alone(self, plan: Plan) -> Iterator[Round]:
         """Target-only decoding: one Decode stream up to max_new_tokens, with the call's sampling."""
         request = target_pb2.DecodeRequest(
-            session_id=plan.record.target.session_id, base_len=len(plan.tokens) + len(self.generated.token_ids),
-            sampling=sampling_to_proto(remaining_params(plan.params, len(self.generated.token_ids))))
+            session_id=plan.record.target.session_id,
+            base_len=len(plan.tokens) + len(self.generated.token_ids),
+            sampling=sampling_to_proto(
+                remaining_params(plan.params, len(self.generated.token_ids))
+            ),
+        )
         self.call = self.placement.target.stub.Decode(request, timeout=self.deadline.remaining())
         self.context.add_callback(self.call.cancel)
         for token in self.call:
             stats = _decoded_round_stats(token, index=self.stats.num_rounds)
-            finish = _finish_of_decode(plan.params, len(self.generated.token_ids) + 1, token.token_id)
-            yield Round([token.token_id], finish, stats, [orchestrator_pb2.TOKEN_SOURCE_TARGET], [0])
+            finish = _finish_of_decode(
+                plan.params, len(self.generated.token_ids) + 1, token.token_id
+            )
+            yield Round(
+                [token.token_id], finish, stats, [orchestrator_pb2.TOKEN_SOURCE_TARGET], [0]
+            )
 
 
 def _speculated_round(update: draft_pb2.SpeculateUpdate) -> Round:
     sources = token_sources(update.round)[: len(update.token_ids)]
     stats = round_stats_from_proto(update.round, len(update.token_ids))
-    return Round(list(update.token_ids), update.finish_reason, stats, sources,
-                 [0] * (len(sources) - 1) + [update.round.num_drafted])
+    return Round(
+        list(update.token_ids),
+        update.finish_reason,
+        stats,
+        sources,
+        [0] * (len(sources) - 1) + [update.round.num_drafted],
+    )
 
 
 def _decoded_round_stats(token: target_pb2.DecodeToken, index: int) -> RoundStats:
     """A token the target decoded alone, counted as a round that drafted nothing."""
     return RoundStats(
-        index=index, base_len=token.committed_len - 1, num_drafted=0, num_accepted=0,
-        num_committed=1, next_token_kind=NextTokenKind.BONUS, draft_ns=0, verify_ns=token.compute_ns,
-        target_compute_ns=token.compute_ns, step=step_load_from_proto(token.step))
+        index=index,
+        base_len=token.committed_len - 1,
+        num_drafted=0,
+        num_accepted=0,
+        num_committed=1,
+        next_token_kind=NextTokenKind.BONUS,
+        draft_ns=0,
+        verify_ns=token.compute_ns,
+        target_compute_ns=token.compute_ns,
+        step=step_load_from_proto(token.step),
+    )
 
 
 def _finish_of_decode(params: SamplingParams, count: int, token: int) -> int:

@@ -17,7 +17,13 @@ from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, config: OrchestratorConfig, pool: WorkerPool, store: SessionStore, tokenizer: TargetTokenizer):
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        pool: WorkerPool,
+        store: SessionStore,
+        tokenizer: TargetTokenizer,
+    ):
         self.config, self.pool, self.store, self.tokenizer = config, pool, store, tokenizer
 
     @rpc_errors
@@ -41,8 +47,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         generation = self._generation(request, context)
         for chunk in generation.run():
             message = orchestrator_pb2.GenerateChunk(
-                text_delta=chunk.text_delta, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
-                token_sources=chunk.sources, token_texts=chunk.texts, num_drafted=chunk.num_drafted,
+                text_delta=chunk.text_delta,
+                token_ids=chunk.token_ids,
+                finish_reason=chunk.finish_reason,
+                token_sources=chunk.sources,
+                token_texts=chunk.texts,
+                num_drafted=chunk.num_drafted,
                 num_prompt_tokens=chunk.num_prompt_tokens,
             )
             if first:
@@ -59,7 +69,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             self.store.get_owned(request.session_id, caller)
         else:
             check_session_quota(self.config, self.store, caller)
-        return Generation(self.config, self.pool, self.store, self.tokenizer.get(), request, context, caller)
+        return Generation(
+            self.config, self.pool, self.store, self.tokenizer.get(), request, context, caller
+        )
 
     @rpc_errors
     def CreateSession(self, request, context):
@@ -69,7 +81,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if request.system_prompt:
             # Rendered now, prefilled on the first Generate (which places the session).
             record.messages = [{"role": "system", "content": request.system_prompt}]
-            record.token_ids = render_chat(self.tokenizer.get(), record.messages, add_generation_prompt=False)
+            record.token_ids = render_chat(
+                self.tokenizer.get(), record.messages, add_generation_prompt=False
+            )
             check_prompt_tokens(self.config, len(record.token_ids))
         if request.HasField("sampling"):
             check_max_new_tokens(self.config, request.sampling.max_new_tokens)
@@ -85,11 +99,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     @rpc_errors
     def CloseSession(self, request, context):
-        self.store.get_owned(request.session_id, current_caller())  # before the lease: as in _generation
+        self.store.get_owned(
+            request.session_id, current_caller()
+        )  # before the lease: as in _generation
         with self.store.lease(request.session_id) as lease:
             record = self.store.get_owned(request.session_id, current_caller())
-            close_worker_sessions(self.pool, ((TARGET, record.target), (DRAFT, record.draft)),
-                                  self.config.rpc_timeout_s)
+            close_worker_sessions(
+                self.pool,
+                ((TARGET, record.target), (DRAFT, record.draft)),
+                self.config.rpc_timeout_s,
+            )
             self.store.delete(record.session_id, lease)
         return common_pb2.CloseSessionResponse()
 
@@ -102,14 +121,21 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def _describe(self, record: SessionRecord) -> orchestrator_pb2.Session:
         session = orchestrator_pb2.Session(
-            session_id=record.session_id, num_committed_tokens=len(record.token_ids),
-            created_unix_ms=record.created_ms, last_used_unix_ms=record.last_used_ms,
+            session_id=record.session_id,
+            num_committed_tokens=len(record.token_ids),
+            created_unix_ms=record.created_ms,
+            last_used_unix_ms=record.last_used_ms,
         )
         for field, handle in (("target", record.target), ("draft", record.draft)):
             if handle is not None:
-                getattr(session, field).CopyFrom(common_pb2.KvHandle(
-                    worker_id=handle.worker_id, worker_address=handle.address,
-                    session_id=handle.session_id, committed_len=handle.committed_len))
+                getattr(session, field).CopyFrom(
+                    common_pb2.KvHandle(
+                        worker_id=handle.worker_id,
+                        worker_address=handle.address,
+                        session_id=handle.session_id,
+                        committed_len=handle.committed_len,
+                    )
+                )
         if record.sampling:
             session.sampling.ParseFromString(record.sampling)
         if record.speculation:

@@ -18,8 +18,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from service_common.status import FailedPrecondition
 from foundation.errors import NotFound
+from service_common.status import FailedPrecondition
 
 
 class SessionBusy(FailedPrecondition):
@@ -120,7 +120,9 @@ def not_found(session_id: str) -> NotFound:
 
 
 def busy(session_id: str) -> SessionBusy:
-    return SessionBusy(f"session {session_id!r} is busy with another Generate or CloseSession call; retry when it ends")
+    return SessionBusy(
+        f"session {session_id!r} is busy with another Generate or CloseSession call; retry when it ends"
+    )
 
 
 class InMemorySessionStore(SessionStore):
@@ -170,7 +172,10 @@ class InMemorySessionStore(SessionStore):
 
     def _expire(self) -> None:
         now = now_ms()
-        expired = [r for r in self._records.values()
-                   if now - r.last_used_ms > self._ttl_ms and r.session_id not in self._leases]
+        expired = [
+            r
+            for r in self._records.values()
+            if now - r.last_used_ms > self._ttl_ms and r.session_id not in self._leases
+        ]
         for record in expired:
             del self._records[record.session_id]

@@ -34,8 +34,12 @@ class TextStream:
         self.generated = generated  # the tokens' sources and drafted counts, filled by the rounds
         self.sent = 0  # tokens released to the client so far
 
-    def chunks(self, rounds: Iterable[tuple[list[int], int]], client_active: Callable[[], bool],
-               cancel_rounds: Callable[[], None]) -> Generator[Chunk, None, int]:
+    def chunks(
+        self,
+        rounds: Iterable[tuple[list[int], int]],
+        client_active: Callable[[], bool],
+        cancel_rounds: Callable[[], None],
+    ) -> Generator[Chunk, None, int]:
         """A chunk per round that made text final; returns the finish reason: the last
         round's, a stop string's, or the client's cancel."""
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -59,5 +63,10 @@ class TextStream:
 
     def _chunk(self, released: list[int], delta: str) -> Chunk:
         begin, self.sent = self.sent, self.sent + len(released)
-        return Chunk(released, delta, sources=self.generated.sources[begin:self.sent], texts=self.assembler.pieces,
-                     num_drafted=sum(self.generated.drafted[begin:self.sent]))
+        return Chunk(
+            released,
+            delta,
+            sources=self.generated.sources[begin : self.sent],
+            texts=self.assembler.pieces,
+            num_drafted=sum(self.generated.drafted[begin : self.sent]),
+        )

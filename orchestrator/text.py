@@ -14,20 +14,34 @@ from jinja2 import TemplateError
 from foundation.errors import InvalidArgument
 
 
-def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+def render_chat(
+    tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True
+) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidArgument("the target's tokenizer has no chat template: send text or token ids")
     if not messages:
         raise InvalidArgument("prompt is empty: the chat has no messages")
     for message in messages:
         if message["role"] not in ("system", "user", "assistant"):
-            raise InvalidArgument(f"chat role must be system, user or assistant, got {message['role']!r}")
+            raise InvalidArgument(
+                f"chat role must be system, user or assistant, got {message['role']!r}"
+            )
     try:
-        return list(tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-        ))
-    except (ValueError, TemplateError) as error:  # a template's raise_exception: e.g. roles out of order
-        raise InvalidArgument(f"the chat messages do not fit the target's chat template: {error}") from error
+        return list(
+            tokenizer.apply_chat_template(
+                list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+    except (
+        ValueError,
+        TemplateError,
+    ) as error:  # a template's raise_exception: e.g. roles out of order
+        raise InvalidArgument(
+            f"the chat messages do not fit the target's chat template: {error}"
+        ) from error
 
 
 class TextAssembler:
@@ -71,7 +85,9 @@ class TextAssembler:
     @property
     def kept_tokens(self) -> list[int]:
         """The generated tokens to commit: all, or those entirely before the stop string."""
-        return self.token_ids[: self.emitted_tokens] if self.stopped_at is not None else self.token_ids
+        return (
+            self.token_ids[: self.emitted_tokens] if self.stopped_at is not None else self.token_ids
+        )
 
     @property
     def text(self) -> str:
@@ -81,7 +97,10 @@ class TextAssembler:
     def _release(self, text: str, final: int) -> tuple[list[int], str]:
         count = self.emitted_tokens
         ends = []  # where the text of each released token ends
-        while count < len(self.token_ids) and (end := len(self._decode(self.token_ids[: count + 1]))) <= final:
+        while (
+            count < len(self.token_ids)
+            and (end := len(self._decode(self.token_ids[: count + 1]))) <= final
+        ):
             count += 1
             ends.append(end)
         if self.stopped_at is None and final >= len(text):
@@ -92,7 +111,11 @@ class TextAssembler:
         start, self.emitted_chars = self.emitted_chars, max(self.emitted_chars, final)
         self.pieces = []
         for index, end in enumerate(ends):
-            stop = self.emitted_chars if index == len(ends) - 1 else min(max(end, start), self.emitted_chars)
+            stop = (
+                self.emitted_chars
+                if index == len(ends) - 1
+                else min(max(end, start), self.emitted_chars)
+            )
             self.pieces.append(text[start:stop])
             start = stop
         return tokens, delta

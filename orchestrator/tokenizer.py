@@ -36,7 +36,15 @@ from specdec.v1 import target_pb2
 log = logging.getLogger(__name__)
 
 # The named special tokens of transformers' tokenizers (its SPECIAL_TOKENS_ATTRIBUTES).
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class TargetTokenizer:
@@ -49,7 +57,9 @@ class TargetTokenizer:
     def get(self):
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = load_tokenizer_override(self.name) if self.name else self._from_target()
+                self._tokenizer = (
+                    load_tokenizer_override(self.name) if self.name else self._from_target()
+                )
                 # It lives as long as the process, like what start-up built: where that
                 # was frozen out of the collector's reach, so is this (else the next
                 # calls pay full collections of 30-100 ms, walking what loading it left).
@@ -60,6 +70,7 @@ class TargetTokenizer:
     def fetch_ahead(self, period_s: float) -> None:
         """Fetches the tokenizer in the background as soon as a target serves, so that
         the first call does not wait for it (half a second for SmolLM2's)."""
+
         def fetch() -> None:
             while True:
                 try:
@@ -78,15 +89,22 @@ class TargetTokenizer:
     def _from_target(self) -> ServedTokenizer:
         targets = self.pool.live_targets()
         if not targets:
-            raise Unavailable(self.pool.why_empty(
-                "no target worker is reachable to learn the tokenizer from; start a target worker or set --tokenizer"))
+            raise Unavailable(
+                self.pool.why_empty(
+                    "no target worker is reachable to learn the tokenizer from; "
+                    "start a target worker or set --tokenizer"
+                )
+            )
         target = targets[0]
         try:
-            served = target.stub.GetTokenizer(target_pb2.GetTokenizerRequest(), timeout=self.timeout_s)
+            served = target.stub.GetTokenizer(
+                target_pb2.GetTokenizerRequest(), timeout=self.timeout_s
+            )
         except grpc.RpcError as error:
             raise Unavailable(
                 f"cannot fetch the tokenizer from target {target.worker_id} at {target.address} "
-                f"({error.code().name}: {error.details()}); set --tokenizer to load one here") from None
+                f"({error.code().name}: {error.details()}); set --tokenizer to load one here"
+            ) from None
         return ServedTokenizer.from_served(served)
 
 
@@ -100,8 +118,13 @@ class ServedTokenizer:
     (text <-> ids, the chat template, the special tokens' ids), answering as transformers'
     tokenizer built from the same tokenizer.json answers."""
 
-    def __init__(self, tokenizer_json: str, chat_template: str = "", special_tokens: Mapping[str, str] | None = None,
-                 clean_up_tokenization_spaces: bool = False):
+    def __init__(
+        self,
+        tokenizer_json: str,
+        chat_template: str = "",
+        special_tokens: Mapping[str, str] | None = None,
+        clean_up_tokenization_spaces: bool = False,
+    ):
         self._tokenizer = Tokenizer.from_str(tokenizer_json)
         # As transformers encodes a single text: no truncation, no padding, special
         # tokens written in the text are matched as special tokens.
@@ -116,12 +139,17 @@ class ServedTokenizer:
     def from_served(cls, served: target_pb2.GetTokenizerResponse) -> ServedTokenizer:
         """From a target's GetTokenizer; FailedPrecondition unless it rebuilds to the
         fingerprint the target announced (the draft pairing relies on that hash)."""
-        tokenizer = cls(gzip.decompress(served.tokenizer_json_gzip).decode(), served.chat_template,
-                        dict(served.special_tokens), served.clean_up_tokenization_spaces)
+        tokenizer = cls(
+            gzip.decompress(served.tokenizer_json_gzip).decode(),
+            served.chat_template,
+            dict(served.special_tokens),
+            served.clean_up_tokenization_spaces,
+        )
         if served.fingerprint and tokenizer.fingerprint != served.fingerprint:
             raise FailedPrecondition(
                 f"the tokenizer target {served.model_id!r} served hashes to {tokenizer.fingerprint} here, not to its "
-                f"fingerprint {served.fingerprint}: set --tokenizer")
+                f"fingerprint {served.fingerprint}: set --tokenizer"
+            )
         return tokenizer
 
     @classmethod
@@ -130,15 +158,28 @@ class ServedTokenizer:
         maybe chat_template.jinja, special_tokens_map.json)."""
         config = _read_json(directory / "tokenizer_config.json")
         special = {**_read_json(directory / "special_tokens_map.json"), **config}
-        special_tokens = {name: _token_text(special[name]) for name in SPECIAL_TOKEN_NAMES if special.get(name)}
+        special_tokens = {
+            name: _token_text(special[name]) for name in SPECIAL_TOKEN_NAMES if special.get(name)
+        }
         template_file = directory / "chat_template.jinja"
-        template = template_file.read_text() if template_file.is_file() else config.get("chat_template") or ""
+        template = (
+            template_file.read_text()
+            if template_file.is_file()
+            else config.get("chat_template") or ""
+        )
         if isinstance(template, list):  # named templates: the one transformers uses by default
             template = next((t["template"] for t in template if t.get("name") == "default"), "")
         tokenizer = cls((directory / "tokenizer.json").read_text(), template, special_tokens)
-        tokenizer.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces")) and (
+        tokenizer.clean_up_tokenization_spaces = bool(
+            config.get("clean_up_tokenization_spaces")
+        ) and (
             tokenizer._model_kind != "BPE"
-            or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
+            or bool(
+                config.get(
+                    "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+                )
+            )
+        )
         return tokenizer
 
     # The special tokens' ids, as transformers' <name>_token_id.
@@ -176,14 +217,21 @@ class ServedTokenizer:
         text = self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
 
-    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = False,
-                            tokenize: bool = True, return_dict: bool = False):
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = False,
+    ):
         """The prompt's token ids (tokenize) or text; return_dict is not offered."""
         if return_dict:
             raise NotImplementedError("return_dict: the orchestrator reads token ids only")
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template")
-        text = render_chat_template(self.chat_template, messages, self.special_tokens_map, add_generation_prompt)
+        text = render_chat_template(
+            self.chat_template, messages, self.special_tokens_map, add_generation_prompt
+        )
         # The template writes the special tokens itself (as transformers tokenizes it).
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -223,7 +271,17 @@ def _token_text(token) -> str:
 
 def _clean_up_tokenization(text: str) -> str:
     """transformers' clean-up of decoded text: no space before punctuation and contractions."""
-    for spaced, joined in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                           (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for spaced, joined in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(spaced, joined)
     return text

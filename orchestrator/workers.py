@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from foundation.errors import SpeculativeError
 from model_runtime.fingerprint import check_compatible
 from service_common.registry import WorkerRegistry
 from service_common.security import Tls
 from service_common.server import channel
 from service_common.status import Unavailable
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
-from foundation.errors import SpeculativeError
 from speculative.types import NGRAM
 
 log = logging.getLogger(__name__)
@@ -73,14 +73,22 @@ def registry_discovery(url: str, tls: Tls | None = None) -> Discover:
     return WorkerRegistry(url, tls).workers
 
 
-def static_discovery(target_addresses: list[str], draft_addresses: list[str], rpc_timeout_s: float,
-                     tls: Tls | None = None) -> Discover:
+def static_discovery(
+    target_addresses: list[str],
+    draft_addresses: list[str],
+    rpc_timeout_s: float,
+    tls: Tls | None = None,
+) -> Discover:
     """Polls each address's Info; a worker that does not answer is left out (with TLS,
     one whose certificate the cluster CA did not sign never answers)."""
-    stubs = [(common_pb2.WORKER_POOL_TARGET, a, target_pb2_grpc.TargetServiceStub(channel(a, tls)))
-             for a in target_addresses]
-    stubs += [(common_pb2.WORKER_POOL_DRAFT, a, draft_pb2_grpc.DraftServiceStub(channel(a, tls)))
-              for a in draft_addresses]
+    stubs = [
+        (common_pb2.WORKER_POOL_TARGET, a, target_pb2_grpc.TargetServiceStub(channel(a, tls)))
+        for a in target_addresses
+    ]
+    stubs += [
+        (common_pb2.WORKER_POOL_DRAFT, a, draft_pb2_grpc.DraftServiceStub(channel(a, tls)))
+        for a in draft_addresses
+    ]
 
     def discover() -> list[common_pb2.Worker]:
         found = []
@@ -90,9 +98,16 @@ def static_discovery(target_addresses: list[str], draft_addresses: list[str], rp
             except grpc.RpcError as error:
                 log.debug("worker %s unreachable: %s", address, error.code())
                 continue
-            found.append(common_pb2.Worker(
-                pool=pool, worker_id=info.worker_id, address=address, model=info.model, load=info.load,
-                last_heartbeat_unix_ms=int(time.time() * 1000)))
+            found.append(
+                common_pb2.Worker(
+                    pool=pool,
+                    worker_id=info.worker_id,
+                    address=address,
+                    model=info.model,
+                    load=info.load,
+                    last_heartbeat_unix_ms=int(time.time() * 1000),
+                )
+            )
         return found
 
     return discover
@@ -104,16 +119,26 @@ class WorkerPool:
     record anyone wrote into Redis joins only if a worker holding a certificate the
     cluster CA signed stands behind it."""
 
-    def __init__(self, discover: Discover, refresh_s: float, tls: Tls | None = None, vet: bool = False,
-                 vet_timeout_s: float = 2.0):
+    def __init__(
+        self,
+        discover: Discover,
+        refresh_s: float,
+        tls: Tls | None = None,
+        vet: bool = False,
+        vet_timeout_s: float = 2.0,
+    ):
         self.discover = discover
         self.refresh_s = refresh_s
         self.tls, self.vet, self.vet_timeout_s = tls, vet, vet_timeout_s
-        self._vetted: dict[tuple[str, str], str] = {}  # (pool, address) -> the worker id that answered
-        self._refused: set[tuple[str, str, str]] = set()  # (pool, address, worker id) refused, logged once
+        self._vetted: dict[
+            tuple[str, str], str
+        ] = {}  # (pool, address) -> the worker id that answered
+        # (pool, address, worker id) refused, logged once
+        self._refused: set[tuple[str, str, str]] = set()
         self._workers: list[Worker] = []
         self._stubs: dict[tuple[str, str], object] = {}
-        self._placed: collections.Counter[str] = collections.Counter()  # calls in flight per address
+        # calls in flight per address
+        self._placed: collections.Counter[str] = collections.Counter()
         self._suspects: dict[str, int] = {}  # address -> its heartbeat time when suspected
         self.discovery_error: str | None = None  # why the pools cannot be read, e.g. Redis down
         self._lock = threading.Lock()
@@ -130,8 +155,11 @@ class WorkerPool:
             self.discovery_error = str(error)
             return
         self.discovery_error = None
-        workers = [Worker(POOL_OF_PROTO[r.pool], r, self._stub(POOL_OF_PROTO[r.pool], r.address))
-                   for r in records if r.pool in POOL_OF_PROTO]
+        workers = [
+            Worker(POOL_OF_PROTO[r.pool], r, self._stub(POOL_OF_PROTO[r.pool], r.address))
+            for r in records
+            if r.pool in POOL_OF_PROTO
+        ]
         if self.vet:
             workers = [w for w in workers if self._answers_as_recorded(w)]
         with self._lock:
@@ -166,7 +194,11 @@ class WorkerPool:
             return True
         try:
             answer = worker.stub.Info(common_pb2.InfoRequest(), timeout=self.vet_timeout_s)
-            refusal = None if answer.worker_id == worker.worker_id else f"worker {answer.worker_id!r} answers there"
+            refusal = (
+                None
+                if answer.worker_id == worker.worker_id
+                else f"worker {answer.worker_id!r} answers there"
+            )
         except grpc.RpcError as error:
             refusal = f"{error.code().name}: {error.details()}"
         if refusal is None:
@@ -174,8 +206,13 @@ class WorkerPool:
             return True
         if (*key, worker.worker_id) not in self._refused:
             self._refused.add((*key, worker.worker_id))
-            log.warning("registered %s worker %s at %s left out of the pool: %s", worker.pool, worker.worker_id,
-                        worker.address, refusal)
+            log.warning(
+                "registered %s worker %s at %s left out of the pool: %s",
+                worker.pool,
+                worker.worker_id,
+                worker.address,
+                refusal,
+            )
         return False
 
     # Views.
@@ -223,7 +260,9 @@ class WorkerPool:
     def pick_target(self) -> Worker:
         targets = self.live_targets()
         if not targets:
-            raise Unavailable(self.why_empty("no target worker is reachable; check the target pool"))
+            raise Unavailable(
+                self.why_empty("no target worker is reachable; check the target pool")
+            )
         return self.least_loaded(targets)
 
     def why_empty(self, message: str) -> str:
@@ -241,7 +280,9 @@ class WorkerPool:
         if drafter != NGRAM:
             compatible = [d for d in drafts if _compatible(target, d)]
             if not compatible:
-                check_compatible(target.model_id, target.fingerprint, drafts[0].model_id, drafts[0].fingerprint)
+                check_compatible(
+                    target.model_id, target.fingerprint, drafts[0].model_id, drafts[0].fingerprint
+                )
             drafts = compatible
         return self.least_loaded(drafts)
 
@@ -258,8 +299,12 @@ class WorkerPool:
 
     def suspect(self, worker: Worker) -> None:
         """Skips a worker that failed a call until it heartbeats again."""
-        log.warning("%s worker %s at %s unreachable: skipped until it heartbeats again",
-                    worker.pool, worker.worker_id, worker.address)
+        log.warning(
+            "%s worker %s at %s unreachable: skipped until it heartbeats again",
+            worker.pool,
+            worker.worker_id,
+            worker.address,
+        )
         with self._lock:
             self._suspects[worker.address] = worker.record.last_heartbeat_unix_ms
 
@@ -272,7 +317,9 @@ def close_worker_sessions(pool: WorkerPool, handles, timeout_s: float) -> None:
         if worker is None:
             continue
         try:
-            worker.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=timeout_s)
+            worker.stub.CloseSession(
+                common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=timeout_s
+            )
         except grpc.RpcError as error:
             log.warning("closing %s on %s: %s", handle.session_id, handle.address, error.code())
 

@@ -14,16 +14,32 @@ from report.traces import read_spans
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m report", description=(
-        "Acceptance, time split, measured speedup and break-even delay of speculative decoding, "
-        "from the services' JSON-lines span files (or live /metrics)."))
-    parser.add_argument("traces", nargs="*", help="span files written with --trace-exporter jsonl (any number)")
-    parser.add_argument("--metrics-url", action="append", default=[],
-                        help="a Prometheus /metrics URL to read instead of traces (repeatable)")
-    parser.add_argument("--plots", metavar="DIR", help="write speedup_vs_k.png and speedup_vs_delay.png here")
-    parser.add_argument("--target-step-ms", type=float, default=None,
-                        help="target-only decoding time per token; default: measured from target-only "
-                             "(Decode) spans in the traces, else estimated from the verification times")
+    parser = argparse.ArgumentParser(
+        prog="python -m report",
+        description=(
+            "Acceptance, time split, measured speedup and break-even delay of speculative decoding, "
+            "from the services' JSON-lines span files (or live /metrics)."
+        ),
+    )
+    parser.add_argument(
+        "traces", nargs="*", help="span files written with --trace-exporter jsonl (any number)"
+    )
+    parser.add_argument(
+        "--metrics-url",
+        action="append",
+        default=[],
+        help="a Prometheus /metrics URL to read instead of traces (repeatable)",
+    )
+    parser.add_argument(
+        "--plots", metavar="DIR", help="write speedup_vs_k.png and speedup_vs_delay.png here"
+    )
+    parser.add_argument(
+        "--target-step-ms",
+        type=float,
+        default=None,
+        help="target-only decoding time per token; default: measured from target-only "
+        "(Decode) spans in the traces, else estimated from the verification times",
+    )
     parser.add_argument("--k-max", type=int, default=K_MAX, help="largest k the model considers")
     args = parser.parse_args(argv)
     target_step_ns = args.target_step_ms * 1e6 if args.target_step_ms else None

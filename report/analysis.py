@@ -42,7 +42,9 @@ class Report:
     model: CostModel | None
     verify_by_k: dict[int, tuple[float, int]]  # k -> (mean target compute ns, rounds)
     points: list[RunPoint] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)  # the orchestrator's failovers and rollbacks, in words
+    events: list[str] = field(
+        default_factory=list
+    )  # the orchestrator's failovers and rollbacks, in words
 
     # --- acceptance ---------------------------------------------------------------------
 
@@ -81,8 +83,10 @@ class Report:
     def acceptance_by_position(self) -> list[tuple[int, int]]:
         """[position] (accepted, drafted): rounds that drafted / accepted position i."""
         k_max = max((r.k for r in self.rounds), default=0)
-        return [(sum(1 for r in self.rounds if r.accepted > i), sum(1 for r in self.rounds if r.k > i))
-                for i in range(k_max)]
+        return [
+            (sum(1 for r in self.rounds if r.accepted > i), sum(1 for r in self.rounds if r.k > i))
+            for i in range(k_max)
+        ]
 
     # --- time ---------------------------------------------------------------------------
 
@@ -104,7 +108,11 @@ class Report:
     @property
     def ns_per_token(self) -> float:
         """Speculative decoding's time per output token: round time / tokens."""
-        return sum(r.duration_ns for r in self.rounds) / self.num_generated if self.num_generated else 0.0
+        return (
+            sum(r.duration_ns for r in self.rounds) / self.num_generated
+            if self.num_generated
+            else 0.0
+        )
 
     @property
     def measured_speedup(self) -> float | None:
@@ -145,12 +153,18 @@ def analyse(spans: Sequence[Span], target_step_ns: float | None = None) -> Repor
             alpha=alpha_from_rounds([(r.k, r.accepted) for r in rounds]),
             target_step_ns=target_step_ns,
             draft_step_ns=sum(r.draft_ns for r in drafting) / drafted if drafted else 0.0,
-            verify_base_ns=base, verify_per_token_ns=per_token,
+            verify_base_ns=base,
+            verify_per_token_ns=per_token,
             draft_fraction=len(drafting) / len(speculating) if speculating else 1.0,
         )
     report = Report(
-        num_spans=len(spans), services=sorted({s.service for s in spans if s.service}), rounds=rounds,
-        decode_steps=steps, target_step_ns=target_step_ns, target_step_source=source, model=model,
+        num_spans=len(spans),
+        services=sorted({s.service for s in spans if s.service}),
+        rounds=rounds,
+        decode_steps=steps,
+        target_step_ns=target_step_ns,
+        target_step_source=source,
+        model=model,
         verify_by_k=verify_by_k,
         events=_orchestrator_events(spans),
     )
@@ -166,12 +180,16 @@ def _orchestrator_events(spans: Sequence[Span]) -> list[str]:
     events = []
     if failovers:
         lost = Counter(w for s in failovers for w in s.attributes.get("specdec.lost", ()))
-        events.append(f"failovers: {len(failovers)}" + (f" (lost: {', '.join(f'{w} x{n}' for w, n in lost.items())})"
-                                                         if lost else ""))
+        events.append(
+            f"failovers: {len(failovers)}"
+            + (f" (lost: {', '.join(f'{w} x{n}' for w, n in lost.items())})" if lost else "")
+        )
     if rollbacks:
         cuts = [int(s.attributes.get("specdec.cut_tokens", 0)) for s in rollbacks]
-        events.append(f"rollbacks: {len(rollbacks)}, {sum(c > 0 for c in cuts)} of them cut generated tokens "
-                      f"at a stop string ({sum(cuts)} tokens)")
+        events.append(
+            f"rollbacks: {len(rollbacks)}, {sum(c > 0 for c in cuts)} of them cut generated tokens "
+            f"at a stop string ({sum(cuts)} tokens)"
+        )
     return events
 
 
@@ -182,7 +200,9 @@ def _verify_by_k(rounds: Sequence[Round]) -> dict[int, tuple[float, int]]:
     return {k: (sum(v) / len(v), len(v)) for k, v in sorted(by_k.items())}
 
 
-def _fit(verify_by_k: dict[int, tuple[float, int]], steps: Sequence[DecodeStep]) -> tuple[float, float]:
+def _fit(
+    verify_by_k: dict[int, tuple[float, int]], steps: Sequence[DecodeStep]
+) -> tuple[float, float]:
     """t_verify(k) from the verifications measured per width; Decode steps are
     verifications of width 0 (one target pass, same code path on the target)."""
     points = [(k, ns, n) for k, (ns, n) in verify_by_k.items()]
@@ -201,10 +221,15 @@ def _points(rounds: Sequence[Round], target_step_ns: float | None) -> list[RunPo
         if not tokens:
             continue
         ns_per_token = sum(r.duration_ns for r in trace_rounds) / tokens
-        points.append(RunPoint(
-            trace_id, max(r.max_k for r in trace_rounds), sum(r.delay_ns for r in trace_rounds) / len(trace_rounds),
-            ns_per_token, target_step_ns / ns_per_token if target_step_ns else 0.0,
-        ))
+        points.append(
+            RunPoint(
+                trace_id,
+                max(r.max_k for r in trace_rounds),
+                sum(r.delay_ns for r in trace_rounds) / len(trace_rounds),
+                ns_per_token,
+                target_step_ns / ns_per_token if target_step_ns else 0.0,
+            )
+        )
     return points
 
 
@@ -232,24 +257,39 @@ def render(report: Report, k_max: int = K_MAX) -> str:
         f"acceptance rate: {report.acceptance_rate:.1%} of drafted tokens",
         f"mean accepted length: {report.mean_accepted_length:.2f} tokens per drafting round "
         f"({report.tokens_per_round:.2f} tokens per round with the target's own)",
-        "acceptance by position: " + " ".join(
-            f"{i + 1}:{a / d:.0%}({d})" for i, (a, d) in enumerate(report.acceptance_by_position) if d),
+        "acceptance by position: "
+        + " ".join(
+            f"{i + 1}:{a / d:.0%}({d})"
+            for i, (a, d) in enumerate(report.acceptance_by_position)
+            if d
+        ),
     ]
     split = report.mean_split_ns()
     total = split["total"]
-    lines.append("time per round (mean): " + ", ".join(
-        f"{name} {_ms(ns)} ({ns / total:.0%})" for name, ns in split.items() if name != "total"
-    ) + f"; total {_ms(total)}")
-    lines.append("verification (target compute) by width: " + ", ".join(
-        f"k={k}: {_ms(ns)} ({n})" for k, (ns, n) in report.verify_by_k.items()))
+    lines.append(
+        "time per round (mean): "
+        + ", ".join(
+            f"{name} {_ms(ns)} ({ns / total:.0%})" for name, ns in split.items() if name != "total"
+        )
+        + f"; total {_ms(total)}"
+    )
+    lines.append(
+        "verification (target compute) by width: "
+        + ", ".join(f"k={k}: {_ms(ns)} ({n})" for k, (ns, n) in report.verify_by_k.items())
+    )
     source_note = {
-        GIVEN: "given", MEASURED: f"measured: {len(report.decode_steps)} Decode steps in this trace",
+        GIVEN: "given",
+        MEASURED: f"measured: {len(report.decode_steps)} Decode steps in this trace",
         ESTIMATED: "estimated: fitted one-token verification, no target-only run in the trace",
     }[report.target_step_source]
     lines.append(f"target-only decoding: {_ms(report.target_step_ns)} per token ({source_note})")
     speedup = report.measured_speedup
-    lines.append(f"speculative decoding: {_ms(report.ns_per_token)} per output token -> measured speedup "
-                 f"{speedup:.2f}x against target-only" if speedup else "measured speedup: n/a")
+    lines.append(
+        f"speculative decoding: {_ms(report.ns_per_token)} per output token -> measured speedup "
+        f"{speedup:.2f}x against target-only"
+        if speedup
+        else "measured speedup: n/a"
+    )
     lines += _model_lines(report, k_max)
     return "\n".join(lines)
 
@@ -264,17 +304,30 @@ def _model_lines(report: Report, k_max: int) -> list[str]:
         f"{_ms(model.verify_per_token_ns)} * k, measured R {_ms(delay)} per round",
     ]
     if model.draft_fraction < 1.0:
-        lines.append(f"  drafting rounds f = {model.draft_fraction:.1%}: the drafter proposed nothing in the other "
-                     "rounds (one-token target steps that still pay R)")
+        lines.append(
+            f"  drafting rounds f = {model.draft_fraction:.1%}: the drafter proposed nothing in the other "
+            "rounds (one-token target steps that still pay R)"
+        )
     if k > 0:
         break_even = model.break_even_delay_ns(k)
-        lines.append(f"  at k={k}: predicted speedup {model.speedup(k, delay):.2f}x; "
-                     f"break-even round-trip delay R = {_ms(break_even)}"
-                     + (f" (speculation stops paying at {_ms((break_even - delay) / 2)} added one-way delay)"
-                        if break_even > delay else " (already past it: speculation does not pay here)"))
+        lines.append(
+            f"  at k={k}: predicted speedup {model.speedup(k, delay):.2f}x; "
+            f"break-even round-trip delay R = {_ms(break_even)}"
+            + (
+                f" (speculation stops paying at {_ms((break_even - delay) / 2)} added one-way delay)"
+                if break_even > delay
+                else " (already past it: speculation does not pay here)"
+            )
+        )
     for label, at in (("the measured R", delay), ("R = 0", 0.0)):
         best = model.best_k(at, k_max)
         value = model.speedup(best, at)
-        verdict = f"k={best} ({value:.2f}x)" if value > 1 else f"none: k=0 (best k={best} reaches only {value:.2f}x)"
-        lines.append(f"  best k at {label}: {verdict}, break-even R there {_ms(model.break_even_delay_ns(best))}")
+        verdict = (
+            f"k={best} ({value:.2f}x)"
+            if value > 1
+            else f"none: k=0 (best k={best} reaches only {value:.2f}x)"
+        )
+        lines.append(
+            f"  best k at {label}: {verdict}, break-even R there {_ms(model.break_even_delay_ns(best))}"
+        )
     return lines

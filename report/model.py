@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from speculative.estimator import expected_tokens  # the same formula the adaptive policy uses
 from foundation.limits import MAX_SPECULATIVE_TOKENS
+from speculative.estimator import expected_tokens  # the same formula the adaptive policy uses
 
 K_MAX = MAX_SPECULATIVE_TOKENS  # the model considers every k the protocol allows
 
@@ -51,7 +51,11 @@ class CostModel:
     def round_ns(self, k: int, delay_ns: float) -> float:
         """Mean round time at k: drafting rounds and, for f < 1, plain target steps."""
         f = self.draft_fraction
-        return f * (k * self.draft_step_ns + self.verify_ns(k)) + (1.0 - f) * self.verify_ns(0) + delay_ns
+        return (
+            f * (k * self.draft_step_ns + self.verify_ns(k))
+            + (1.0 - f) * self.verify_ns(0)
+            + delay_ns
+        )
 
     def speedup(self, k: int, delay_ns: float) -> float:
         return self.tokens_per_round(k) * self.target_step_ns / self.round_ns(k, delay_ns)

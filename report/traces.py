@@ -38,11 +38,18 @@ def read_spans(paths: Iterable[str | Path]) -> list[Span]:
                 continue
             try:
                 record = json.loads(line)
-                spans.append(Span(
-                    record["name"], record["trace_id"], record["span_id"], record.get("parent_span_id"),
-                    int(record["start_ns"]), int(record["end_ns"]), record.get("attributes") or {},
-                    (record.get("resource") or {}).get("service.name", ""),
-                ))
+                spans.append(
+                    Span(
+                        record["name"],
+                        record["trace_id"],
+                        record["span_id"],
+                        record.get("parent_span_id"),
+                        int(record["start_ns"]),
+                        int(record["end_ns"]),
+                        record.get("attributes") or {},
+                        (record.get("resource") or {}).get("service.name", ""),
+                    )
+                )
             except (ValueError, KeyError, TypeError) as error:
                 raise ValueError(f"{path}:{number}: not a span record ({error})") from None
     return spans
@@ -96,17 +103,31 @@ def rounds_of(spans: Sequence[Span]) -> list[Round]:
         if span.name != ROUND_SPAN:
             continue
         a = span.attributes
-        rounds.append(Round(
-            span.trace_id, int(a["specdec.k"]), int(a["specdec.accepted"]), int(a["specdec.committed"]),
-            span.duration_ns, int(a["specdec.draft_ns"]), int(a["specdec.verify_ns"]),
-            int(a["specdec.target_compute_ns"]), int(a.get("specdec.max_k", a["specdec.k"])),
-            int(a.get("specdec.target_handled_ns", 0)), int(a.get("specdec.target_host_ns", 0)),
-        ))
+        rounds.append(
+            Round(
+                span.trace_id,
+                int(a["specdec.k"]),
+                int(a["specdec.accepted"]),
+                int(a["specdec.committed"]),
+                span.duration_ns,
+                int(a["specdec.draft_ns"]),
+                int(a["specdec.verify_ns"]),
+                int(a["specdec.target_compute_ns"]),
+                int(a.get("specdec.max_k", a["specdec.k"])),
+                int(a.get("specdec.target_handled_ns", 0)),
+                int(a.get("specdec.target_host_ns", 0)),
+            )
+        )
     return rounds
 
 
 def decode_steps_of(spans: Sequence[Span]) -> list[DecodeStep]:
     return [
-        DecodeStep(s.trace_id, s.duration_ns, int(s.attributes.get("specdec.target_compute_ns", s.duration_ns)))
-        for s in spans if s.name == DECODE_SPAN
+        DecodeStep(
+            s.trace_id,
+            s.duration_ns,
+            int(s.attributes.get("specdec.target_compute_ns", s.duration_ns)),
+        )
+        for s in spans
+        if s.name == DECODE_SPAN
     ]

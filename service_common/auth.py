@@ -30,8 +30,8 @@ from pathlib import Path
 
 import grpc
 
-from service_common.limits import CallLimits
 from foundation.errors import InvalidArgument, ResourceExhausted
+from service_common.limits import CallLimits
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,11 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 HASH_PREFIX = "sha256:"
 KEY_PREFIX = "sk-"  # makes a leaked key easy to spot in logs and scanners
 # Open without a key: probes and tools that discover the API.
-OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
-                 "grpc.reflection.v1.ServerReflection")
+OPEN_SERVICES = (
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1alpha.ServerReflection",
+    "grpc.reflection.v1.ServerReflection",
+)
 # One answer for a missing, malformed or unknown key: no hint of which keys exist.
 REFUSAL = "a valid API key is required: send the metadata 'authorization: Bearer <key>'"
 ANONYMOUS = ""  # the caller when the server checks no keys
@@ -71,8 +74,11 @@ def parse_keys(text: str, source: str = "keys file") -> dict[str, str]:
         if not line:
             continue
         parts = line.split()
-        if (len(parts) != 2 or not NAME_PATTERN.fullmatch(parts[0])
-                or not re.fullmatch(HASH_PREFIX + "[0-9a-f]{64}", parts[1])):
+        if (
+            len(parts) != 2
+            or not NAME_PATTERN.fullmatch(parts[0])
+            or not re.fullmatch(HASH_PREFIX + "[0-9a-f]{64}", parts[1])
+        ):
             raise InvalidArgument(f"{source} line {number}: expected 'NAME sha256:<64 hex digits>'")
         keys[parts[1]] = parts[0]
     return keys
@@ -99,7 +105,9 @@ class ApiKeys:
         try:
             return Path(self.path).read_text()
         except OSError as error:
-            raise InvalidArgument(f"api_keys_file: cannot read {self.path!r}: {error.strerror}") from None
+            raise InvalidArgument(
+                f"api_keys_file: cannot read {self.path!r}: {error.strerror}"
+            ) from None
 
     def _file_stamp(self):
         try:
@@ -159,21 +167,27 @@ class ApiGate(grpc.ServerInterceptor):
         return _admitted(handler, caller, self.limits)
 
 
-def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+def _refusing(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str
+) -> grpc.RpcMethodHandler:
     def refuse(request_or_iterator, context):
         context.abort(code, details)
 
     return _same_kind(handler, refuse, refuse)
 
 
-def _admitted(handler: grpc.RpcMethodHandler, caller: str, limits: CallLimits) -> grpc.RpcMethodHandler:
+def _admitted(
+    handler: grpc.RpcMethodHandler, caller: str, limits: CallLimits
+) -> grpc.RpcMethodHandler:
     """The handler run with current_caller() = caller, counted by limits from when it
     starts to when it ends. Counting starts in the handler, not when gRPC looks it up:
     gRPC never runs a call whose request did not parse or whose client left first, and
     such a call would hold its slot for good (the fuzzing filled all 128 of them with
     malformed requests). Each call runs in a context of its own: the caller cannot leak
     into another call that a pool thread serves next."""
-    behavior = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    behavior = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
 
     def unary(request_or_iterator, context):
         _admit(limits, caller, context)
@@ -213,10 +227,14 @@ def _admit(limits: CallLimits, caller: str, context: grpc.ServicerContext) -> No
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
 
-def _same_kind(handler: grpc.RpcMethodHandler, unary_response, streaming_response) -> grpc.RpcMethodHandler:
+def _same_kind(
+    handler: grpc.RpcMethodHandler, unary_response, streaming_response
+) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind and (de)serializers with other behaviour."""
-    serializers = {"request_deserializer": handler.request_deserializer,
-                   "response_serializer": handler.response_serializer}
+    serializers = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary_response, **serializers)
     if handler.unary_stream:
@@ -228,10 +246,15 @@ def _same_kind(handler: grpc.RpcMethodHandler, unary_response, streaming_respons
 
 # The command line: make keys, hash them.
 
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service_common.auth", description="API keys for the orchestrator.")
+    parser = argparse.ArgumentParser(
+        prog="python -m service_common.auth", description="API keys for the orchestrator."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    add = commands.add_parser("add", help="make a new key for NAME, append its hash to FILE, print the key once")
+    add = commands.add_parser(
+        "add", help="make a new key for NAME, append its hash to FILE, print the key once"
+    )
     add.add_argument("name")
     add.add_argument("file")
     hashed = commands.add_parser("hash", help="read a key on stdin, print its line for a keys file")

@@ -22,7 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser, config_class, env_prefix: str
         help_text = f"{field.metadata.get('help', '')} (env {env}; default {field.default!r})"
         flag = "--" + field.name.replace("_", "-")
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=_as_bool(default), help=help_text)
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=_as_bool(default),
+                help=help_text,
+            )
         else:
             parser.add_argument(flag, type=_base_type(kind), default=default, help=help_text)
 

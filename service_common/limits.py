@@ -41,10 +41,19 @@ class CallLimits:
     flight per named caller (0 = no bound); rate_per_s / burst: a token bucket per named
     caller (rate 0 = off)."""
 
-    def __init__(self, max_calls: int = 0, max_calls_per_key: int = 0, rate_per_s: float = 0.0, burst: int = 1,
-                 clock: Callable[[], float] = time.monotonic):
-        for name, value in (("max_concurrent_calls", max_calls), ("max_calls_per_key", max_calls_per_key),
-                            ("rate_limit_per_s", rate_per_s)):
+    def __init__(
+        self,
+        max_calls: int = 0,
+        max_calls_per_key: int = 0,
+        rate_per_s: float = 0.0,
+        burst: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        for name, value in (
+            ("max_concurrent_calls", max_calls),
+            ("max_calls_per_key", max_calls_per_key),
+            ("rate_limit_per_s", rate_per_s),
+        ):
             if value < 0:
                 raise InvalidArgument(f"{name} must be >= 0 (0 = no limit), got {value}")
         if rate_per_s and burst < 1:
@@ -65,14 +74,21 @@ class CallLimits:
                 if wait_s:
                     raise ResourceExhausted(
                         f"API key {caller!r} is over its rate limit of {self.rate_per_s:g} calls/s with bursts of "
-                        f"{self.burst} (rate_limit_per_s, rate_limit_burst); retry in {wait_s:.2f} s")
+                        f"{self.burst} (rate_limit_per_s, rate_limit_burst); retry in {wait_s:.2f} s"
+                    )
             if self.max_calls and self._calls >= self.max_calls:
                 raise ResourceExhausted(
-                    f"server is at its limit of {self.max_calls} calls in flight (max_concurrent_calls); retry later")
-            if caller and self.max_calls_per_key and self._per_key[caller] >= self.max_calls_per_key:
+                    f"server is at its limit of {self.max_calls} calls in flight (max_concurrent_calls); retry later"
+                )
+            if (
+                caller
+                and self.max_calls_per_key
+                and self._per_key[caller] >= self.max_calls_per_key
+            ):
                 raise ResourceExhausted(
                     f"API key {caller!r} has {self._per_key[caller]} calls in flight, its limit "
-                    f"(max_calls_per_key={self.max_calls_per_key}); wait for one to end")
+                    f"(max_calls_per_key={self.max_calls_per_key}); wait for one to end"
+                )
             self._calls += 1
             if caller:
                 self._per_key[caller] += 1
@@ -92,5 +108,7 @@ class CallLimits:
     def _bucket(self, caller: str) -> TokenBucket:
         bucket = self._buckets.get(caller)
         if bucket is None:
-            bucket = self._buckets[caller] = TokenBucket(self.rate_per_s, self.burst, self.burst, self.clock())
+            bucket = self._buckets[caller] = TokenBucket(
+                self.rate_per_s, self.burst, self.burst, self.clock()
+            )
         return bucket

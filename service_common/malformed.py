@@ -25,12 +25,15 @@ def _tolerant(deserializer):
             return deserializer(data)
         except Exception as error:  # noqa: BLE001 - DecodeError, or whatever a deserializer raises
             return _Malformed(error)
+
     return deserialize
 
 
 def _refuse(context: grpc.ServicerContext, method: str, malformed: _Malformed):
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                  f"the request to {method} is not a valid serialized message: {malformed.error}")
+    context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"the request to {method} is not a valid serialized message: {malformed.error}",
+    )
 
 
 def _checked_unary(behavior, method: str):
@@ -38,6 +41,7 @@ def _checked_unary(behavior, method: str):
         if isinstance(request, _Malformed):
             _refuse(context, method, request)
         return behavior(request, context)
+
     return handler
 
 
@@ -48,7 +52,9 @@ def _checked_stream(behavior, method: str):
                 if isinstance(request, _Malformed):
                     _refuse(context, method, request)
                 yield request
+
         return behavior(requests(), context)
+
     return handler
 
 
@@ -70,6 +76,8 @@ class MalformedRequests(grpc.ServerInterceptor):
             return handler
         field, factory = _FACTORIES[(handler.request_streaming, handler.response_streaming)]
         wrap = _checked_stream if handler.request_streaming else _checked_unary
-        return factory(wrap(getattr(handler, field), handler_call_details.method),
-                       request_deserializer=_tolerant(handler.request_deserializer),
-                       response_serializer=handler.response_serializer)
+        return factory(
+            wrap(getattr(handler, field), handler_call_details.method),
+            request_deserializer=_tolerant(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )

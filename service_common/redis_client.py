@@ -42,13 +42,17 @@ def connect(url: str, tls: Tls | None = None) -> redis.Redis:
 def _tls_options(url: str, tls: Tls | None) -> dict:
     if tls is None or urlsplit(url).scheme != "rediss":
         return {}
-    options = {"ssl_ca_certs": tls.ca_path, "ssl_certfile": tls.cert_path, "ssl_keyfile": tls.key_path}
+    options = {
+        "ssl_ca_certs": tls.ca_path,
+        "ssl_certfile": tls.cert_path,
+        "ssl_keyfile": tls.key_path,
+    }
     given = parse_qs(urlsplit(url).query)
     return {name: value for name, value in options.items() if value and name not in given}
 
 
 def describe(url: str) -> str:
-    """"Redis at host:port" without the password, for messages and logs."""
+    """ "Redis at host:port" without the password, for messages and logs."""
     parts = urlsplit(url)
     return f"Redis at {parts.hostname or 'localhost'}:{parts.port or 6379}"
 
@@ -59,4 +63,6 @@ def unavailable_on_error(url: str, what: str):
     try:
         yield
     except redis.RedisError as error:
-        raise Unavailable(f"{what}: {describe(url)} is unavailable ({error}); retry later") from error
+        raise Unavailable(
+            f"{what}: {describe(url)} is unavailable ({error}); retry later"
+        ) from error

@@ -75,10 +75,17 @@ class Heartbeat:
     placing sessions on a draining worker at once. Redis outages are logged and ridden
     out: the next heartbeat after Redis returns registers the worker again."""
 
-    def __init__(self, registry: WorkerRegistry, describe_worker: Callable[[], common_pb2.Worker],
-                 interval_s: float, ttl_s: float):
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        describe_worker: Callable[[], common_pb2.Worker],
+        interval_s: float,
+        ttl_s: float,
+    ):
         if not 0 < interval_s < ttl_s:
-            raise ValueError(f"heartbeat_s ({interval_s}) must be > 0 and below heartbeat_ttl_s ({ttl_s})")
+            raise ValueError(
+                f"heartbeat_s ({interval_s}) must be > 0 and below heartbeat_ttl_s ({ttl_s})"
+            )
         self.registry, self.describe_worker = registry, describe_worker
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self._stop = threading.Event()
@@ -118,34 +125,52 @@ class Heartbeat:
 def worker_record(pool: int, address: str, info: common_pb2.InfoResponse) -> common_pb2.Worker:
     """A worker's registry record, from its own Info answer."""
     return common_pb2.Worker(
-        pool=pool, worker_id=info.worker_id, address=address, model=info.model, load=info.load,
+        pool=pool,
+        worker_id=info.worker_id,
+        address=address,
+        model=info.model,
+        load=info.load,
         last_heartbeat_unix_ms=int(time.time() * 1000),
     )
 
 
-def create_worker_service(config, register: Callable[[grpc.Server], None], service_name: str, pool: int,
-                          info: Callable[[], common_pb2.InfoResponse], max_calls: int | None = None) -> Service:
+def create_worker_service(
+    config,
+    register: Callable[[grpc.Server], None],
+    service_name: str,
+    pool: int,
+    info: Callable[[], common_pb2.InfoResponse],
+    max_calls: int | None = None,
+) -> Service:
     """Builds (does not start) a worker's Service: its gRPC server, and, when
     config.redis_url (a RegistryConfig) is set, its membership of `pool` while it serves
     (without Redis the orchestrator is given worker addresses instead). max_calls: the
     long calls it holds at once (default: one per session)."""
     tls = tls_of(config)
     server, port, health = create_server(
-        config.address, register, [service_name],
+        config.address,
+        register,
+        [service_name],
         # Each Verify, Decode or Speculate stream holds a thread for its rounds (about one
         # per session), plus headroom for unary calls and health checks.
         max_workers=(max_calls or config.max_sessions) + 16,
         interceptors=telemetry.current().server_interceptors(),
         # Workers answer only other roles: with TLS, only peers the cluster CA signed.
-        tls=tls, require_client_auth=True, max_message_bytes=config.max_message_bytes,
+        tls=tls,
+        require_client_auth=True,
+        max_message_bytes=config.max_message_bytes,
     )
     service = Service(server, port, health)
     if config.health_address:
         add_health_port(service, config.health_address)
     if config.redis_url:
         address = config.resolved_advertise_address(port)
-        heartbeat = Heartbeat(WorkerRegistry(config.redis_url, tls), lambda: worker_record(pool, address, info()),
-                              config.heartbeat_s, config.heartbeat_ttl_s)
+        heartbeat = Heartbeat(
+            WorkerRegistry(config.redis_url, tls),
+            lambda: worker_record(pool, address, info()),
+            config.heartbeat_s,
+            config.heartbeat_ttl_s,
+        )
         service.on_started.append(heartbeat.start)
         service.on_stopping.append(heartbeat.stop)
     return service

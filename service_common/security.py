@@ -42,19 +42,30 @@ class Tls:
 
     @classmethod
     def from_files(cls, cert: str, key: str, ca: str, server_name: str = "") -> Tls:
-        return cls(_read(cert, "tls_cert"), _read(key, "tls_key"), _read(ca, "tls_ca"),
-                   cert, key, ca, server_name)
+        return cls(
+            _read(cert, "tls_cert"),
+            _read(key, "tls_key"),
+            _read(ca, "tls_ca"),
+            cert,
+            key,
+            ca,
+            server_name,
+        )
 
     def server_credentials(self, require_client_auth: bool = True) -> grpc.ServerCredentials:
         """Server side: this role's certificate; with require_client_auth only clients
         presenting a certificate the CA signed get past the handshake."""
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=require_client_auth)
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)],
+            root_certificates=self.ca,
+            require_client_auth=require_client_auth,
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Client side: trusts only servers the CA signed, and presents this role's certificate."""
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
-                                            certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
 
 def tls_of(config) -> Tls | None:
@@ -67,7 +78,9 @@ def tls_of(config) -> Tls | None:
         return None
     if len(given) < len(files):
         missing = sorted(set(files) - set(given))
-        raise InvalidArgument(f"TLS needs tls_cert, tls_key and tls_ca together; missing {', '.join(missing)}")
+        raise InvalidArgument(
+            f"TLS needs tls_cert, tls_key and tls_ca together; missing {', '.join(missing)}"
+        )
     return Tls.from_files(config.tls_cert, config.tls_key, config.tls_ca, config.tls_server_name)
 
 
@@ -125,8 +138,9 @@ class TlsFiles:
         return Tls.from_files(self.cert, self.key, self.ca, server_name)
 
 
-def write_throwaway_pki(directory: Path, roles=ROLES, hosts=LOCAL_HOSTS,
-                        ca_name: str = "specdec throwaway CA") -> dict[str, TlsFiles]:
+def write_throwaway_pki(
+    directory: Path, roles=ROLES, hosts=LOCAL_HOSTS, ca_name: str = "specdec throwaway CA"
+) -> dict[str, TlsFiles]:
     """Writes ca.pem and <role>.pem / <role>-key.pem (keys readable by the owner only)
     under directory; each certificate names the hosts (DNS names or IPs) and serves both
     as a server's and as a client's. Returns each role's files."""
@@ -150,11 +164,24 @@ def _ca(name: str):
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     cert = (
         _validity(x509.CertificateBuilder())
-        .subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -172,23 +199,32 @@ def _leaf(name: str, hosts, ca_key, ca_cert):
     cert = (
         _validity(x509.CertificateBuilder())
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(ca_cert.subject).public_key(key.public_key())
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
         .sign(ca_key, hashes.SHA256())
     )
     return key, cert
 
 
 def _validity(builder):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     # An hour back: a peer whose clock runs a little behind still accepts it.
-    return (builder.serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS)))
+    return (
+        builder.serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+    )
 
 
 def _pem(cert) -> bytes:
@@ -196,5 +232,6 @@ def _pem(cert) -> bytes:
 
 
 def _key_pem(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )

@@ -96,7 +96,9 @@ def port_held(address: str) -> Iterator[None]:
         return
     held = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # gRPC binds with SO_REUSEPORT too
+        held.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEPORT, 1
+        )  # gRPC binds with SO_REUSEPORT too
         held.bind((host, int(port)))
     except OSError as error:  # taken already: the server's own bind will say so
         log.debug("could not hold %s: %s", address, error)
@@ -108,14 +110,18 @@ def port_held(address: str) -> Iterator[None]:
 
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """CHANNEL_OPTIONS with another limit on the size of a message."""
-    return [(name, max_message_bytes if name.endswith("_message_length") else value)
-            for name, value in CHANNEL_OPTIONS]
+    return [
+        (name, max_message_bytes if name.endswith("_message_length") else value)
+        for name, value in CHANNEL_OPTIONS
+    ]
 
 
 def add_health_port(service: Service, address: str) -> int:
     """Serves service's health status, and nothing else, in plaintext on address (for
     probes that cannot do TLS); started and stopped with the service. Returns the port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=message_options(64 * 1024))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4), options=message_options(64 * 1024)
+    )
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     port = server.add_insecure_port(address)
     if port == 0:
@@ -195,12 +201,17 @@ def read_ahead(handler: Callable[[object, grpc.ServicerContext], Iterator]) -> C
     gRPC's thread; a cancelled call stops it after the message it is computing.
     Only for handlers whose next message does not depend on the send (and that make
     no outbound calls: gRPC propagates a call's deadline to those per thread)."""
+
     @functools.wraps(handler)
     def streaming(request, context):
         messages: queue.Queue = queue.Queue(maxsize=READ_AHEAD)
         stop = threading.Event()
-        producer = threading.Thread(target=contextvars.copy_context().run, name="read-ahead", daemon=True,
-                                    args=(_produce, handler(request, context), messages, stop, context))
+        producer = threading.Thread(
+            target=contextvars.copy_context().run,
+            name="read-ahead",
+            daemon=True,
+            args=(_produce, handler(request, context), messages, stop, context),
+        )
         producer.start()
         try:
             while (item := _next(messages, producer)) is not _READ_AHEAD_DONE:
@@ -209,6 +220,7 @@ def read_ahead(handler: Callable[[object, grpc.ServicerContext], Iterator]) -> C
                 yield item
         finally:
             stop.set()  # the call ended or was cancelled: the producer stops
+
     return streaming
 
 
@@ -252,7 +264,9 @@ def _next(messages: queue.Queue, producer: threading.Thread):
                 return _READ_AHEAD_DONE
 
 
-def channel(address: str, tls: Tls | None = None, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+def channel(
+    address: str, tls: Tls | None = None, credentials: grpc.ChannelCredentials | None = None
+) -> grpc.Channel:
     """The one way a client channel is made: plaintext, or TLS with a role's
     certificate (tls) or a client's credentials; its calls carry the trace context when
     tracing is on."""

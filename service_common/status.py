@@ -10,7 +10,14 @@ import logging
 
 import grpc
 
-from foundation.errors import InvalidArgument, NotFound, ResourceExhausted, SpeculativeError, StaleProposal, WorkerLost
+from foundation.errors import (
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SpeculativeError,
+    StaleProposal,
+    WorkerLost,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,7 @@ def rpc_errors(handler):
     """Decorates a servicer method (unary or streaming response) with the mapping."""
     method = handler.__name__
     if inspect.isgeneratorfunction(handler):
+
         @functools.wraps(handler)
         def streaming(self, request, context):
             try:
@@ -71,6 +79,7 @@ def rpc_errors(handler):
                 if context.code() is None:
                     _abort(context, method, error)
                 raise
+
         return streaming
 
     @functools.wraps(handler)
@@ -81,4 +90,5 @@ def rpc_errors(handler):
             if context.code() is None:
                 _abort(context, method, error)
             raise
+
     return unary

@@ -81,7 +81,9 @@ SESSIONS_ACTIVE_GAUGE = "specdec.worker.sessions.active"  # -> specdec_worker_se
 LOAD_GAUGE = "specdec.worker.load"  # -> specdec_worker_load
 CACHED_TOKENS_GAUGE = "specdec.worker.cached_tokens"  # -> specdec_worker_cached_tokens
 # Admission and batching: exported only by workers that have admission (the target).
-CALLS_UTILIZATION_GAUGE = "specdec.worker.calls.utilization"  # -> specdec_worker_calls_utilization (HPA)
+CALLS_UTILIZATION_GAUGE = (
+    "specdec.worker.calls.utilization"  # -> specdec_worker_calls_utilization (HPA)
+)
 CALLS_RUNNING_GAUGE = "specdec.worker.calls.running"  # -> specdec_worker_calls_running
 CALLS_QUEUED_GAUGE = "specdec.worker.calls.queued"  # -> specdec_worker_calls_queued
 MAX_RUNNING_GAUGE = "specdec.worker.calls.max_running"  # -> specdec_worker_calls_max_running
@@ -91,23 +93,69 @@ BATCH_MAX_TOKENS_GAUGE = "specdec.worker.batch.max_tokens"  # -> specdec_worker_
 # The workers' load gauges: (name, value of a WorkerLoad, only for workers that admit
 # calls (a target), unit, description).
 LOAD_GAUGES = [
-    (SESSIONS_ACTIVE_GAUGE, lambda load: load.active_sessions, False, "{session}",
-     "Sessions whose KV cache the worker holds"),
-    (LOAD_GAUGE, lambda load: load.fraction, False, "{fraction}",
-     "Fraction of the worker's capacity in use (sessions or cached tokens, the fuller), 0..1"),
-    (CACHED_TOKENS_GAUGE, lambda load: load.cached_tokens, False, "{token}",
-     "Tokens held in the worker's KV caches"),
-    (CALLS_UTILIZATION_GAUGE, lambda load: load.calls_utilization, True, "{fraction}",
-     "Running plus queued calls per running slot (max_running): above 1 while calls queue"),
-    (CALLS_RUNNING_GAUGE, lambda load: load.running_calls, True, "{call}",
-     "Calls holding a running slot (doing model work in the batched steps)"),
-    (CALLS_QUEUED_GAUGE, lambda load: load.queued_calls, True, "{call}", "Calls waiting for a running slot"),
-    (MAX_RUNNING_GAUGE, lambda load: load.max_running, True, "{call}",
-     "Running slots: calls that may do model work at once (max_running)"),
-    (BATCH_MEAN_TOKENS_GAUGE, lambda load: load.mean_batch_tokens, True, "{token}",
-     "Tokens per batched forward pass, mean of the recent steps"),
-    (BATCH_MAX_TOKENS_GAUGE, lambda load: load.max_batch_tokens, True, "{token}",
-     "Token budget of one batched forward pass (max_batch_tokens)"),
+    (
+        SESSIONS_ACTIVE_GAUGE,
+        lambda load: load.active_sessions,
+        False,
+        "{session}",
+        "Sessions whose KV cache the worker holds",
+    ),
+    (
+        LOAD_GAUGE,
+        lambda load: load.fraction,
+        False,
+        "{fraction}",
+        "Fraction of the worker's capacity in use (sessions or cached tokens, the fuller), 0..1",
+    ),
+    (
+        CACHED_TOKENS_GAUGE,
+        lambda load: load.cached_tokens,
+        False,
+        "{token}",
+        "Tokens held in the worker's KV caches",
+    ),
+    (
+        CALLS_UTILIZATION_GAUGE,
+        lambda load: load.calls_utilization,
+        True,
+        "{fraction}",
+        "Running plus queued calls per running slot (max_running): above 1 while calls queue",
+    ),
+    (
+        CALLS_RUNNING_GAUGE,
+        lambda load: load.running_calls,
+        True,
+        "{call}",
+        "Calls holding a running slot (doing model work in the batched steps)",
+    ),
+    (
+        CALLS_QUEUED_GAUGE,
+        lambda load: load.queued_calls,
+        True,
+        "{call}",
+        "Calls waiting for a running slot",
+    ),
+    (
+        MAX_RUNNING_GAUGE,
+        lambda load: load.max_running,
+        True,
+        "{call}",
+        "Running slots: calls that may do model work at once (max_running)",
+    ),
+    (
+        BATCH_MEAN_TOKENS_GAUGE,
+        lambda load: load.mean_batch_tokens,
+        True,
+        "{token}",
+        "Tokens per batched forward pass, mean of the recent steps",
+    ),
+    (
+        BATCH_MAX_TOKENS_GAUGE,
+        lambda load: load.max_batch_tokens,
+        True,
+        "{token}",
+        "Token budget of one batched forward pass (max_batch_tokens)",
+    ),
 ]
 
 # Round phases are milliseconds to a second; tokens 10 ms to seconds on CPU.
@@ -124,7 +172,9 @@ class Instruments:
     """Every metric instrument of the system. Attributes are noted per instrument; the
     totals of the per-position counters are their sums over `position`."""
 
-    drafts: metrics.Counter  # rounds (or stretch passes verifying prompt lookup) that drafted k > 0 tokens
+    drafts: (
+        metrics.Counter
+    )  # rounds (or stretch passes verifying prompt lookup) that drafted k > 0 tokens
     drafted_tokens: metrics.Counter  # draft tokens proposed; attribute position (0-based)
     accepted_tokens: metrics.Counter  # draft tokens accepted; attribute position (0-based)
     rounds: metrics.Counter  # rounds of a speculation loop: a proposal (k >= 0), one target pass
@@ -148,8 +198,11 @@ class Instruments:
             return
         self.rounds.add(1)
         network_ns = max(0, stats.verify_ns - stats.target_compute_ns)
-        for phase, ns in (("draft", stats.draft_ns), ("verify_compute", stats.target_compute_ns),
-                          ("network", network_ns)):
+        for phase, ns in (
+            ("draft", stats.draft_ns),
+            ("verify_compute", stats.target_compute_ns),
+            ("network", network_ns),
+        ):
             self.round_duration.record(ns * 1e-9, {"phase": phase})
 
 
@@ -170,26 +223,49 @@ def instruments() -> Instruments:
 
 def _create_instruments(meter: metrics.Meter) -> Instruments:
     return Instruments(
-        drafts=meter.create_counter("specdec.drafts", "{draft}", "Speculation rounds that drafted at least one token"),
+        drafts=meter.create_counter(
+            "specdec.drafts", "{draft}", "Speculation rounds that drafted at least one token"
+        ),
         drafted_tokens=meter.create_counter(
-            "specdec.draft.tokens", "{token}", "Draft tokens proposed, by draft position (attribute position)"),
+            "specdec.draft.tokens",
+            "{token}",
+            "Draft tokens proposed, by draft position (attribute position)",
+        ),
         accepted_tokens=meter.create_counter(
-            "specdec.accepted.tokens", "{token}", "Draft tokens accepted, by draft position (attribute position)"),
+            "specdec.accepted.tokens",
+            "{token}",
+            "Draft tokens accepted, by draft position (attribute position)",
+        ),
         rounds=meter.create_counter(
-            "specdec.rounds", "{round}", "Speculation rounds: one proposal (k >= 0) verified in one target pass"),
+            "specdec.rounds",
+            "{round}",
+            "Speculation rounds: one proposal (k >= 0) verified in one target pass",
+        ),
         stretch_tokens=meter.create_counter(
-            "specdec.stretch.tokens", "{token}",
-            "Tokens adaptive calls had the target decode alone (speculation did not pay)"),
+            "specdec.stretch.tokens",
+            "{token}",
+            "Tokens adaptive calls had the target decode alone (speculation did not pay)",
+        ),
         fallbacks=meter.create_counter(
-            "specdec.fallbacks", "{generation}", "Generations decoded by the target alone because no draft was usable"),
+            "specdec.fallbacks",
+            "{generation}",
+            "Generations decoded by the target alone because no draft was usable",
+        ),
         failovers=meter.create_counter(
-            "specdec.failovers", "{failover}", "Sessions moved to another worker (attribute pool)"),
+            "specdec.failovers", "{failover}", "Sessions moved to another worker (attribute pool)"
+        ),
         round_duration=meter.create_histogram(
-            "specdec.round.duration", "s", "Time of a speculation round by phase: draft, verify_compute, network",
-            explicit_bucket_boundaries_advisory=_ROUND_BUCKETS_S),
+            "specdec.round.duration",
+            "s",
+            "Time of a speculation round by phase: draft, verify_compute, network",
+            explicit_bucket_boundaries_advisory=_ROUND_BUCKETS_S,
+        ),
         time_per_output_token=meter.create_histogram(
-            "gen_ai.server.time_per_output_token", "s", "Decoding time per generated token, per call",
-            explicit_bucket_boundaries_advisory=_TPOT_BUCKETS_S),
+            "gen_ai.server.time_per_output_token",
+            "s",
+            "Decoding time per generated token, per call",
+            explicit_bucket_boundaries_advisory=_TPOT_BUCKETS_S,
+        ),
     )
 
 
@@ -228,7 +304,9 @@ class WorkerLoad:
         """(running + queued) calls per running slot: up to 1 while every call runs,
         above 1 while calls queue (refusals start past 1 + max_queued / max_running).
         Not capped, so an HPA averaging it sees how far its pool is behind."""
-        return (self.running_calls + self.queued_calls) / self.max_running if self.max_running else 0.0
+        return (
+            (self.running_calls + self.queued_calls) / self.max_running if self.max_running else 0.0
+        )
 
 
 LoadCallback = Callable[[], WorkerLoad]
@@ -245,7 +323,9 @@ def _if_admitted(value: Callable[[WorkerLoad], float]) -> Callable[[WorkerLoad],
 class Telemetry:
     """What `setup` installed for one process. The default instance installs nothing."""
 
-    def __init__(self, role: str = "", tracer_provider=None, meter_provider=None, metrics_server=None):
+    def __init__(
+        self, role: str = "", tracer_provider=None, meter_provider=None, metrics_server=None
+    ):
         self.role = role
         self.tracer_provider = tracer_provider  # None = tracing off
         self.meter_provider = meter_provider  # None = metrics off
@@ -279,7 +359,9 @@ class Telemetry:
             return channel
         tracer = self.tracer_provider.get_tracer(__name__)
         streaming = grpc.intercept_channel(channel, _ServerStreamTracer(tracer))
-        library = client_interceptor(tracer_provider=self.tracer_provider, filter_=_traced_by_library)
+        library = client_interceptor(
+            tracer_provider=self.tracer_provider, filter_=_traced_by_library
+        )
         return intercept_with_library(streaming, library)
 
     def register_load_gauges(self, callback: LoadCallback, attributes: dict | None = None) -> None:
@@ -344,7 +426,9 @@ def setup(role: str, config, instance_id: str = "") -> Telemetry:
     global _current
     exporter = (config.trace_exporter or "none").lower()
     if exporter not in EXPORTERS:
-        raise InvalidArgument(f"trace_exporter must be one of {list(EXPORTERS)}, got {config.trace_exporter!r}")
+        raise InvalidArgument(
+            f"trace_exporter must be one of {list(EXPORTERS)}, got {config.trace_exporter!r}"
+        )
     if exporter == "jsonl" and not config.trace_file:
         raise InvalidArgument("trace_exporter jsonl needs trace_file: the path of the span file")
     if config.metrics_port < 0:
@@ -352,26 +436,38 @@ def setup(role: str, config, instance_id: str = "") -> Telemetry:
     if exporter == "none" and config.metrics_port == 0:
         _current = Telemetry(role)
         return _current
-    resource = Resource.create({
-        "service.name": role,
-        "service.instance.id": instance_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
-    })
+    resource = Resource.create(
+        {
+            "service.name": role,
+            "service.instance.id": instance_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
+        }
+    )
     tracer_provider = _tracer_provider(resource, exporter, config) if exporter != "none" else None
     meter_provider, metrics_server = _meter_provider(resource, exporter, config)
     _current = Telemetry(role, tracer_provider, meter_provider, metrics_server)
-    log.info("telemetry", extra={"fields": {
-        "trace_exporter": exporter, "trace_file": config.trace_file or None,
-        "metrics_port": _current.metrics_port or None,
-    }})
+    log.info(
+        "telemetry",
+        extra={
+            "fields": {
+                "trace_exporter": exporter,
+                "trace_file": config.trace_file or None,
+                "metrics_port": _current.metrics_port or None,
+            }
+        },
+    )
     return _current
 
 
 def _tracer_provider(resource, exporter: str, config) -> TracerProvider:
-    provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # Telemetry.shutdown flushes
+    provider = TracerProvider(
+        resource=resource, shutdown_on_exit=False
+    )  # Telemetry.shutdown flushes
     if exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_endpoint or None)))
+        provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_endpoint or None))
+        )
     elif exporter == "jsonl":
         provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(config.trace_file)))
     else:  # console: for a person watching, so at once
@@ -389,7 +485,9 @@ def _meter_provider(resource, exporter: str, config):
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=config.otlp_endpoint or None)))
+        readers.append(
+            PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=config.otlp_endpoint or None))
+        )
     if not readers:
         return None, None
     provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
@@ -418,7 +516,9 @@ def _traced(details) -> bool:
 def _traced_by_library(client_info) -> bool:
     """Client calls the library's interceptor handles: all traced ones but the
     server-streaming calls (see _ServerStreamTracer)."""
-    server_streaming = getattr(client_info, "is_server_stream", False) and not client_info.is_client_stream
+    server_streaming = (
+        getattr(client_info, "is_server_stream", False) and not client_info.is_client_stream
+    )
     return not server_streaming and _traced(client_info)
 
 
@@ -434,16 +534,27 @@ class _ServerStreamTracer(grpc.UnaryStreamClientInterceptor):
             return continuation(client_call_details, request)
         full_method = _method_of(client_call_details)
         service, _, method = full_method.lstrip("/").rpartition("/")
-        span = self._tracer.start_span(full_method, kind=SpanKind.CLIENT, attributes={
-            "rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
-        })
+        span = self._tracer.start_span(
+            full_method,
+            kind=SpanKind.CLIENT,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": service,
+                "rpc.method": method,
+            },
+        )
         metadata = list(client_call_details.metadata or [])
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
         metadata.extend(carrier.items())
-        details = _CallDetails(client_call_details.method, client_call_details.timeout, metadata,
-                               client_call_details.credentials, client_call_details.wait_for_ready,
-                               client_call_details.compression)
+        details = _CallDetails(
+            client_call_details.method,
+            client_call_details.timeout,
+            metadata,
+            client_call_details.credentials,
+            client_call_details.wait_for_ready,
+            client_call_details.compression,
+        )
         try:
             call = continuation(details, request)
         except BaseException:
@@ -492,7 +603,9 @@ def span_to_dict(span) -> dict:
         "end_ns": span.end_time,
         "status": span.status.status_code.name,
         "attributes": {key: _json_value(value) for key, value in (span.attributes or {}).items()},
-        "resource": {key: resource[key] for key in ("service.name", "service.instance.id") if key in resource},
+        "resource": {
+            key: resource[key] for key in ("service.name", "service.instance.id") if key in resource
+        },
     }
 
 

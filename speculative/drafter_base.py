@@ -73,7 +73,9 @@ def with_branches(chain: Proposal, branches: Sequence[Branch], count: int) -> Pr
         return chain
     parents = (*range(-1, len(chain) - 1), *(branch.position - 1 for branch in chosen))
     probs = None if chain.draft_probs is None else [*chain.draft_probs, *(None for _ in chosen)]
-    return Proposal([*chain.token_ids, *(branch.token_id for branch in chosen)], probs, parents, len(chain))
+    return Proposal(
+        [*chain.token_ids, *(branch.token_id for branch in chosen)], probs, parents, len(chain)
+    )
 
 
 class DraftSession(abc.ABC):
@@ -106,7 +108,9 @@ class DraftSession(abc.ABC):
         """Sampling from now on (model drafters sample like the target); a seed restarts
         the draft's generator."""
 
-    def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
+    def propose_tree(
+        self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0
+    ) -> Proposal:
         """Up to `width` continuations of up to k tokens each, as a token tree where the
         drafter finds several (Proposal.tree_appended of them appended); else what
         propose(k, min_reach) proposes. A drafter that knows its chances branches only

@@ -17,7 +17,14 @@ import torch
 from model_runtime.loading import LoadedModel
 from model_runtime.model_session import ForwardSteps, ModelSession, run_alone
 from model_runtime.static_passes import passes_of
-from speculative.drafter_base import DEFAULT_DRAFT_TOP_K, Branch, Drafter, DraftSession, Proposal, with_branches
+from speculative.drafter_base import (
+    DEFAULT_DRAFT_TOP_K,
+    Branch,
+    Drafter,
+    DraftSession,
+    Proposal,
+    with_branches,
+)
 from speculative.sampling import SamplingParams, SparseProbs, logits_to_probs, make_generator
 
 
@@ -60,21 +67,25 @@ class ModelDraftSession(DraftSession):
     def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
         return run_alone(self.session.model, self.propose_steps(k, min_reach))
 
-    def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
+    def propose_tree(
+        self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0
+    ) -> Proposal:
         """A chain as `propose` drafts it, and up to width - 1 one-token branches: the
         draft's second choice where it is likeliest to be the target's (`with_branches`),
         each with a chance of at least min_branch."""
         return run_alone(self.session.model, self.propose_steps(k, min_reach, width, min_branch))
 
-    def propose_steps(self, k: int, min_reach: float = 0.0, width: int = 1,
-                      min_branch: float = 0.0) -> ForwardSteps[Proposal]:
+    def propose_steps(
+        self, k: int, min_reach: float = 0.0, width: int = 1, min_branch: float = 0.0
+    ) -> ForwardSteps[Proposal]:
         """`propose` (or `propose_tree`, width > 1) as up to k forward passes for a
         scheduler to batch with other sessions'. The branches cost no pass: the second
         choice comes from the logits that gave the first."""
         if (chain := self._device_chain(k, min_reach, width)) is not None:
             return Proposal(chain)
         token_ids, draft_probs, reach, branches = [], [], 1.0, []
-        while len(token_ids) < k and (not token_ids or reach >= min_reach):  # the first token always
+        # the first token always
+        while len(token_ids) < k and (not token_ids or reach >= min_reach):
             segment = self.session.pending_segment(1)  # the pending tokens: 1 or 2
             logits, _ = yield segment
             self.session.segment_done(segment)
@@ -82,9 +93,15 @@ class ModelDraftSession(DraftSession):
             if self.params.greedy:
                 token_id = int(logits[0].argmax())
             else:
-                token_id = probs.sample(float(torch.rand(1, generator=self.generator, dtype=torch.float64)))
+                token_id = probs.sample(
+                    float(torch.rand(1, generator=self.generator, dtype=torch.float64))
+                )
                 draft_probs.append(probs)
-            if width > 1 and (second := second_choice(probs, token_id)) and reach * second[1] >= min_branch:
+            if (
+                width > 1
+                and (second := second_choice(probs, token_id))
+                and reach * second[1] >= min_branch
+            ):
                 branches.append(Branch(reach * second[1], len(token_ids), second[0]))
             token_ids.append(token_id)
             reach *= probs.prob_of(token_id) if probs is not None else 1.0
@@ -98,7 +115,13 @@ class ModelDraftSession(DraftSession):
         (model_runtime/static_passes.py, where passes are CUDA graphs); None where this
         proposal needs more than the tokens (sampling, confidence, branches) or does not fit."""
         passes = passes_of(self.session.model)
-        if passes is None or not passes.device_loop or not self.params.greedy or min_reach or width > 1:
+        if (
+            passes is None
+            or not passes.device_loop
+            or not self.params.greedy
+            or min_reach
+            or width > 1
+        ):
             return None
         return self.session.greedy_chain(k, passes.greedy_chain)
 
@@ -106,7 +129,9 @@ class ModelDraftSession(DraftSession):
         """What the draft samples from (its draft_top_k most likely tokens); greedy: its
         softmax, where the caller reads probabilities (else None: argmax needs none)."""
         if not self.params.greedy:
-            return SparseProbs.truncate(logits_to_probs(logits[None], self.params)[0], self.draft_top_k)
+            return SparseProbs.truncate(
+                logits_to_probs(logits[None], self.params)[0], self.draft_top_k
+            )
         if not dense:
             return None
         top = torch.softmax(logits.float(), -1).topk(2)

@@ -5,6 +5,7 @@ context; otherwise the target discards it (it checks base_len and the last token
 to the verdict. Every proposal the target applies was judged on its actual context: exactness holds.
 Pays only where the target verifies while the draft drafts (`Verifier.overlaps`: across the network).
 """
+
 from __future__ import annotations
 
 import time
@@ -23,7 +24,8 @@ class AheadProposer(Proposer):
         return self.ahead is None
 
     def propose(self, base_len: int, k: int, action: Action, draft_stop: bool = False) -> Sent:
-        return self.ahead or super().propose(base_len, k, action, draft_stop)  # the proposal sent ahead, if it survived
+        # the proposal sent ahead, if it survived
+        return self.ahead or super().propose(base_len, k, action, draft_stop)
 
     def send(self, sent: Sent, action: Action, room: int) -> None:
         """Sends `sent` (unless it went ahead), then, where the policy says so, drafts
@@ -38,8 +40,12 @@ class AheadProposer(Proposer):
     def apply_to_draft(self, sent: Sent, result: VerifyResult) -> None:
         """The proposal ahead survives when the verdict on `sent` committed the context it
         assumed (the draft holds it already); else it is abandoned and the draft rolls back."""
-        if self.ahead is not None and result.committed_len == self.ahead.base_len \
-                and result.token_ids[-1] == sent.guess and not result.stopped:
+        if (
+            self.ahead is not None
+            and result.committed_len == self.ahead.base_len
+            and result.token_ids[-1] == sent.guess
+            and not result.stopped
+        ):
             return
         if self.ahead is not None:
             self.verifier.abandon_last()  # the target discards it
@@ -50,7 +56,9 @@ class AheadProposer(Proposer):
         """Drafts the guess, then up to k tokens after it (not past the room or a stop token). A costly
         drafter stops once `current`'s verdict has come (drafting on would only keep it waiting), unless the
         call is seeded sampling: its draws depend on where its tokens split into rounds, not on timing."""
-        k = min(k, room - len(current.proposal) - 2)  # room - 1 after current's round (the guess its last)
+        k = min(
+            k, room - len(current.proposal) - 2
+        )  # room - 1 after current's round (the guess its last)
         if not current.open_ended or k < 1:
             return
         guess = self.draft.propose(1)
@@ -58,14 +66,20 @@ class AheadProposer(Proposer):
             return  # the draft keeps the guess, truncated with the verdict
         current.guess = guess.token_ids[0]
         start = time.perf_counter_ns()
-        if self.free_draft or (not self.params.greedy and self.params.seed is not None):  # free, or seeded
+        # free, or seeded
+        if self.free_draft or (not self.params.greedy and self.params.seed is not None):
             proposal = self.draft.propose(k)
             open_ended = len(proposal) == k
         else:
             proposal, open_ended = self._propose_until_verdict(k)
         if proposal.token_ids:
-            self.ahead = Sent(current.base_len + len(current.proposal) + 1, proposal, time.perf_counter_ns() - start,
-                              open_ended=open_ended, ahead=True)
+            self.ahead = Sent(
+                current.base_len + len(current.proposal) + 1,
+                proposal,
+                time.perf_counter_ns() - start,
+                open_ended=open_ended,
+                ahead=True,
+            )
             self._send(self.ahead, current.guess)
 
     def _propose_until_verdict(self, k: int) -> tuple[Proposal, bool]:

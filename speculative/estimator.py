@@ -136,7 +136,9 @@ class Estimates:
         survives = self.reach(k + 1)
         ahead_ns = (k + 1) * self.draft_token_ns
         saved = self.sync_round_ns(k) - max(self.compute_ns(k + 1), ahead_ns)
-        wasted = min(self.draft_token_ns, max(0.0, ahead_ns - self.compute_ns(k + 1) - self.overhead_ns))
+        wasted = min(
+            self.draft_token_ns, max(0.0, ahead_ns - self.compute_ns(k + 1) - self.overhead_ns)
+        )
         return survives * saved - (1.0 - survives) * wasted
 
     def tokens_per_ns(self, k: int) -> float:
@@ -149,8 +151,13 @@ class Estimates:
         largest = max(1, min(self.max_k, self.worker_k))
         if not self.measured:
             slope = slope_prior(self.step_costs)
-            return max(range(1, largest + 1),
-                       key=lambda k: (self.expected_tokens(k) / (1 + slope * pass_x(self.step_costs, k + 1)), -k))
+            return max(
+                range(1, largest + 1),
+                key=lambda k: (
+                    self.expected_tokens(k) / (1 + slope * pass_x(self.step_costs, k + 1)),
+                    -k,
+                ),
+            )
         return max(range(1, largest + 1), key=lambda k: (self.tokens_per_ns(k), -k))
 
 
@@ -199,8 +206,14 @@ class AcceptanceCounts:
 class CostEstimator:
     """The estimators behind Estimates, fed by the speculation loop's observations."""
 
-    def __init__(self, max_k: int, decay: float = 0.9, costs: MeasuredCosts | None = None, overlaps: bool = False,
-                 max_width: int = 1):
+    def __init__(
+        self,
+        max_k: int,
+        decay: float = 0.9,
+        costs: MeasuredCosts | None = None,
+        overlaps: bool = False,
+        max_width: int = 1,
+    ):
         self.max_k, self.decay, self.overlaps, self.max_width = max_k, decay, overlaps, max_width
         self.passes = PassCostFit(decay)  # c(w)
         self.acceptances = AcceptanceCounts(max_k, decay)  # a and a_i
@@ -208,7 +221,10 @@ class CostEstimator:
         self.branch_tokens = self.branch_nodes = 0.0  # decayed counts behind branch_yield
         self.draft_token_ns = self.overhead_ns = 0.0
         self.overhead_measured = False  # R by a round
-        self.batch_sessions, self.step_base_ns, self.step_token_ns = 1.0, 0.0, 0.0  # B; step cost (0: unreported)
+        # B; step cost (0: unreported)
+        self.batch_sessions = 1.0
+        self.step_base_ns = 0.0
+        self.step_token_ns = 0.0
         if costs is not None:
             self.seed(costs)
 
@@ -220,17 +236,26 @@ class CostEstimator:
     def estimates(self) -> Estimates:
         passes, acceptances, hope = self.passes, self.acceptances, HOPE if self.measured else 0.0
         return Estimates(
-            max_k=self.max_k, acceptance=acceptances.rate(hope), draft_token_ns=self.draft_token_ns,
-            one_token_ns=passes.one_token_ns, per_token_ns=passes.slope, overhead_ns=self.overhead_ns,
-            one_token_measured=passes.one_token_measured, worker_k=self.worker_k(),
-            stretch=self.stretches.estimates(self.overhead_ns), overlaps=self.overlaps,
-            depth_acceptance=acceptances.depth_rates(hope), max_width=self.max_width,
-            branch_yield=self.branch_yield(), step_costs=passes.step_costs,
+            max_k=self.max_k,
+            acceptance=acceptances.rate(hope),
+            draft_token_ns=self.draft_token_ns,
+            one_token_ns=passes.one_token_ns,
+            per_token_ns=passes.slope,
+            overhead_ns=self.overhead_ns,
+            one_token_measured=passes.one_token_measured,
+            worker_k=self.worker_k(),
+            stretch=self.stretches.estimates(self.overhead_ns),
+            overlaps=self.overlaps,
+            depth_acceptance=acceptances.depth_rates(hope),
+            max_width=self.max_width,
+            branch_yield=self.branch_yield(),
+            step_costs=passes.step_costs,
         )
 
     def branch_yield(self) -> float:
-        return ((BRANCH_PRIOR_YIELD * BRANCH_PRIOR_NODES + self.branch_tokens)
-                / (BRANCH_PRIOR_NODES + self.branch_nodes))
+        return (BRANCH_PRIOR_YIELD * BRANCH_PRIOR_NODES + self.branch_tokens) / (
+            BRANCH_PRIOR_NODES + self.branch_nodes
+        )
 
     def worker_k(self) -> int:
         """The k (0 = none) at which the target's B sessions, all drafting k, commit the
@@ -240,11 +265,14 @@ class CostEstimator:
         if not self.step_base_ns and not self.step_token_ns:
             return self.max_k
         sessions = max(self.batch_sessions, 1.0)
-        acceptance, depths = self.acceptances.rate(HOPE / sessions), self.acceptances.depth_rates(HOPE / sessions)
+        acceptance = self.acceptances.rate(HOPE / sessions)
+        depths = self.acceptances.depth_rates(HOPE / sessions)
 
         def rate(k: int) -> float:
             step_ns = self.step_base_ns + self.step_token_ns * sessions * (k + 1)
-            return _expected_tokens(depths, acceptance, k) / (step_ns + (self.overhead_ns if k else 0.0))
+            return _expected_tokens(depths, acceptance, k) / (
+                step_ns + (self.overhead_ns if k else 0.0)
+            )
 
         return max(range(self.max_k + 1), key=lambda k: (rate(k), -k))
 
@@ -254,19 +282,34 @@ class CostEstimator:
         if costs.one_token_ns:
             self.passes.seed(costs.one_token_ns, costs.per_token_ns)
             self.passes.one_token_measured = costs.one_token_measured
-            self.overhead_ns, self.draft_token_ns, self.overhead_measured = costs.overhead_ns, costs.draft_token_ns, True
-            self.stretches.solo_token_ns, self.stretches.start_ns = costs.solo_token_ns, costs.stream_start_ns
+            self.overhead_ns = costs.overhead_ns
+            self.draft_token_ns = costs.draft_token_ns
+            self.overhead_measured = True
+            self.stretches.solo_token_ns = costs.solo_token_ns
+            self.stretches.start_ns = costs.stream_start_ns
         self.acceptances.seed(costs.acceptance, costs.depth_acceptance)
-        self.batch_sessions, self.step_base_ns, self.step_token_ns = \
-            costs.batch_sessions, costs.step_base_ns, costs.step_token_ns
+        self.batch_sessions = costs.batch_sessions
+        self.step_base_ns = costs.step_base_ns
+        self.step_token_ns = costs.step_token_ns
         self.stretches.measure = costs.stretches_measure
 
     def costs(self) -> MeasuredCosts:
         passes, stretches = self.passes, self.stretches
-        return MeasuredCosts(passes.one_token_ns, passes.per_token_ns, self.overhead_ns, stretches.solo_token_ns,
-                             stretches.start_ns, self.draft_token_ns, self.acceptances.rate(),
-                             passes.one_token_measured, self.batch_sessions, self.step_base_ns, self.step_token_ns,
-                             stretches.measure, self.acceptances.depth_rates())
+        return MeasuredCosts(
+            passes.one_token_ns,
+            passes.per_token_ns,
+            self.overhead_ns,
+            stretches.solo_token_ns,
+            stretches.start_ns,
+            self.draft_token_ns,
+            self.acceptances.rate(),
+            passes.one_token_measured,
+            self.batch_sessions,
+            self.step_base_ns,
+            self.step_token_ns,
+            stretches.measure,
+            self.acceptances.depth_rates(),
+        )
 
     # Observations.
 
@@ -281,18 +324,27 @@ class CostEstimator:
             self.passes.observe(stats.num_drafted + 1, stats.target_compute_ns)
             self.passes.one_token_measured |= stats.num_drafted == 0
         self.stretches.observe_round(elapsed_ns)
-        if not stats.drafted_ahead:  # else its drafting fell in the round before: R is not in elapsed_ns
-            drafting_ns = stats.draft_ns if stats.num_drafted else 0  # a search that found nothing is overhead
+        # else its drafting fell in the round before: R is not in elapsed_ns
+        if not stats.drafted_ahead:
+            # a search that found nothing is overhead
+            drafting_ns = stats.draft_ns if stats.num_drafted else 0
             overhead = max(0, elapsed_ns - drafting_ns - stats.target_compute_ns - stats.late_ns)
-            self.overhead_ns = blend(self.overhead_ns if self.overhead_measured else None, overhead, self.decay)
+            self.overhead_ns = blend(
+                self.overhead_ns if self.overhead_measured else None, overhead, self.decay
+            )
         self.overhead_measured = True
-        self.branch_tokens = self.decay * self.branch_tokens + stats.branch_tokens  # aged by every round
+        # aged by every round
+        self.branch_tokens = self.decay * self.branch_tokens + stats.branch_tokens
         self.branch_nodes = self.decay * self.branch_nodes + stats.branch_nodes
         if stats.num_drafted:  # a tree's first path: what a chain would have proposed
-            self.acceptances.observe(stats.num_drafted - stats.branch_nodes, stats.num_accepted - stats.branch_tokens)
+            self.acceptances.observe(
+                stats.num_drafted - stats.branch_nodes, stats.num_accepted - stats.branch_tokens
+            )
             drafting_passes = stats.num_drafted - stats.branch_nodes - stats.draft_warm
             if drafting_passes:
-                self.draft_token_ns = blend(self.draft_token_ns or None, stats.draft_ns / drafting_passes, self.decay)
+                self.draft_token_ns = blend(
+                    self.draft_token_ns or None, stats.draft_ns / drafting_passes, self.decay
+                )
 
     def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
         """During a stretch: the drafter would have proposed num_drafted tokens (0:
@@ -306,16 +358,18 @@ class CostEstimator:
         if step is None or not step.batch_sessions:
             return
         self.batch_sessions = blend(self.batch_sessions, step.batch_sessions, self.decay)
-        if step.cost_base_ns or step.cost_per_token_ns:  # already averaged over the target's recent steps
+        # already averaged over the target's recent steps
+        if step.cost_base_ns or step.cost_per_token_ns:
             self.step_base_ns, self.step_token_ns = step.cost_base_ns, step.cost_per_token_ns
 
 
 def _reach(depth_acceptance: tuple[float, ...], acceptance: float, depth: int) -> float:
     """a_1 ... a_depth (`acceptance` past the tuple's end)."""
-    return math.prod(depth_acceptance[i] if i < len(depth_acceptance) else acceptance for i in range(depth))
+    return math.prod(
+        depth_acceptance[i] if i < len(depth_acceptance) else acceptance for i in range(depth)
+    )
 
 
 def _expected_tokens(depth_acceptance: tuple[float, ...], acceptance: float, k: int) -> float:
     """1 + reach(1) + ... + reach(k): the accepted draft tokens and the target's own."""
     return 1.0 + sum(_reach(depth_acceptance, acceptance, i) for i in range(1, k + 1))
-

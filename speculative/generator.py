@@ -10,13 +10,13 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from foundation.errors import StaleProposal
+from foundation.limits import validate_num_speculative_tokens
 from model_runtime.fingerprint import check_compatible
 from model_runtime.loading import LoadedModel
 from model_runtime.width_padding import step_costs
 from speculative.drafter_base import Drafter, DraftSession
-from foundation.errors import StaleProposal
 from speculative.estimator import MeasuredCosts
-from foundation.limits import validate_num_speculative_tokens
 from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams
@@ -34,11 +34,16 @@ class LocalVerifier:
 
     def __init__(self, target: TargetSession, overlaps: bool = False, runs_lookup: bool = False):
         self.target, self.overlaps, self.runs_lookup = target, overlaps, runs_lookup
-        self._outstanding: collections.deque[list] = collections.deque()  # [base_len, ids, probs, last, abandoned]
+        # [base_len, ids, probs, last, abandoned]
+        self._outstanding: collections.deque[list] = collections.deque()
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None) -> None:
+    def send(
+        self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None
+    ) -> None:
         tree = None if parents is None else TokenTree(tuple(draft_token_ids), tuple(parents))
-        self._outstanding.append([base_len, tree or list(draft_token_ids), draft_probs, expected_last_token_id, False])
+        self._outstanding.append(
+            [base_len, tree or list(draft_token_ids), draft_probs, expected_last_token_id, False]
+        )
 
     def verdict_came(self) -> bool:
         return False  # a proposal is verified only when its verdict is received
@@ -50,25 +55,36 @@ class LocalVerifier:
         self._skip_abandoned()
         base_len, token_ids, probs, last, _ = self._outstanding.popleft()
         if self._stale(base_len, last):
-            raise StaleProposal(f"proposal at length {base_len} is stale: the session holds {self.target.length}")
+            raise StaleProposal(
+                f"proposal at length {base_len} is stale: the session holds {self.target.length}"
+            )
         return self._verify(base_len, token_ids, probs)
 
     def _skip_abandoned(self) -> None:
         while self._outstanding and self._outstanding[0][4]:
             base_len, _, _, last, _ = self._outstanding.popleft()
             if not self._stale(base_len, last):
-                raise RuntimeError(f"a proposal abandoned at length {base_len} would have been applied")
+                raise RuntimeError(
+                    f"a proposal abandoned at length {base_len} would have been applied"
+                )
 
     def _stale(self, base_len: int, last: int | None) -> bool:
-        return base_len != self.target.length or (last is not None and last != self.target.last_token_id)
+        return base_len != self.target.length or (
+            last is not None and last != self.target.last_token_id
+        )
 
     def _verify(self, base_len: int, proposal: list[int] | TokenTree, probs) -> VerifyResult:
         if isinstance(proposal, TokenTree):
             return self.target.verify_tree(base_len, proposal, probs)
         return self.target.verify(base_len, proposal, probs)
 
-    def decode(self, base_len: int, max_tokens: int, until: LookupStop | None = None,
-               lookup: LookupRounds | None = None) -> Iterator[VerifyResult]:
+    def decode(
+        self,
+        base_len: int,
+        max_tokens: int,
+        until: LookupStop | None = None,
+        lookup: LookupRounds | None = None,
+    ) -> Iterator[VerifyResult]:
         self._skip_abandoned()
         assert not self._outstanding, "a stretch starts with nothing in flight"
         return self.target.decode(base_len, max_tokens, until, lookup)
@@ -84,8 +100,13 @@ class GenerationResult:
 class SpeculativeGenerator:
     """Target + drafter in one process: the reference for the services' behaviour."""
 
-    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, pipelined: bool = False,
-                 features: Features = Features()):
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: Drafter | None = None,
+        pipelined: bool = False,
+        features: Features = Features(),
+    ):
         """pipelined: draft ahead as across the network (LocalVerifier), for tests;
         features: the optimisations around the round loop."""
         if drafter is not None:
@@ -107,11 +128,15 @@ class SpeculativeGenerator:
         """Generates with speculation (k = 0 or no drafter: target-only decoding)."""
         start = time.perf_counter_ns()
         params.validate()
-        policy = k if isinstance(k, SpeculationPolicy) else FixedK(validate_num_speculative_tokens(k))
+        policy = (
+            k if isinstance(k, SpeculationPolicy) else FixedK(validate_num_speculative_tokens(k))
+        )
         adaptive = isinstance(policy, AdaptiveK)
         if adaptive and not policy.estimator.measured and self.measured_costs is not None:
             policy.estimator.seed(self.measured_costs)
-        policy.estimator.passes.step_costs = step_costs(self.target.model)  # where it timed its passes
+        policy.estimator.passes.step_costs = step_costs(
+            self.target.model
+        )  # where it timed its passes
         target = TargetSession(self.target, prompt_token_ids, params)
         draft = self._open_draft(prompt_token_ids, params, policy)
         stats = GenerationStats(prefill_ns=time.perf_counter_ns() - start)
@@ -119,7 +144,13 @@ class SpeculativeGenerator:
         try:
             verifier = LocalVerifier(target, overlaps=self.pipelined)
             for result in speculation_rounds(
-                verifier, draft, len(prompt_token_ids), params, policy, self.target.context_length, self.features
+                verifier,
+                draft,
+                len(prompt_token_ids),
+                params,
+                policy,
+                self.target.context_length,
+                self.features,
             ):
                 token_ids += result.token_ids
                 stats.record_round(result.stats)

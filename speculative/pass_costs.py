@@ -24,15 +24,25 @@ class PassCostFit:
 
     def __init__(self, decay: float):
         self.decay = decay
-        self.step_costs: tuple[float, ...] = ()  # the target's (ModelInfo.step_ms), where it timed its steps
-        self.one_token_ns, self.per_token_ns = 0.0, None  # c(1) and g, once fitted (None: g not measured)
-        self.one_token_measured = False  # c(1) from one-token passes (else extrapolated from wider ones)
+        self.step_costs: tuple[
+            float, ...
+        ] = ()  # the target's (ModelInfo.step_ms), where it timed its steps
+        # c(1) and g, once fitted (None: g not measured)
+        self.one_token_ns = 0.0
+        self.per_token_ns = None
+        self.one_token_measured = (
+            False  # c(1) from one-token passes (else extrapolated from wider ones)
+        )
         self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum c, sum x c over passes
 
     @property
     def slope(self) -> float:
         """g, or the prior's share of c(1) while no two widths told it."""
-        return self.per_token_ns if self.per_token_ns is not None else slope_prior(self.step_costs) * self.one_token_ns
+        return (
+            self.per_token_ns
+            if self.per_token_ns is not None
+            else slope_prior(self.step_costs) * self.one_token_ns
+        )
 
     def pass_ns(self, width: int) -> float:
         return self._line(pass_x(self.step_costs, width))
@@ -55,7 +65,9 @@ class PassCostFit:
         mean_x, mean_c = sx / n, sc / n
         slope = slope_prior(self.step_costs)
         prior = slope * mean_c / (1.0 + slope * mean_x)  # g where one width tells nothing
-        g = (sxc / n - mean_x * mean_c + SLOPE_PRIOR_WEIGHT * prior) / (sxx / n - mean_x**2 + SLOPE_PRIOR_WEIGHT)
+        g = (sxc / n - mean_x * mean_c + SLOPE_PRIOR_WEIGHT * prior) / (
+            sxx / n - mean_x**2 + SLOPE_PRIOR_WEIGHT
+        )
         g = min(max(g, 0.0), mean_c / (1.0 + mean_x))
         self.one_token_ns, self.per_token_ns = mean_c - g * mean_x, g
 
@@ -64,8 +76,13 @@ class PassCostFit:
 
     def _add_sample(self, x: float, compute_ns: float, weight: float, age: bool = True) -> None:
         decayed = [self.decay * total if age else total for total in self._sums]
-        self._sums = [decayed[0] + weight, decayed[1] + weight * x, decayed[2] + weight * x * x,
-                      decayed[3] + weight * compute_ns, decayed[4] + weight * x * compute_ns]
+        self._sums = [
+            decayed[0] + weight,
+            decayed[1] + weight * x,
+            decayed[2] + weight * x * x,
+            decayed[3] + weight * compute_ns,
+            decayed[4] + weight * x * compute_ns,
+        ]
 
 
 def slope_prior(step_costs: tuple[float, ...]) -> float:
@@ -81,7 +98,9 @@ def pass_x(step_costs: tuple[float, ...], width: int) -> float:
         return width - 1.0
     cost = step_costs[min(width, len(step_costs)) - 1]
     if width > len(step_costs):
-        cost += (width - len(step_costs)) * max(0.0, (step_costs[-1] - step_costs[0]) / max(len(step_costs) - 1, 1))
+        cost += (width - len(step_costs)) * max(
+            0.0, (step_costs[-1] - step_costs[0]) / max(len(step_costs) - 1, 1)
+        )
     return cost / min(step_costs) - 1.0
 
 

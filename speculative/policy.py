@@ -20,8 +20,12 @@ from speculative.stretch_policy import StretchRules, Turn, hand_off
 class Action:
     k: int = 0  # draft k tokens for a round (0: a plain target step)
     stretch: int = 0  # > 0: instead, the target decodes up to this many tokens alone
-    ahead: bool = False  # draft the next proposal while this one is verified (where the target overlaps)
-    lookup_k: int = 0  # in a stretch: looked-up tokens the target verifies a pass, at most (0: none)
+    ahead: bool = (
+        False  # draft the next proposal while this one is verified (where the target overlaps)
+    )
+    lookup_k: int = (
+        0  # in a stretch: looked-up tokens the target verifies a pass, at most (0: none)
+    )
     width: int = 1  # continuations a round may propose at once, as a token tree (1: a chain)
     # A model drafter stops drafting once its own chance that the target accepts every
     # token so far falls below this (DraftSession.propose): see `stop_reach`.
@@ -34,8 +38,12 @@ class Action:
 TAKE_ROUND = Action()  # the plain step: one target pass, nothing drafted
 
 
-def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT,
-           rules: StretchRules | None = StretchRules()) -> Action:
+def decide(
+    e: Estimates,
+    remaining: int | None,
+    turn: Turn = Turn.DRAFT,
+    rules: StretchRules | None = StretchRules(),
+) -> Action:
     """The next action of a call that may still generate `remaining` tokens (None: not
     known): a stretch where decoding alone wins (`stretch_policy.hand_off`), else a round
     of the fastest k, its tree width, stop and drafting ahead priced by the cost model.
@@ -56,7 +64,9 @@ def decide(e: Estimates, remaining: int | None, turn: Turn = Turn.DRAFT,
 def _round(e: Estimates, k: int) -> Action:
     min_branch = branch_reach(e, k)
     width = e.max_width if e.branch_yield >= min_branch else 1
-    return Action(k=k, ahead=draft_ahead(e, k), min_reach=stop_reach(e, k), width=width, min_branch=min_branch)
+    return Action(
+        k=k, ahead=draft_ahead(e, k), min_reach=stop_reach(e, k), width=width, min_branch=min_branch
+    )
 
 
 def branch_reach(e: Estimates, k: int) -> float:
@@ -91,7 +101,9 @@ class SpeculationPolicy:
     def __init__(self, max_k: int, estimator: CostEstimator):
         self.max_k, self.estimator = max_k, estimator  # max_k: the largest k it will ask for
 
-    def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True) -> Action:
+    def next_action(
+        self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True
+    ) -> Action:
         """stretches: whether the loop can run a stretch (else only rounds are asked for)."""
         raise NotImplementedError
 
@@ -105,8 +117,12 @@ class FixedK(SpeculationPolicy):
         super().__init__(k, CostEstimator(k))
         self.width = width
 
-    def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True) -> Action:
-        return Action(k=self.max_k, ahead=True, width=self.width) if turn is Turn.DRAFT else TAKE_ROUND
+    def next_action(
+        self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True
+    ) -> Action:
+        return (
+            Action(k=self.max_k, ahead=True, width=self.width) if turn is Turn.DRAFT else TAKE_ROUND
+        )
 
 
 class AdaptiveK(SpeculationPolicy):
@@ -116,11 +132,21 @@ class AdaptiveK(SpeculationPolicy):
     drafting ahead. max_width: rounds may propose token trees of that many continuations
     where their branches pay (`branch_reach`)."""
 
-    def __init__(self, max_k: int, decay: float = 0.9, rules: StretchRules = StretchRules(),
-                 costs: MeasuredCosts | None = None, overlaps: bool = False, max_width: int = 1):
+    def __init__(
+        self,
+        max_k: int,
+        decay: float = 0.9,
+        rules: StretchRules = StretchRules(),
+        costs: MeasuredCosts | None = None,
+        overlaps: bool = False,
+        max_width: int = 1,
+    ):
         super().__init__(max_k, CostEstimator(max_k, decay, costs, overlaps, max_width))
         self.rules = rules
 
-    def next_action(self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True) -> Action:
-        return decide(self.estimator.estimates(), remaining, turn, self.rules if stretches else None)
-
+    def next_action(
+        self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True
+    ) -> Action:
+        return decide(
+            self.estimator.estimates(), remaining, turn, self.rules if stretches else None
+        )

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from model_runtime.fingerprint import ANY_VOCABULARY
-from speculative.drafter_base import Drafter, DraftSession, Proposal
 from foundation.errors import InvalidArgument
 from foundation.limits import MAX_SPECULATIVE_TOKENS
 from foundation.sequence import TokenSequence
+from model_runtime.fingerprint import ANY_VOCABULARY
+from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.token_tree import TokenTree
 from speculative.types import NGRAM, SamplingParams
 
@@ -59,15 +59,23 @@ class LookupRounds:
 
     def __post_init__(self):
         if not 1 <= self.max_draft_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise InvalidArgument(f"lookup_rounds.max_draft_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
-                                  f"got {self.max_draft_tokens}")
+            raise InvalidArgument(
+                f"lookup_rounds.max_draft_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.max_draft_tokens}"
+            )
         if self.room < 0:
-            raise InvalidArgument(f"lookup_rounds.room must be >= 0 (0 = the stretch's max_tokens), got {self.room}")
+            raise InvalidArgument(
+                f"lookup_rounds.room must be >= 0 (0 = the stretch's max_tokens), got {self.room}"
+            )
 
     def proposal(self, token_ids: list[int], room: int) -> list[int]:
         """What the pass after token_ids verifies, when `room` tokens may still come."""
-        return lookup_continuation(token_ids, min(self.max_draft_tokens, room - 1),
-                                   self.sizes.min_ngram, self.sizes.max_ngram)
+        return lookup_continuation(
+            token_ids,
+            min(self.max_draft_tokens, room - 1),
+            self.sizes.min_ngram,
+            self.sizes.max_ngram,
+        )
 
 
 # --- prompt lookup: no model at all ---------------------------------------------------
@@ -110,7 +118,9 @@ class NgramDraftSession(DraftSession):
         self.tokens.append(proposal)
         return Proposal(proposal)
 
-    def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
+    def propose_tree(
+        self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0
+    ) -> Proposal:
         tree = lookup_tree(self.tokens.ids, k, self.min_ngram, self.max_ngram, width)
         if tree.is_chain:
             self.tokens.append(tree.token_ids)
@@ -144,7 +154,9 @@ def lookup_continuation(token_ids: list[int], k: int, min_ngram: int, max_ngram:
     return []
 
 
-def lookup_tree(token_ids: list[int], k: int, min_ngram: int, max_ngram: int, max_paths: int) -> TokenTree:
+def lookup_tree(
+    token_ids: list[int], k: int, min_ngram: int, max_ngram: int, max_paths: int
+) -> TokenTree:
     """Every distinct continuation, up to k tokens each, that followed an occurrence of a
     suffix of token_ids (n from max_ngram down to min_ngram; per n the earliest first),
     at most max_paths, merged into a trie: a longer match ranks first, a shorter one adds
@@ -163,7 +175,9 @@ def lookup_tree(token_ids: list[int], k: int, min_ngram: int, max_ngram: int, ma
     return TokenTree.from_paths(paths) if paths else TokenTree((), ())
 
 
-def _earliest_occurrence(token_ids: list[int], ngram: list[int], end: int, begin: int = 0) -> int | None:
+def _earliest_occurrence(
+    token_ids: list[int], ngram: list[int], end: int, begin: int = 0
+) -> int | None:
     """The smallest begin <= i < end with token_ids[i : i + len(ngram)] == ngram, or None."""
     i = begin  # list.index jumps from candidate to candidate in C: faster than torch's window compare
     while True:
@@ -197,8 +211,9 @@ class LookupThenModelDrafter(Drafter):
         self.fingerprint = model.fingerprint
 
     def open(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> DraftSession:
-        return LookupThenModelSession(self.lookup.open(prompt_token_ids, params),
-                                      self.model.open(prompt_token_ids, params))
+        return LookupThenModelSession(
+            self.lookup.open(prompt_token_ids, params), self.model.open(prompt_token_ids, params)
+        )
 
 
 class LookupThenModelSession(DraftSession):
@@ -221,7 +236,9 @@ class LookupThenModelSession(DraftSession):
         self.lookup.append(proposal.token_ids)
         return proposal
 
-    def propose_tree(self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0) -> Proposal:
+    def propose_tree(
+        self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0
+    ) -> Proposal:
         proposal = self.lookup.propose_tree(k, width)
         if proposal.parents is not None:
             return proposal

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from foundation.sequence import common_prefix_length
 from speculative.drafter_base import EMPTY_PROPOSAL, DraftSession, Proposal
 from speculative.policy import Action
-from foundation.sequence import common_prefix_length
 from speculative.stats import RoundStats
 from speculative.types import SamplingParams, VerifyResult
 from speculative.verifier import Verifier
@@ -37,8 +37,11 @@ class Proposer:
         self.verifier, self.draft, self.params = verifier, draft, params
         self.draft_read_prompt = draft is None
         self.draft_warm = False  # the draft's prefill left the logits for its next token
-        self.free_draft = draft is not None and draft.peek(0) is not None  # proposing costs no pass (lookup)
-        self.next_index = 0  # Proposal.round of the next proposal sent (a stretch is one), from 0 per call
+        # proposing costs no pass (lookup)
+        self.free_draft = draft is not None and draft.peek(0) is not None
+        self.next_index = (
+            0  # Proposal.round of the next proposal sent (a stretch is one), from 0 per call
+        )
 
     def read_prompt(self) -> bool:
         """Whether the draft read the prompt just now: only before its first proposal, so
@@ -66,8 +69,13 @@ class Proposer:
         else:
             proposal = self.draft.propose(k, min_reach)
         chain_of_k = proposal.parents is None and len(proposal) == k  # drafting may go on past it
-        sent = Sent(base_len, proposal, time.perf_counter_ns() - start, open_ended=k > 0 and chain_of_k,
-                    warm=self.draft_warm and k > 0)
+        sent = Sent(
+            base_len,
+            proposal,
+            time.perf_counter_ns() - start,
+            open_ended=k > 0 and chain_of_k,
+            warm=self.draft_warm and k > 0,
+        )
         self.draft_warm = self.draft_warm and k == 0
         return sent
 
@@ -78,8 +86,13 @@ class Proposer:
     def _send(self, sent: Sent, expected_last: int | None = None) -> None:
         sent.index, self.next_index = self.next_index, self.next_index + 1
         sent.sent_ns = time.perf_counter_ns()
-        self.verifier.send(sent.base_len, sent.proposal.token_ids, sent.proposal.draft_probs, expected_last,
-                           sent.proposal.parents)
+        self.verifier.send(
+            sent.base_len,
+            sent.proposal.token_ids,
+            sent.proposal.draft_probs,
+            expected_last,
+            sent.proposal.parents,
+        )
 
     def receive(self, sent: Sent) -> tuple[VerifyResult, RoundStats]:
         """The verdict on `sent`, and its round's stats."""
@@ -87,12 +100,20 @@ class Proposer:
         now = time.perf_counter_ns()
         received = min(result.received_ns or now, now)
         return result, RoundStats(
-            index=sent.index, base_len=sent.base_len, num_drafted=len(sent.proposal),
-            num_accepted=result.verdict.num_accepted, num_committed=len(result.token_ids),
-            next_token_kind=result.verdict.next_token_kind, draft_ns=sent.draft_ns,
-            verify_ns=received - sent.sent_ns, target_compute_ns=result.target_compute_ns, step=result.step,
+            index=sent.index,
+            base_len=sent.base_len,
+            num_drafted=len(sent.proposal),
+            num_accepted=result.verdict.num_accepted,
+            num_committed=len(result.token_ids),
+            next_token_kind=result.verdict.next_token_kind,
+            draft_ns=sent.draft_ns,
+            verify_ns=received - sent.sent_ns,
+            target_compute_ns=result.target_compute_ns,
+            step=result.step,
             target_handled_ns=result.target_handled_ns,
-            drafted_ahead=sent.ahead, late_ns=now - received, draft_warm=sent.warm,
+            drafted_ahead=sent.ahead,
+            late_ns=now - received,
+            draft_warm=sent.warm,
             **_branch_counts(sent.proposal, result.path),
         )
 
@@ -100,7 +121,9 @@ class Proposer:
         """Rolls the draft back to what it appended of the accepted path and appends the rest
         of the target's tokens."""
         if self.draft is not None:
-            num_kept = common_prefix_length(sent.proposal.appended(), result.token_ids[: result.verdict.num_accepted])
+            num_kept = common_prefix_length(
+                sent.proposal.appended(), result.token_ids[: result.verdict.num_accepted]
+            )
             self.draft.truncate_to(sent.base_len + num_kept)
             self.draft.append(result.token_ids[num_kept:])
 

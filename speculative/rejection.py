@@ -123,7 +123,9 @@ def check_tree_probs(tree: TokenTree, draft_probs: Sequence[SparseProbs | None])
     """A draft distribution per node (None: deterministic), each giving its token a
     positive probability."""
     if len(draft_probs) != len(tree):
-        raise InvalidArgument(f"{len(tree)} draft tokens came with {len(draft_probs)} distributions")
+        raise InvalidArgument(
+            f"{len(tree)} draft tokens came with {len(draft_probs)} distributions"
+        )
     for node, probs in enumerate(draft_probs):
         if probs is not None:
             check_draft_probs([tree.token_ids[node]], [probs])
@@ -147,8 +149,12 @@ def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[li
         node = match
 
 
-def verify_tree_sampled(tree: TokenTree, draft_probs: Sequence[SparseProbs | None] | None,
-                        target_probs: torch.Tensor, generator: torch.Generator) -> tuple[list[int], Verdict]:
+def verify_tree_sampled(
+    tree: TokenTree,
+    draft_probs: Sequence[SparseProbs | None] | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[list[int], Verdict]:
     """SpecInfer's rule. draft_probs: [n] the distribution each node was sampled from
     (None: deterministic, one-hot). target_probs: [n + 1, vocab_size], as in the greedy
     rule. Exactly n + 1 uniforms are drawn, node i's at i and the last token's at n,
@@ -164,7 +170,9 @@ def verify_tree_sampled(tree: TokenTree, draft_probs: Sequence[SparseProbs | Non
         for child in children:
             token_id = tree.token_ids[child]
             draft = (draft_probs[child] if draft_probs else None) or SparseProbs.one_hot(token_id)
-            if uniforms[child] < acceptance_probability(float(residual[token_id]), draft.prob_of(token_id)):
+            if uniforms[child] < acceptance_probability(
+                float(residual[token_id]), draft.prob_of(token_id)
+            ):
                 path.append(child)
                 node = child
                 break

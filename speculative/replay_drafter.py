@@ -26,11 +26,11 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from foundation.errors import InvalidArgument
 from model_runtime.loading import LoadedModel
 from model_runtime.model_session import ForwardSteps, ModelSession
 from speculative.drafter_base import Drafter, Proposal
 from speculative.drafters import ModelDraftSession
-from foundation.errors import InvalidArgument
 from speculative.sampling import SamplingParams
 
 
@@ -45,8 +45,11 @@ class Replay:
         try:
             with open(path) as file:
                 data = json.load(file)
-            replay = cls(float(data["acceptance"]), int(data.get("seed", 0)),
-                         tuple(tuple(int(t) for t in s) for s in data["sequences"]))
+            replay = cls(
+                float(data["acceptance"]),
+                int(data.get("seed", 0)),
+                tuple(tuple(int(t) for t in s) for s in data["sequences"]),
+            )
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise InvalidArgument(f"cannot read the replay file {path!r}: {error}") from None
         if not 0.0 <= replay.acceptance <= 1.0:
@@ -66,10 +69,15 @@ class Replay:
         return int.from_bytes(digest[:8], "little") / 2**64 >= self.acceptance
 
 
-def write_replay(path: str, acceptance: float, sequences: Sequence[Sequence[int]], seed: int = 0) -> None:
+def write_replay(
+    path: str, acceptance: float, sequences: Sequence[Sequence[int]], seed: int = 0
+) -> None:
     """Writes a replay file (atomically: a worker may be reading it)."""
     with open(path + ".tmp", "w") as file:
-        json.dump({"acceptance": acceptance, "seed": seed, "sequences": [list(s) for s in sequences]}, file)
+        json.dump(
+            {"acceptance": acceptance, "seed": seed, "sequences": [list(s) for s in sequences]},
+            file,
+        )
     os.replace(path + ".tmp", path)
 
 
@@ -84,14 +92,18 @@ class ReplayDrafter(Drafter):
         session = ModelSession(self.loaded.model, self.loaded.context_length)
         session.append(prompt_token_ids)
         replay = Replay.read(self.path)
-        return ReplayDraftSession(session, replay, replay.recording(prompt_token_ids), self.loaded.vocab_size)
+        return ReplayDraftSession(
+            session, replay, replay.recording(prompt_token_ids), self.loaded.vocab_size
+        )
 
 
 class ReplayDraftSession(ModelDraftSession):
     """A model draft session (its cache, its passes, its rollback) that proposes the
     recording's tokens instead of its own."""
 
-    def __init__(self, session: ModelSession, replay: Replay, recording: tuple[int, ...], vocab_size: int):
+    def __init__(
+        self, session: ModelSession, replay: Replay, recording: tuple[int, ...], vocab_size: int
+    ):
         super().__init__(session, SamplingParams(), draft_top_k=1)
         self.replay = replay
         self.recording = recording
@@ -99,9 +111,13 @@ class ReplayDraftSession(ModelDraftSession):
 
     def set_sampling(self, params: SamplingParams) -> None:
         if not params.greedy:
-            raise InvalidArgument("the replay drafter is greedy only: its recordings are greedy continuations")
+            raise InvalidArgument(
+                "the replay drafter is greedy only: its recordings are greedy continuations"
+            )
 
-    def propose_steps(self, k: int, min_reach: float = 0.0, width: int = 1, min_branch: float = 0.0) -> ForwardSteps[Proposal]:
+    def propose_steps(
+        self, k: int, min_reach: float = 0.0, width: int = 1, min_branch: float = 0.0
+    ) -> ForwardSteps[Proposal]:
         """Up to k tokens of the recording (replaced where the replay says), each after a
         pass of the draft model over the pending tokens, as a model drafter pays."""
         token_ids: list[int] = []

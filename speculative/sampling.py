@@ -13,7 +13,14 @@ import torch
 
 from speculative.types import SamplingParams
 
-__all__ = ["SamplingParams", "SparseProbs", "greedy_tokens", "logits_to_probs", "make_generator", "sample_from"]
+__all__ = [
+    "SamplingParams",
+    "SparseProbs",
+    "greedy_tokens",
+    "logits_to_probs",
+    "make_generator",
+    "sample_from",
+]
 
 
 def make_generator(seed: int | None) -> torch.Generator:

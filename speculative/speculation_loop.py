@@ -40,18 +40,33 @@ class RoundResult:
     finish_reason: FinishReason | None  # set on the last round
 
 
-def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len: int, params: SamplingParams,
-                       policy: SpeculationPolicy, context_length: int,
-                       features: Features = Features()) -> Iterator[RoundResult]:
+def speculation_rounds(
+    verifier: Verifier,
+    draft: DraftSession | None,
+    base_len: int,
+    params: SamplingParams,
+    policy: SpeculationPolicy,
+    context_length: int,
+    features: Features = Features(),
+) -> Iterator[RoundResult]:
     """Rounds until a stop token, max_new_tokens or the context length. On entry verifier and draft hold `base_len`
     committed tokens; after each result, the new committed length (the draft also any proposal sent ahead)."""
     call = Call(base_len, params, context_length, policy)
-    proposer = (AheadProposer if features.draft_ahead and verifier.overlaps else Proposer)(verifier, draft, params)
-    stretches = Stretches(verifier, proposer, policy, features.target_lookup) \
-        if features.stretches and draft is not None else None
+    proposer = (AheadProposer if features.draft_ahead and verifier.overlaps else Proposer)(
+        verifier, draft, params
+    )
+    stretches = (
+        Stretches(verifier, proposer, policy, features.target_lookup)
+        if features.stretches and draft is not None
+        else None
+    )
     while not call.finished:
         call.start_ns = time.perf_counter_ns()
-        action = policy.next_action(call.room, stretches=stretches is not None) if draft is not None else Action()
+        action = (
+            policy.next_action(call.room, stretches=stretches is not None)
+            if draft is not None
+            else Action()
+        )
         if action.stretch and proposer.idle:
             yield from stretches.run(call, min(action.stretch, call.room), None, action.lookup_k)
             continue
@@ -79,8 +94,13 @@ def speculation_rounds(verifier: Verifier, draft: DraftSession | None, base_len:
 class Call:
     """What one call has committed, and what it may still generate."""
 
-    def __init__(self, base_len: int, params: SamplingParams, context_length: int, policy: SpeculationPolicy):
-        self.base_len, self.params, self.context_length, self.policy = base_len, params, context_length, policy
+    def __init__(
+        self, base_len: int, params: SamplingParams, context_length: int, policy: SpeculationPolicy
+    ):
+        self.base_len = base_len
+        self.params = params
+        self.context_length = context_length
+        self.policy = policy
         self.num_generated = 0
         self.start_ns = 0  # when the current step began (its decision)
         self.finish_reason: FinishReason | None = None
@@ -88,7 +108,9 @@ class Call:
     @property
     def room(self) -> int:
         """Tokens this call may still generate (never past max_new_tokens or the context)."""
-        return min(self.params.max_new_tokens - self.num_generated, self.context_length - self.base_len)
+        return min(
+            self.params.max_new_tokens - self.num_generated, self.context_length - self.base_len
+        )
 
     @property
     def context_room(self) -> int:
@@ -102,10 +124,17 @@ class Call:
     def commit(self, result: VerifyResult, stats: RoundStats) -> Iterator[RoundResult]:
         self.base_len += len(result.token_ids)
         self.num_generated += len(result.token_ids)
-        out_of_room = self.num_generated >= self.params.max_new_tokens or self.base_len >= self.context_length
-        self.finish_reason = FinishReason.STOP_TOKEN if result.stopped else FinishReason.LENGTH if out_of_room else None
+        out_of_room = (
+            self.num_generated >= self.params.max_new_tokens or self.base_len >= self.context_length
+        )
+        self.finish_reason = (
+            FinishReason.STOP_TOKEN
+            if result.stopped
+            else FinishReason.LENGTH
+            if out_of_room
+            else None
+        )
         yield RoundResult(result.token_ids, stats, self.finish_reason)
         # Measured after the caller is done with the result: a round's (a token's) cost includes passing it on.
         self.policy.estimator.observe(stats, time.perf_counter_ns() - self.start_ns)
         self.start_ns = time.perf_counter_ns()
-

@@ -21,7 +21,9 @@ class RoundStats:
     next_token_kind: NextTokenKind
     draft_ns: int  # time to propose, in nanoseconds
     verify_ns: int  # time from sending the proposal to having the verdict, in nanoseconds
-    target_compute_ns: int  # the target's forward pass and decision, in nanoseconds (0: no pass ran)
+    target_compute_ns: (
+        int  # the target's forward pass and decision, in nanoseconds (0: no pass ran)
+    )
     # The target worker's whole time on the proposal (compute, its step's queue, host work), in ns; 0: not measured.
     target_handled_ns: int = 0
     # The target decoded this token alone, streamed (the adaptive policy found that
@@ -30,7 +32,9 @@ class RoundStats:
     step: StepLoad | None = None  # the target's batched step (None: not reported)
     drafted_ahead: bool = False  # its proposal was drafted while the one before was verified
     late_ns: int = 0  # its verdict waited this long for the draft (busy drafting the next proposal)
-    draft_warm: bool = False  # the draft's first token came with its prefill: drafting cost a pass less
+    draft_warm: bool = (
+        False  # the draft's first token came with its prefill: drafting cost a pass less
+    )
     # A token tree's nodes off its first path (what a chain would have proposed), and the
     # accepted tokens they added past the first path's: 0 and 0 for a chain.
     branch_nodes: int = 0
@@ -105,7 +109,10 @@ class GenerationStats:
     @property
     def acceptance_by_position(self) -> list[float]:
         """P(draft token i accepted | it was drafted)."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+        ]
 
     @property
     def network_ns(self) -> int:
@@ -120,18 +127,24 @@ class GenerationStats:
         """A few human-readable lines."""
         by_position = " ".join(f"{rate:.2f}" for rate in self.acceptance_by_position)
         ms = 1e-6
-        return "\n".join([
-            f"tokens: {self.num_generated_tokens} in {self.total_ns * 1e-9:.2f} s "
-            f"({self.tokens_per_second:.1f} tokens/s), {self.num_rounds} target passes "
-            f"({self.tokens_per_round:.2f} tokens per pass)",
-            f"drafted {self.num_drafted}, accepted {self.num_accepted} "
-            f"(acceptance {self.acceptance_rate:.1%}, {self.mean_accepted_per_round:.2f} per "
-            f"drafting round); by position: {by_position or '-'}"
-            + (f"; {self.num_streamed} tokens decoded by the target alone" if self.num_streamed else ""),
-            f"time: prefill {self.prefill_ns * ms:.0f} ms, draft {self.draft_ns * ms:.0f} ms, "
-            f"verify {self.verify_ns * ms:.0f} ms (target compute "
-            f"{self.target_compute_ns * ms:.0f} ms, network {self.network_ns * ms:.0f} ms)",
-        ])
+        return "\n".join(
+            [
+                f"tokens: {self.num_generated_tokens} in {self.total_ns * 1e-9:.2f} s "
+                f"({self.tokens_per_second:.1f} tokens/s), {self.num_rounds} target passes "
+                f"({self.tokens_per_round:.2f} tokens per pass)",
+                f"drafted {self.num_drafted}, accepted {self.num_accepted} "
+                f"(acceptance {self.acceptance_rate:.1%}, {self.mean_accepted_per_round:.2f} per "
+                f"drafting round); by position: {by_position or '-'}"
+                + (
+                    f"; {self.num_streamed} tokens decoded by the target alone"
+                    if self.num_streamed
+                    else ""
+                ),
+                f"time: prefill {self.prefill_ns * ms:.0f} ms, draft {self.draft_ns * ms:.0f} ms, "
+                f"verify {self.verify_ns * ms:.0f} ms (target compute "
+                f"{self.target_compute_ns * ms:.0f} ms, network {self.network_ns * ms:.0f} ms)",
+            ]
+        )
 
 
 def _grow(counts: list[int], size: int) -> None:

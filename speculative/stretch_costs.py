@@ -36,7 +36,9 @@ class StretchEstimates:
     start_ns: float  # o
     proposal_rate: float  # f
     measure: bool  # stretches measure acceptance (a free drafter): no probe needed
-    target_runs_lookup: bool = False  # the target runs the (prompt-lookup) drafter's rounds inside stretches
+    target_runs_lookup: bool = (
+        False  # the target runs the (prompt-lookup) drafter's rounds inside stretches
+    )
     after_stretch: bool = False  # the last thing the call did was a stretch
     losing_in_a_row: int = 0  # stretches in a row, each followed by one round that lost (a probe)
     empty_turns_in_a_row: int = 0  # drafter turns that proposed nothing since one that did
@@ -50,10 +52,14 @@ class StretchCosts:
         self.start_ns: float | None = None  # o (None: not measured)
         self.proposals, self.turns = 1.0, 2.0  # decayed counts behind f (prior 0.5)
         self.measure = False  # shadow rounds measure the drafter's acceptance during stretches
-        self.target_runs_lookup = False  # the target runs the (prompt-lookup) drafter's rounds inside stretches
+        self.target_runs_lookup = (
+            False  # the target runs the (prompt-lookup) drafter's rounds inside stretches
+        )
         self.after_stretch = False  # the last thing the call did was a stretch
         self.in_a_row = self.empty_turns_in_a_row = 0
-        self.rounds_since, self.rounds_since_ns = 0, 0.0  # rounds since the last stretch, and their time
+        # rounds since the last stretch, and their time
+        self.rounds_since = 0
+        self.rounds_since_ns = 0.0
 
     @property
     def losing_in_a_row(self) -> int:
@@ -64,12 +70,17 @@ class StretchCosts:
         """The snapshot; before a stretch measures them, s is c(1) and o is 2 R."""
         solo_measured = self.solo_token_ns is not None
         return StretchEstimates(
-            solo_token_ns=self.solo_token_ns if solo_measured else self.passes.pass_ns(1), solo_measured=solo_measured,
+            solo_token_ns=self.solo_token_ns if solo_measured else self.passes.pass_ns(1),
+            solo_measured=solo_measured,
             start_ns=self.start_ns if self.start_ns is not None else 2 * overhead_ns,
-            proposal_rate=self.proposals / self.turns, measure=self.measure,
-            target_runs_lookup=self.target_runs_lookup, after_stretch=self.after_stretch,
-            losing_in_a_row=self.losing_in_a_row, empty_turns_in_a_row=self.empty_turns_in_a_row,
-            rounds_since_ns=self.rounds_since_ns)
+            proposal_rate=self.proposals / self.turns,
+            measure=self.measure,
+            target_runs_lookup=self.target_runs_lookup,
+            after_stretch=self.after_stretch,
+            losing_in_a_row=self.losing_in_a_row,
+            empty_turns_in_a_row=self.empty_turns_in_a_row,
+            rounds_since_ns=self.rounds_since_ns,
+        )
 
     def observe_round(self, elapsed_ns: int) -> None:
         self.after_stretch = False
@@ -92,8 +103,14 @@ class StretchCosts:
         self.turns = self.decay * self.turns + 1.0
         self.empty_turns_in_a_row = 0 if proposed else self.empty_turns_in_a_row + 1
 
-    def observe_stretch(self, num_tokens: int, elapsed_ns: int, token_ns: int, empty_turns: int = 0,
-                        passes_ns: int | None = None) -> None:
+    def observe_stretch(
+        self,
+        num_tokens: int,
+        elapsed_ns: int,
+        token_ns: int,
+        empty_turns: int = 0,
+        passes_ns: int | None = None,
+    ) -> None:
         """A whole stretch: elapsed_ns from deciding on it to being ready to draft again,
         of which its passes took passes_ns (default num_tokens token_ns; the rest is o),
         tokens decoded alone token_ns apart (s). The drafter would have proposed nothing
@@ -114,4 +131,6 @@ class StretchCosts:
             self.passes.observe(1, token_ns, SOLO_TOKEN_WEIGHT * num_tokens, age=False)
         self.passes.one_token_measured = True
         # s ages by the rounds since it was measured, as passes do by later passes.
-        self.solo_token_ns = blend(self.solo_token_ns, token_ns, self.decay ** (1 + self.rounds_since))
+        self.solo_token_ns = blend(
+            self.solo_token_ns, token_ns, self.decay ** (1 + self.rounds_since)
+        )

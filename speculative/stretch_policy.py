@@ -21,7 +21,9 @@ class Turn(enum.Enum):
 
     DRAFT = "draft"  # before drafting
     NOTHING_PROPOSED = "nothing"  # the drafter proposed nothing: a round would be one plain step
-    NOTHING_UNTIL_MATCH = "until_match"  # the same, and a stretch can end where it would propose again
+    NOTHING_UNTIL_MATCH = (
+        "until_match"  # the same, and a stretch can end where it would propose again
+    )
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,15 @@ class StretchRules:
     def sized(self, e: Estimates, shortest: int) -> int:
         """At least `shortest` tokens, and long enough that starting it is at most
         start_share of its time; at most `longest`."""
-        return min(max(shortest, _ceil(e.stretch.start_ns / (self.start_share * e.stretch.solo_token_ns))),
-                   self.longest)
+        return min(
+            max(shortest, _ceil(e.stretch.start_ns / (self.start_share * e.stretch.solo_token_ns))),
+            self.longest,
+        )
 
 
-def hand_off(e: Estimates, k: int, remaining: int | None, turn: Turn, rules: StretchRules) -> Stretch | None:
+def hand_off(
+    e: Estimates, k: int, remaining: int | None, turn: Turn, rules: StretchRules
+) -> Stretch | None:
     """A stretch for a call that may still generate `remaining` tokens (None: not known), or
     None: a round of the policy's k (`e.best_k()`; after an empty turn, its plain step). A
     stretch too long for what remains runs to the end (`_unless_last`)."""
@@ -59,14 +65,15 @@ def hand_off(e: Estimates, k: int, remaining: int | None, turn: Turn, rules: Str
         # No room for drafts on the loaded target, and stretches measure acceptance: no
         # probe is needed, and each restart costs a step the session misses.
         return _unless_last(rules.longest, remaining, least=rules.first)
-    lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(k) * s.solo_token_ns  # rounds' speed over alone
+    # rounds' speed over alone
+    lead = 0.0 if e.worker_k == 0 else e.tokens_per_ns(k) * s.solo_token_ns
     # After a stretch one round re-measures (a probe), unless the stretch measured.
     if (s.after_stretch and not s.measure) or (lead >= 1.0 and e.one_token_measured):
         return None
     if lead >= 1.0:  # read from an extrapolated c(1): one stretch measures it first
         return _unless_last(rules.sized(e, rules.first), remaining, least=None)
     # Speculation loses: a stretch, twice the last one's while probes keep losing.
-    stretch = rules.sized(e, min(rules.first * 2 ** s.losing_in_a_row, rules.longest))
+    stretch = rules.sized(e, min(rules.first * 2**s.losing_in_a_row, rules.longest))
     return _unless_last(stretch, remaining, least=stretch)
 
 
@@ -80,14 +87,19 @@ def _lookup_stretch(e: Estimates, remaining: int | None, rules: StretchRules) ->
     k = inside.best_k()
     if e.worker_k == 0 or (inside.measured and inside.tokens_per_ns(k) <= inside.tokens_per_ns(0)):
         k = 0
-    size = rules.longest if e.worker_k == 0 else min(rules.first * 2 ** e.stretch.losing_in_a_row, rules.longest)
+    size = (
+        rules.longest
+        if e.worker_k == 0
+        else min(rules.first * 2**e.stretch.losing_in_a_row, rules.longest)
+    )
     if e.measured:
         size = rules.sized(e, size)
     return dataclasses.replace(_unless_last(size, remaining, least=rules.first), lookup_k=k)
 
 
-def _after_empty_turn(e: Estimates, k: int, remaining: int | None, ends_at_match: bool,
-                      rules: StretchRules) -> Stretch | None:
+def _after_empty_turn(
+    e: Estimates, k: int, remaining: int | None, ends_at_match: bool, rules: StretchRules
+) -> Stretch | None:
     """None (the plain step) while rounds, empty ones included at their rate, beat decoding
     alone; else a stretch, longer with each empty turn in a row. One that ends where the
     drafter proposes again is taken when its start, spread over the expected gap of 1 / f

@@ -24,26 +24,44 @@ if TYPE_CHECKING:
 
 
 class Stretches:
-    def __init__(self, verifier: Verifier, proposer: Proposer, policy: SpeculationPolicy, target_lookup: bool):
+    def __init__(
+        self, verifier: Verifier, proposer: Proposer, policy: SpeculationPolicy, target_lookup: bool
+    ):
         self.verifier, self.proposer, self.policy = verifier, proposer, policy
         self.draft, self.free_draft = proposer.draft, proposer.free_draft
-        free_lookup = target_lookup and self.free_draft and verifier.runs_lookup  # the target runs its rounds
+        # the target runs its rounds
+        free_lookup = target_lookup and self.free_draft and verifier.runs_lookup
         self.lookup_sizes = self.draft.lookup_stop() if free_lookup else None
         if self.lookup_sizes is not None:
             policy.estimator.stretches.target_runs_lookup = True
 
     def after_empty_turn(self, room: int) -> int:
         """Tokens of the stretch the policy prefers to a round with nothing to verify (0: none)."""
-        turn = Turn.NOTHING_UNTIL_MATCH if self.draft.lookup_stop() is not None else Turn.NOTHING_PROPOSED
+        turn = (
+            Turn.NOTHING_UNTIL_MATCH
+            if self.draft.lookup_stop() is not None
+            else Turn.NOTHING_PROPOSED
+        )
         return min(self.policy.next_action(room, turn).stretch, room)
 
-    def run(self, call: Call, num_tokens: int, until: LookupStop | None, lookup_k: int = 0) -> Iterator:
+    def run(
+        self, call: Call, num_tokens: int, until: LookupStop | None, lookup_k: int = 0
+    ) -> Iterator:
         """The target decodes up to num_tokens (ending where prompt lookup with `until`'s sizes finds text to
         copy; verifying up to lookup_k looked-up tokens a pass, where it runs lookup), committed through `call`."""
-        stretch_start, intervals, solo = call.start_ns, [], []  # solo: intervals of passes that verified nothing
-        lookup = LookupRounds(self.lookup_sizes, lookup_k, call.room) if lookup_k and self.lookup_sizes else None
+        # solo: intervals of passes that verified nothing
+        stretch_start = call.start_ns
+        intervals = []
+        solo = []
+        lookup = (
+            LookupRounds(self.lookup_sizes, lookup_k, call.room)
+            if lookup_k and self.lookup_sizes
+            else None
+        )
         # Only a free drafter is checked; a stretch that ends at its next proposal has none.
-        shadow = ShadowRounds(self.draft, self.policy) if self.free_draft and until is None else None
+        shadow = (
+            ShadowRounds(self.draft, self.policy) if self.free_draft and until is None else None
+        )
         for stats, result in self._passes(call.base_len, num_tokens, until, lookup, shadow):
             if intervals and not stats.num_drafted:  # the first interval holds the stretch's start
                 solo.append(stats.verify_ns)
@@ -51,7 +69,9 @@ class Stretches:
             yield from call.commit(result, stats)
             if call.finished:
                 if solo:  # what its tokens cost seeds the next call
-                    self.policy.estimator.stretches.observe_solo_tokens(len(solo), sum(solo) // len(solo))
+                    self.policy.estimator.stretches.observe_solo_tokens(
+                        len(solo), sum(solo) // len(solo)
+                    )
                 return
         self.proposer.next_index += 1
         if intervals:
@@ -59,11 +79,21 @@ class Stretches:
             token_ns = sum(solo) // len(solo) if solo else intervals[0]
             passes_ns = token_ns + sum(intervals[1:])  # its passes, the first as long as a solo one
             self.policy.estimator.stretches.observe_stretch(
-                len(solo) + 1, time.perf_counter_ns() - stretch_start, token_ns,
-                empty_turns=len(intervals) - 1 if until else 0, passes_ns=passes_ns)
+                len(solo) + 1,
+                time.perf_counter_ns() - stretch_start,
+                token_ns,
+                empty_turns=len(intervals) - 1 if until else 0,
+                passes_ns=passes_ns,
+            )
 
-    def _passes(self, base_len: int, num_tokens: int, until: LookupStop | None, lookup: LookupRounds | None,
-                shadow: ShadowRounds | None):
+    def _passes(
+        self,
+        base_len: int,
+        num_tokens: int,
+        until: LookupStop | None,
+        lookup: LookupRounds | None,
+        shadow: ShadowRounds | None,
+    ):
         """(stats, result) per pass of a stretch (all one round: one index); the draft follows each."""
         passes = self.verifier.decode(base_len, num_tokens, until, lookup)
         try:
@@ -73,10 +103,19 @@ class Stretches:
                 for token_id in result.token_ids if shadow is not None else ():
                     shadow.see(token_id)
                 self.draft.append(result.token_ids)
-                stats = RoundStats(index=self.proposer.next_index, base_len=base_len, num_drafted=result.num_drafted,
-                                   num_accepted=result.verdict.num_accepted, num_committed=len(result.token_ids),
-                                   next_token_kind=result.verdict.next_token_kind, draft_ns=0, verify_ns=now - last,
-                                   target_compute_ns=result.target_compute_ns, streamed=True, step=result.step)
+                stats = RoundStats(
+                    index=self.proposer.next_index,
+                    base_len=base_len,
+                    num_drafted=result.num_drafted,
+                    num_accepted=result.verdict.num_accepted,
+                    num_committed=len(result.token_ids),
+                    next_token_kind=result.verdict.next_token_kind,
+                    draft_ns=0,
+                    verify_ns=now - last,
+                    target_compute_ns=result.target_compute_ns,
+                    streamed=True,
+                    step=result.step,
+                )
                 base_len, last = base_len + len(result.token_ids), now
                 yield stats, result
         finally:

@@ -26,15 +26,21 @@ class TokenTree:
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.parents):
-            raise InvalidArgument(f"a token tree of {len(self.token_ids)} tokens came with "
-                                  f"{len(self.parents)} parents")
+            raise InvalidArgument(
+                f"a token tree of {len(self.token_ids)} tokens came with "
+                f"{len(self.parents)} parents"
+            )
         seen: set[tuple[int, int]] = set()
         for node, (token_id, parent) in enumerate(zip(self.token_ids, self.parents)):
             if not ROOT <= parent < node:
-                raise InvalidArgument(f"token tree node {node} has parent {parent}: a parent is "
-                                      f"{ROOT} (the last committed token) or an earlier node")
+                raise InvalidArgument(
+                    f"token tree node {node} has parent {parent}: a parent is "
+                    f"{ROOT} (the last committed token) or an earlier node"
+                )
             if (parent, token_id) in seen:
-                raise InvalidArgument(f"token tree node {node} repeats its sibling's token {token_id}")
+                raise InvalidArgument(
+                    f"token tree node {node} repeats its sibling's token {token_id}"
+                )
             seen.add((parent, token_id))
 
     @staticmethod

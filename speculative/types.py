@@ -90,11 +90,17 @@ class VerifyResult:
     token_ids: list[int]  # tokens committed this round: accepted + next, cut after a stop token
     committed_len: int  # the session's committed length afterwards, in tokens
     stopped: bool  # a stop token ended the round
-    target_compute_ns: int  # forward pass and decision, in nanoseconds (0: no pass ran, logits were kept)
+    target_compute_ns: (
+        int  # forward pass and decision, in nanoseconds (0: no pass ran, logits were kept)
+    )
     step: StepLoad | None = None  # the batched step that ran it (None: run alone)
     received_ns: int = 0  # when it reached the draft (time.perf_counter_ns; 0: as it was read)
-    num_drafted: int = 0  # draft tokens the pass judged (in a stretch: looked-up tokens it verified)
-    path: tuple[int, ...] | None = None  # a token tree's accepted nodes, root-most first (None: a chain)
+    num_drafted: int = (
+        0  # draft tokens the pass judged (in a stretch: looked-up tokens it verified)
+    )
+    path: tuple[int, ...] | None = (
+        None  # a token tree's accepted nodes, root-most first (None: a chain)
+    )
     # The target worker's whole time on the proposal, compute, queue and host work (0: not measured), in ns.
     target_handled_ns: int = 0
 
@@ -113,4 +119,6 @@ def check_drafter_name(name: str) -> None:
     """InvalidArgument unless `name` is a drafter of the API or empty (the worker's default)."""
     if name and name not in DRAFTER_NAMES:
         names = ", ".join(repr(known) for known in DRAFTER_NAMES)
-        raise InvalidArgument(f"unknown drafter {name!r}: drafter must be one of {names} or empty (the worker's default)")
+        raise InvalidArgument(
+            f"unknown drafter {name!r}: drafter must be one of {names} or empty (the worker's default)"
+        )

@@ -28,7 +28,9 @@ class AdmissionLoad:
 class Admission:
     def __init__(self, max_running: int, max_queued: int):
         if max_running < 1 or max_queued < 0:
-            raise InvalidArgument(f"max_running must be >= 1 and max_queued >= 0, got {max_running} and {max_queued}")
+            raise InvalidArgument(
+                f"max_running must be >= 1 and max_queued >= 0, got {max_running} and {max_queued}"
+            )
         self.max_running = max_running
         self.max_queued = max_queued
         self._lock = threading.Lock()

@@ -17,7 +17,8 @@ def served_tokenizer(loaded: LoadedModel) -> target_pb2.GetTokenizerResponse:
     if backend is None:
         raise FailedPrecondition(
             f"model {loaded.name!r} has no tokenizer of the tokenizers library to serve: "
-            "start the orchestrator with --tokenizer")
+            "start the orchestrator with --tokenizer"
+        )
     template = tokenizer.chat_template
     if isinstance(template, dict):  # named templates: the one transformers uses by default
         template = template.get("default")
@@ -37,5 +38,7 @@ def _cleans_up_spaces(tokenizer, backend) -> bool:
     its setting, which transformers ignores for BPE models unless told it really means it."""
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return False
-    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    forced = getattr(
+        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False
+    )
     return type(backend.model).__name__ != "BPE" or bool(forced)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from opentelemetry import trace
 
+from foundation.errors import InvalidArgument
 from service_common import telemetry
 from service_common.convert import (
     decision_to_proto,
@@ -26,7 +27,6 @@ from service_common.convert import (
 from service_common.deadlines import time_remaining
 from service_common.status import rpc_errors
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from foundation.errors import InvalidArgument
 from speculative.sampling import SamplingParams
 from target_service import spans
 from target_service.admission import Admission
@@ -39,8 +39,15 @@ tracer = trace.get_tracer(__name__)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, sessions: SessionCache, worker_id: str, model_info: common_pb2.ModelInfo,
-                 default_max_new_tokens: int, worker_address: str = "", admission: Admission | None = None):
+    def __init__(
+        self,
+        sessions: SessionCache,
+        worker_id: str,
+        model_info: common_pb2.ModelInfo,
+        default_max_new_tokens: int,
+        worker_address: str = "",
+        admission: Admission | None = None,
+    ):
         self.sessions = sessions
         self.engine = TargetEngine(sessions)
         self.admission = admission or Admission(max_running=sessions.max_sessions, max_queued=0)
@@ -55,22 +62,42 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         params = sampling_from_proto(request.sampling, self.default_max_new_tokens)
         session_id = request.session_id or uuid.uuid4().hex
         prompt_token_ids = list(request.prompt_token_ids)
-        with (self._admitted(context) as waited_ns,
-              spans.prefill(session_id, 0, len(prompt_token_ids)) as span):
-            prefill_ns, _ = self.sessions.open(session_id, prompt_token_ids, params, request.resumes_stream)
-            span.set_attributes({"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns})
-        log.debug("opened session", extra={"fields": {"session_id": session_id, "prompt_len": len(prompt_token_ids)}})
-        handle = common_pb2.KvHandle(worker_id=self.worker_id, worker_address=self.worker_address,
-                                     session_id=session_id, committed_len=len(prompt_token_ids))
+        with (
+            self._admitted(context) as waited_ns,
+            spans.prefill(session_id, 0, len(prompt_token_ids)) as span,
+        ):
+            prefill_ns, _ = self.sessions.open(
+                session_id, prompt_token_ids, params, request.resumes_stream
+            )
+            span.set_attributes(
+                {"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns}
+            )
+        log.debug(
+            "opened session",
+            extra={"fields": {"session_id": session_id, "prompt_len": len(prompt_token_ids)}},
+        )
+        handle = common_pb2.KvHandle(
+            worker_id=self.worker_id,
+            worker_address=self.worker_address,
+            session_id=session_id,
+            committed_len=len(prompt_token_ids),
+        )
         return target_pb2.OpenSessionResponse(handle=handle, prefill_ns=prefill_ns)
 
     @rpc_errors
     def Extend(self, request, context):
-        with (self._admitted(context) as waited_ns,
-              spans.prefill(request.session_id, request.base_len, len(request.token_ids)) as span):
-            committed_len, prefill_ns = self.engine.extend(At(request.session_id, request.base_len),
-                                                           list(request.token_ids), request.resumes_stream)
-            span.set_attributes({"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns})
+        with (
+            self._admitted(context) as waited_ns,
+            spans.prefill(request.session_id, request.base_len, len(request.token_ids)) as span,
+        ):
+            committed_len, prefill_ns = self.engine.extend(
+                At(request.session_id, request.base_len),
+                list(request.token_ids),
+                request.resumes_stream,
+            )
+            span.set_attributes(
+                {"specdec.prefill_ns": prefill_ns, "specdec.admission_wait_ns": waited_ns}
+            )
             return common_pb2.ExtendResponse(committed_len=committed_len, prefill_ns=prefill_ns)
 
     @rpc_errors
@@ -86,30 +113,42 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Decode(self, request, context):
-        max_tokens = self.engine.start_decode(At(request.session_id, request.base_len), request.max_tokens,
-                                              self._sampling(request))
+        max_tokens = self.engine.start_decode(
+            At(request.session_id, request.base_len), request.max_tokens, self._sampling(request)
+        )
         with self._admitted(context) as waited_ns:
-            passes = self.engine.decode(request.session_id, request.base_len, max_tokens, active=context.is_active)
+            passes = self.engine.decode(
+                request.session_id, request.base_len, max_tokens, active=context.is_active
+            )
             for one, step in _observed(passes, request.session_id, waited_ns):
                 result = one.decoded.result
-                yield target_pb2.DecodeToken(token_id=result.token_ids[0], committed_len=result.committed_len,
-                                             compute_ns=result.target_compute_ns, step=step)
+                yield target_pb2.DecodeToken(
+                    token_id=result.token_ids[0],
+                    committed_len=result.committed_len,
+                    compute_ns=result.target_compute_ns,
+                    step=step,
+                )
 
     @rpc_errors
     def Truncate(self, request, context):
-        return common_pb2.TruncateResponse(committed_len=self.engine.truncate(request.session_id, request.length))
+        return common_pb2.TruncateResponse(
+            committed_len=self.engine.truncate(request.session_id, request.length)
+        )
 
     @rpc_errors
     def CloseSession(self, request, context):
         # Idempotent (common.proto): closing an unknown or evicted session is not an error.
         if not self.sessions.close(request.session_id):
-            log.debug("close of unknown session", extra={"fields": {"session_id": request.session_id}})
+            log.debug(
+                "close of unknown session", extra={"fields": {"session_id": request.session_id}}
+            )
         return common_pb2.CloseSessionResponse()
 
     @rpc_errors
     def Info(self, request, context):
-        return common_pb2.InfoResponse(worker_id=self.worker_id, model=self.model_info,
-                                       load=worker_load_to_proto(self._load()))
+        return common_pb2.InfoResponse(
+            worker_id=self.worker_id, model=self.model_info, load=worker_load_to_proto(self._load())
+        )
 
     @rpc_errors
     def GetTokenizer(self, request, context):
@@ -122,9 +161,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _load(self) -> telemetry.WorkerLoad:
         load, admission = self.sessions.load(), self.admission.load()
         return telemetry.WorkerLoad(
-            active_sessions=load.active_sessions, max_sessions=self.sessions.max_sessions,
-            cached_tokens=load.cached_tokens, max_cached_tokens=self.sessions.max_cached_tokens,
-            running_calls=admission.running, queued_calls=admission.queued, max_running=self.admission.max_running,
+            active_sessions=load.active_sessions,
+            max_sessions=self.sessions.max_sessions,
+            cached_tokens=load.cached_tokens,
+            max_cached_tokens=self.sessions.max_cached_tokens,
+            running_calls=admission.running,
+            queued_calls=admission.queued,
+            max_running=self.admission.max_running,
             mean_batch_tokens=self.sessions.compute.occupancy(),
             max_batch_tokens=self.sessions.compute.max_batch_tokens,
         )
@@ -147,29 +190,53 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         draft_probs = draft_probs_from_proto(draft)
         with tracer.start_as_current_span(telemetry.VERIFY_SPAN) as span:
             try:
-                verified = self.engine.verify(_at(proposal), list(draft.token_ids), draft_probs, sampling,
-                                              list(draft.parents) or None)
+                verified = self.engine.verify(
+                    _at(proposal),
+                    list(draft.token_ids),
+                    draft_probs,
+                    sampling,
+                    list(draft.parents) or None,
+                )
                 step = step_load_to_proto(verified.load, waited_ns)
-                verdict = _echo(proposal, decision=decision_to_proto(verified.result, verified.context_length, step))
+                verdict = _echo(
+                    proposal,
+                    decision=decision_to_proto(verified.result, verified.context_length, step),
+                )
                 verdict.decision.target_handled_ns = time.perf_counter_ns() - start_ns
             except Discarded as stale:
                 verdict = _echo(proposal, discarded=stale)
             spans.verified(span, proposal, verdict)
         return verdict
 
-    def _stretch(self, proposal: target_pb2.Proposal, waited_ns: int, context) -> Iterator[target_pb2.Verdict]:
+    def _stretch(
+        self, proposal: target_pb2.Proposal, waited_ns: int, context
+    ) -> Iterator[target_pb2.Verdict]:
         stretch = proposal.stretch
         if stretch.max_tokens < 1:
             raise InvalidArgument(f"stretch.max_tokens must be >= 1, got {stretch.max_tokens}")
-        until = lookup_stop_from_proto(stretch.until_lookup) if stretch.HasField("until_lookup") else None
-        lookup = lookup_rounds_from_proto(stretch.lookup_rounds) if stretch.HasField("lookup_rounds") else None
+        until = (
+            lookup_stop_from_proto(stretch.until_lookup)
+            if stretch.HasField("until_lookup")
+            else None
+        )
+        lookup = (
+            lookup_rounds_from_proto(stretch.lookup_rounds)
+            if stretch.HasField("lookup_rounds")
+            else None
+        )
         try:
             context_length = self.engine.start_stretch(_at(proposal), self._sampling(proposal))
         except Discarded as stale:
             yield _echo(proposal, discarded=stale)
             return
-        passes = self.engine.decode(proposal.session_id, proposal.base_len, stretch.max_tokens, until, lookup,
-                                    active=context.is_active)
+        passes = self.engine.decode(
+            proposal.session_id,
+            proposal.base_len,
+            stretch.max_tokens,
+            until,
+            lookup,
+            active=context.is_active,
+        )
         for one, step in _observed(passes, proposal.session_id, waited_ns, proposal.round):
             yield _stretch_pass(proposal, one, context_length, step)
 
@@ -179,10 +246,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return sampling_from_proto(request.sampling, self.default_max_new_tokens)
 
 
-def _observed(passes: Iterator[Pass], session_id: str, waited_ns: int,
-              round_index: int | None = None) -> Iterator[tuple[Pass, common_pb2.StepLoad]]:
+def _observed(
+    passes: Iterator[Pass], session_id: str, waited_ns: int, round_index: int | None = None
+) -> Iterator[tuple[Pass, common_pb2.StepLoad]]:
     """Each pass with its step, in a span and in the time per output token; admission's wait counts in the first."""
-    total_ns = num_tokens = 0  # session lock and forward passes, in nanoseconds; a pass may commit several tokens
+    total_ns = num_tokens = (
+        0  # session lock and forward passes, in nanoseconds; a pass may commit several tokens
+    )
     try:
         for one in passes:
             step = step_load_to_proto(one.load, 0 if num_tokens else waited_ns)
@@ -195,26 +265,38 @@ def _observed(passes: Iterator[Pass], session_id: str, waited_ns: int,
             telemetry.instruments().time_per_output_token.record(total_ns * 1e-9 / num_tokens)
 
 
-def _echo(proposal: target_pb2.Proposal, discarded: Discarded | None = None, **fields) -> target_pb2.Verdict:
+def _echo(
+    proposal: target_pb2.Proposal, discarded: Discarded | None = None, **fields
+) -> target_pb2.Verdict:
     """A verdict echoing the proposal's identity; `discarded`: the in-band answer to a stale one."""
     if discarded is not None:
         fields["discarded"] = target_pb2.Discarded(committed_len=discarded.committed_len)
-    return target_pb2.Verdict(session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len,
-                              **fields)
+    return target_pb2.Verdict(
+        session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len, **fields
+    )
 
 
 def _at(proposal: target_pb2.Proposal) -> At:
-    expected = proposal.expected_last_token_id if proposal.HasField("expected_last_token_id") else None
+    expected = (
+        proposal.expected_last_token_id if proposal.HasField("expected_last_token_id") else None
+    )
     return At(proposal.session_id, proposal.base_len, expected)
 
 
-def _stretch_pass(proposal: target_pb2.Proposal, one: Pass, context_length: int,
-                  step: common_pb2.StepLoad) -> target_pb2.Verdict:
+def _stretch_pass(
+    proposal: target_pb2.Proposal, one: Pass, context_length: int, step: common_pb2.StepLoad
+) -> target_pb2.Verdict:
     """A verdict on one pass of a stretch, from the length before it."""
     result = one.decoded.result
-    ended = one.decoded.ends or result.committed_len - proposal.base_len >= proposal.stretch.max_tokens
-    stretch_pass = target_pb2.StretchPass(decision=decision_to_proto(result, context_length, step), ended=ended,
-                                          num_looked_up=result.num_drafted, accepted_token_ids=one.decoded.accepted)
+    ended = (
+        one.decoded.ends or result.committed_len - proposal.base_len >= proposal.stretch.max_tokens
+    )
+    stretch_pass = target_pb2.StretchPass(
+        decision=decision_to_proto(result, context_length, step),
+        ended=ended,
+        num_looked_up=result.num_drafted,
+        accepted_token_ids=one.decoded.accepted,
+    )
     verdict = _echo(proposal, stretch_pass=stretch_pass)
     verdict.base_len = result.committed_len - len(result.token_ids)
     return verdict

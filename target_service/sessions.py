@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from foundation.errors import InvalidArgument, NotFound, ResourceExhausted
 from model_runtime.loading import LoadedModel
 from model_runtime.step_scheduler import StepLoad, StepScheduler
 from service_common.status import AlreadyExists
-from foundation.errors import InvalidArgument, NotFound, ResourceExhausted
 from speculative.sampling import SamplingParams
 from speculative.target import TargetSession, check_prompt
 
@@ -65,8 +65,13 @@ class CacheLoad:
 class SessionCache:
     """Thread-safe table of TargetSessions keyed by session id, with LRU eviction."""
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, max_cached_tokens: int,
-                 compute: StepScheduler | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_sessions: int,
+        max_cached_tokens: int,
+        compute: StepScheduler | None = None,
+    ):
         if max_sessions < 1 or max_cached_tokens < 1:
             raise InvalidArgument(
                 f"max_sessions and max_cached_tokens must be >= 1, got {max_sessions} and {max_cached_tokens}"
@@ -79,8 +84,13 @@ class SessionCache:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._evicted: OrderedDict[str, None] = OrderedDict()
 
-    def open(self, session_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-             resumes: bool = False) -> tuple[int, StepLoad | None]:
+    def open(
+        self,
+        session_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        resumes: bool = False,
+    ) -> tuple[int, StepLoad | None]:
         """Creates and prefills a session (in the scheduler's steps); returns the
         prefill's wall time in nanoseconds and its steps' load. resumes: the prompt
         resumes a stream a client is reading (StepScheduler.submit)."""
@@ -103,7 +113,9 @@ class SessionCache:
             self._settle(entry, growth)
 
     @contextlib.contextmanager
-    def use(self, session_id: str, growth: int = 0, stop: threading.Event | None = None) -> Iterator[TargetSession]:
+    def use(
+        self, session_id: str, growth: int = 0, stop: threading.Event | None = None
+    ) -> Iterator[TargetSession]:
         """The session, locked for the caller, with room reserved for `growth` more
         tokens. Submit its forward passes to `compute`. stop (for work that holds the
         session long, a run of decoded tokens): then `growth` is reserved as far as the
@@ -148,14 +160,18 @@ class SessionCache:
         self._check_fits(session_id, growth)
         with self._lock:
             if session_id in self._entries:
-                raise AlreadyExists(f"target session {session_id!r} already exists: close it or pick another id")
+                raise AlreadyExists(
+                    f"target session {session_id!r} already exists: close it or pick another id"
+                )
             entry = _Entry(session_id, reserved=growth)
             entry.lock.acquire()  # nobody uses the session before its prefill is done
             self._entries[session_id] = entry
             self._evicted.pop(session_id, None)
             return entry, self._evict_for(entry)
 
-    def _reserve(self, session_id: str, growth: int, up_to: bool = False) -> tuple[_Entry, list[_Entry], int]:
+    def _reserve(
+        self, session_id: str, growth: int, up_to: bool = False
+    ) -> tuple[_Entry, list[_Entry], int]:
         """Reserves growth (up_to: as much of it as the budget holds, at least 1); returns
         the entry, the victims to release and the growth reserved."""
         with self._lock:
@@ -193,12 +209,15 @@ class SessionCache:
                 self._evicted.popitem(last=False)
             victims.append(entry)
             fields = {
-                "session_id": entry.session_id, "committed_len": entry.length,
+                "session_id": entry.session_id,
+                "committed_len": entry.length,
                 "reason": "max_sessions" if too_many else "max_cached_tokens",
             }
             log.info("evicted session", extra={"fields": fields})
             # On the span of the call that needed the room (a no-op when not tracing).
-            trace.get_current_span().add_event("specdec.evicted", {f"specdec.{k}": v for k, v in fields.items()})
+            trace.get_current_span().add_event(
+                "specdec.evicted", {f"specdec.{k}": v for k, v in fields.items()}
+            )
         return victims
 
     def _forget_locked(self, entry: _Entry) -> None:

@@ -34,7 +34,7 @@ PROMPTS = [
     "x = [i * i for i in range(10)]",
     "Summarize: the meeting moved to Tuesday. The meeting",
     "aaaaaaaaaaaaaaaaaaaa",
-    "{\"key\": \"value\", \"key\": ",
+    '{"key": "value", "key": ',
     "for (int i = 0; i < n; ++i) {",
     "Q: What is 2+2?\nA:",
     "red green blue red green blue red",
@@ -64,8 +64,11 @@ def tiny_perturbed(tiny_target) -> LoadedModel:
         for parameter in model.parameters():
             parameter.add_(0.01 * torch.randn(parameter.shape, generator=generator))
     return LoadedModel(
-        name="tiny-perturbed", model=model, tokenizer=tiny_target.tokenizer,
-        fingerprint=tiny_target.fingerprint, context_length=tiny_target.context_length,
+        name="tiny-perturbed",
+        model=model,
+        tokenizer=tiny_target.tokenizer,
+        fingerprint=tiny_target.fingerprint,
+        context_length=tiny_target.context_length,
         vocab_size=tiny_target.vocab_size,
     )
 

@@ -22,8 +22,16 @@ Code = grpc.StatusCode
 # docs/api.md, "Statuses": what a client may get from each service. INTERNAL, UNKNOWN
 # and UNIMPLEMENTED are not in it: they mean a bug (a stack trace reached the client).
 DOCUMENTED = {
-    Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.ALREADY_EXISTS, Code.FAILED_PRECONDITION,
-    Code.ABORTED, Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED,
+    Code.OK,
+    Code.INVALID_ARGUMENT,
+    Code.NOT_FOUND,
+    Code.ALREADY_EXISTS,
+    Code.FAILED_PRECONDITION,
+    Code.ABORTED,
+    Code.RESOURCE_EXHAUSTED,
+    Code.UNAVAILABLE,
+    Code.DEADLINE_EXCEEDED,
+    Code.CANCELLED,
     Code.UNAUTHENTICATED,
 }
 
@@ -37,15 +45,26 @@ REPORT = os.environ.get("SPECDEC_FUZZ_REPORT", "")  # a JSON file the tally is w
 SHRINK = os.environ.get("SPECDEC_FUZZ_SHRINK", "") == "1"
 # SPECDEC_FUZZ_VERBOSE=1 (with pytest -s) prints every example, and the first error of a
 # failing one even where Hypothesis then reports a flaky test.
-VERBOSITY = Verbosity.verbose if os.environ.get("SPECDEC_FUZZ_VERBOSE", "") == "1" else Verbosity.normal
+VERBOSITY = (
+    Verbosity.verbose if os.environ.get("SPECDEC_FUZZ_VERBOSE", "") == "1" else Verbosity.normal
+)
 
 
 def fuzz_settings(examples: int, steps: int | None = None) -> settings:
     """Bounded, derandomized examples; the calls take what they take (no deadline)."""
     extra = {"stateful_step_count": steps} if steps else {}
     phases = [Phase.explicit, Phase.generate, *([Phase.shrink] if SHRINK else [])]
-    return settings(max_examples=examples * SCALE, derandomize=True, deadline=None, database=None, phases=phases,
-                    suppress_health_check=list(HealthCheck), print_blob=True, verbosity=VERBOSITY, **extra)
+    return settings(
+        max_examples=examples * SCALE,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        phases=phases,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+        verbosity=VERBOSITY,
+        **extra,
+    )
 
 
 class Tally:
@@ -53,7 +72,9 @@ class Tally:
     the table (and, where the test says so, against a narrower expectation)."""
 
     def __init__(self, log_dir: str = ""):
-        self.log_dir = log_dir  # the processes' logs: their unexpected errors show with a bad status
+        self.log_dir = (
+            log_dir  # the processes' logs: their unexpected errors show with a bad status
+        )
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
         self.started = time.monotonic()
 
@@ -62,7 +83,9 @@ class Tally:
         if code not in DOCUMENTED and self.log_dir:
             details += "\n" + "\n".join(unexpected_errors(self.log_dir)[-2:])
         assert code in DOCUMENTED, f"{method}: {code.name} is not a documented status: {details}"
-        assert code in expected, f"{method}: {code.name} where {sorted(c.name for c in expected)} were expected: {details}"
+        assert code in expected, (
+            f"{method}: {code.name} where {sorted(c.name for c in expected)} were expected: {details}"
+        )
         return code
 
     def call(self, method: str, function, *args, expected=DOCUMENTED, **kwargs):
@@ -82,7 +105,9 @@ class Tally:
         for (_, status), count in self.counts.items():
             by_status[status] += count
         return {
-            "profile": PROFILE, "scale": SCALE, "calls": sum(self.counts.values()),
+            "profile": PROFILE,
+            "scale": SCALE,
+            "calls": sum(self.counts.values()),
             "seconds": round(time.monotonic() - self.started, 1),
             "by_status": dict(by_status.most_common()),
             "by_method": {f"{m} {s}": c for (m, s), c in sorted(self.counts.items())},
@@ -106,14 +131,20 @@ def unexpected_errors(log_dir: str) -> list[str]:
 
 def raw_method(channel: grpc.Channel, path: str, request_streaming: bool, response_streaming: bool):
     """A callable for method `path` that sends and returns bytes, whatever they hold."""
-    kind = ("stream" if request_streaming else "unary") + "_" + ("stream" if response_streaming else "unary")
+    kind = (
+        ("stream" if request_streaming else "unary")
+        + "_"
+        + ("stream" if response_streaming else "unary")
+    )
     return getattr(channel, kind)(path, request_serializer=None, response_deserializer=None)
 
 
 def methods_of(service_descriptor) -> list[tuple[str, bool, bool]]:
     """(path, request streaming, response streaming) of each method of a service."""
-    return [(f"/{service_descriptor.full_name}/{m.name}", m.client_streaming, m.server_streaming)
-            for m in service_descriptor.methods]
+    return [
+        (f"/{service_descriptor.full_name}/{m.name}", m.client_streaming, m.server_streaming)
+        for m in service_descriptor.methods
+    ]
 
 
 class Reference:

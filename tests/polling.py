@@ -14,7 +14,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], what: str, timeout_s: float = 10.0, interval_s: float = 0.05) -> T:
+def wait_until(
+    condition: Callable[[], T], what: str, timeout_s: float = 10.0, interval_s: float = 0.05
+) -> T:
     """condition()'s first truthy value; AssertionError naming `what` after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -25,7 +27,9 @@ def wait_until(condition: Callable[[], T], what: str, timeout_s: float = 10.0, i
         time.sleep(interval_s)
 
 
-def holds_for(condition: Callable[[], bool], what: str, duration_s: float, interval_s: float = 0.05) -> None:
+def holds_for(
+    condition: Callable[[], bool], what: str, duration_s: float, interval_s: float = 0.05
+) -> None:
     """Asserts condition() at every poll for duration_s: a state that must last, not arrive."""
     end = time.monotonic() + duration_s
     while True:

@@ -20,7 +20,9 @@ INSTALL_HINT = "redis-server is not installed: `apt-get install redis-server` (m
 
 class RedisServer:
     def __init__(self):
-        self.binary = shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin:/usr/bin")
+        self.binary = shutil.which("redis-server") or shutil.which(
+            "redis-server", path="/usr/sbin:/usr/bin"
+        )
         if self.binary is None:
             raise RuntimeError(INSTALL_HINT)
         self.port = free_port()
@@ -30,9 +32,26 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.process = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--logfile", "redis.log"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                self.dir,
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+                "--logfile",
+                "redis.log",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10
         while True:
@@ -41,7 +60,9 @@ class RedisServer:
                 return self
             except redis.ConnectionError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start; see {self.dir}/redis.log")
+                    raise RuntimeError(
+                        f"redis-server did not start; see {self.dir}/redis.log"
+                    ) from None
                 time.sleep(0.05)
 
     def stop(self) -> None:

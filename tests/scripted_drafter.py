@@ -37,7 +37,9 @@ class ScriptedDraftSession(DraftSession):
         return len(self.token_ids)
 
     def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
-        assert self.token_ids == self.drafter.reference[: self.length], "session drifted from the reference"
+        assert self.token_ids == self.drafter.reference[: self.length], (
+            "session drifted from the reference"
+        )
         truth = self.drafter.reference[self.length : self.length + k]
         proposal = [
             token if position < self.drafter.num_correct else (token + 1) % self.drafter.vocab_size
@@ -67,7 +69,9 @@ def counting_proposals(drafter: Drafter) -> Drafter:
             proposal = propose(k, min_reach)
             drafter.proposals += bool(proposal)
             return proposal
+
         session.propose = propose_counted
         return session
+
     drafter.open = open_counted
     return drafter

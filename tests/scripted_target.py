@@ -17,14 +17,24 @@ class BookkeepingTarget(target_pb2_grpc.TargetServiceServicer):
     context_length = 1024
 
     def Info(self, request, context):
-        return common_pb2.InfoResponse(worker_id=f"{self.name}-target", model=common_pb2.ModelInfo(
-            model_id=self.name, tokenizer_fingerprint=self.name, vocab_size=VOCAB_SIZE,
-            context_length=self.context_length))
+        return common_pb2.InfoResponse(
+            worker_id=f"{self.name}-target",
+            model=common_pb2.ModelInfo(
+                model_id=self.name,
+                tokenizer_fingerprint=self.name,
+                vocab_size=VOCAB_SIZE,
+                context_length=self.context_length,
+            ),
+        )
 
     def OpenSession(self, request, context):
-        return target_pb2.OpenSessionResponse(handle=common_pb2.KvHandle(
-            worker_id=f"{self.name}-target", session_id=uuid.uuid4().hex,
-            committed_len=len(request.prompt_token_ids)))
+        return target_pb2.OpenSessionResponse(
+            handle=common_pb2.KvHandle(
+                worker_id=f"{self.name}-target",
+                session_id=uuid.uuid4().hex,
+                committed_len=len(request.prompt_token_ids),
+            )
+        )
 
     def Extend(self, request, context):
         return common_pb2.ExtendResponse(committed_len=request.base_len + len(request.token_ids))

@@ -17,13 +17,19 @@ class LocalSystem:
     """Target, draft and orchestrator processes on loopback, tiny models by default;
     any launcher option can be given (redis_url, orchestrators, target_workers, ...)."""
 
-    def __init__(self, target_model="tiny-random:1", draft_model="tiny-random:2", log_dir: str | None = None,
-                 **launcher_options):
+    def __init__(
+        self,
+        target_model="tiny-random:1",
+        draft_model="tiny-random:2",
+        log_dir: str | None = None,
+        **launcher_options,
+    ):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.args = parse_args([])
         self.args.target_model, self.args.draft_model = target_model, draft_model
         self.args.port, self.args.threads, self.args.startup_timeout = 0, 1, 120.0
-        self.args.http_port = -1  # no HTTP API unless a test asks for one (http_port=0: any free port)
+        # no HTTP API unless a test asks for one (http_port=0: any free port)
+        self.args.http_port = -1
         self.args.log_dir = log_dir or tempfile.mkdtemp(prefix="specdec-logs-")
         for name, value in launcher_options.items():
             if not hasattr(self.args, name):
@@ -43,8 +49,8 @@ class LocalSystem:
         return self
 
     def __exit__(self, *exc) -> None:
-        for channel in self.channels:
-            channel.close()
+        for open_channel in self.channels:
+            open_channel.close()
         self.cluster.stop()
 
     def orchestrator(self, index: int):
@@ -73,4 +79,7 @@ class LocalSystem:
         self.cluster.wait_healthy(role.name, role.address, self.args.startup_timeout)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(Path(self.args.log_dir).glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text()[-3000:]}"
+            for p in sorted(Path(self.args.log_dir).glob("*.log"))
+        )

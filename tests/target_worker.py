@@ -16,7 +16,9 @@ from target_service.server import create_server
 def target_channel(loaded, worker_id: str, **config) -> Iterator[grpc.Channel]:
     """A target worker serving `loaded` (a model_runtime LoadedModel) on 127.0.0.1, any free
     port: a channel to it (for its health and reflection services too)."""
-    service = create_server(TargetConfig(address="127.0.0.1:0", worker_id=worker_id, **config), loaded)
+    service = create_server(
+        TargetConfig(address="127.0.0.1:0", worker_id=worker_id, **config), loaded
+    )
     service.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     try:

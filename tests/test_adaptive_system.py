@@ -25,11 +25,15 @@ MAX_NEW_TOKENS = 32
 DELAY_MS = 15  # one way
 
 
-def _request(ids, drafter: str, sampling: common_pb2.SamplingParams | None = None, session_id: str = ""):
+def _request(
+    ids, drafter: str, sampling: common_pb2.SamplingParams | None = None, session_id: str = ""
+):
     request = orchestrator_pb2.GenerateRequest(include_stats=True, session_id=session_id)
     request.token_ids.ids.extend(ids)
     request.sampling.CopyFrom(sampling or common_pb2.SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=4, drafter=drafter, adaptive=True))
+    request.speculation.CopyFrom(
+        common_pb2.SpeculationParams(num_speculative_tokens=4, drafter=drafter, adaptive=True)
+    )
     return request
 
 
@@ -45,7 +49,9 @@ def slow_system():
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_adaptive_generation_over_a_slow_link_decodes_stretches_and_stays_exact(slow_system, drafter, tiny_target, prompt_ids):
+def test_adaptive_generation_over_a_slow_link_decodes_stretches_and_stays_exact(
+    slow_system, drafter, tiny_target, prompt_ids
+):
     generator = SpeculativeGenerator(tiny_target)
     stretched = 0
     for ids in prompt_ids[:4]:
@@ -66,9 +72,14 @@ def test_a_session_continues_across_stretches(slow_system, tiny_target, prompt_i
     stretches left draft and target at the same committed tokens."""
     ids = prompt_ids[1]
     first = slow_system.stub.Generate(_request(ids, "ngram"), timeout=120)
-    second = slow_system.stub.Generate(_request([ids[0]], "ngram", session_id=first.session_id), timeout=120)
-    expected = SpeculativeGenerator(tiny_target).generate(
-        [*ids, *first.token_ids, ids[0]], _greedy(tiny_target), k=0).token_ids
+    second = slow_system.stub.Generate(
+        _request([ids[0]], "ngram", session_id=first.session_id), timeout=120
+    )
+    expected = (
+        SpeculativeGenerator(tiny_target)
+        .generate([*ids, *first.token_ids, ids[0]], _greedy(tiny_target), k=0)
+        .token_ids
+    )
     assert list(second.token_ids) == expected
 
 
@@ -95,7 +106,7 @@ def _decisions(chunks) -> list[Action]:
         for source in chunk.token_sources:
             if source == orchestrator_pb2.TOKEN_SOURCE_TARGET:
                 stretched = actions[-1].stretch if actions and actions[-1].stretch else 0
-                actions[len(actions) - bool(stretched):] = [Action(stretch=stretched + 1)]
+                actions[len(actions) - bool(stretched) :] = [Action(stretch=stretched + 1)]
             elif source != orchestrator_pb2.TOKEN_SOURCE_ACCEPTED:
                 ends += 1
                 actions.append(Action(k=chunk.num_drafted))
@@ -105,7 +116,9 @@ def _decisions(chunks) -> list[Action]:
     return actions
 
 
-def test_seeded_sampling_through_stretches_equals_the_same_decisions_in_process(tiny_target, prompt_ids):
+def test_seeded_sampling_through_stretches_equals_the_same_decisions_in_process(
+    tiny_target, prompt_ids
+):
     """Which tokens a seeded sampled call draws depends on its decisions (k per round,
     stretches), which follow measured times; given the same decisions, the services
     draw exactly what the in-process generator draws. The draft drafts nothing ahead
@@ -114,14 +127,17 @@ def test_seeded_sampling_through_stretches_equals_the_same_decisions_in_process(
     sampling = common_pb2.SamplingParams(temperature=0.9, seed=11, max_new_tokens=MAX_NEW_TOKENS)
     params = _greedy(tiny_target).replace(temperature=0.9, seed=11)
     replayed: list[Action] = []
-    system = LocalSystem(draft_model="tiny-random:1", draft_target_delay_ms=DELAY_MS)  # drafts the target accepts
+    system = LocalSystem(
+        draft_model="tiny-random:1", draft_target_delay_ms=DELAY_MS
+    )  # drafts the target accepts
     next(r for r in system.roles if r.pool == "draft").args.append("--no-pipeline")
     with system:
         for ids in prompt_ids[:4]:
             chunks = list(system.stub.GenerateStream(_request(ids, "model", sampling), timeout=120))
             decisions = _decisions(chunks)
             expected = SpeculativeGenerator(tiny_target, ModelDrafter(tiny_target)).generate(
-                ids, params, k=ReplayedDecisions(decisions))
+                ids, params, k=ReplayedDecisions(decisions)
+            )
             assert [t for c in chunks for t in c.token_ids] == expected.token_ids, decisions
             replayed += decisions
     assert any(a.stretch for a in replayed) and any(a.k for a in replayed), replayed

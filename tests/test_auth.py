@@ -19,10 +19,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from foundation.errors import InvalidArgument
 from service_common import auth
 from service_common.server import channel
 from specdec.v1 import common_pb2, orchestrator_pb2
-from foundation.errors import InvalidArgument
 from tests.system import LocalSystem
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
@@ -84,10 +84,18 @@ def test_no_key_a_wrong_key_or_a_malformed_one_is_unauthenticated(system, keys):
     calls = {
         "Generate": lambda md: stub.Generate(_generate(), timeout=30, metadata=md),
         "GenerateStream": lambda md: stub.GenerateStream(_generate(), timeout=30, metadata=md),
-        "CreateSession": lambda md: stub.CreateSession(orchestrator_pb2.CreateSessionRequest(), timeout=30, metadata=md),
-        "GetSession": lambda md: stub.GetSession(orchestrator_pb2.GetSessionRequest(session_id="x"), timeout=30, metadata=md),
-        "CloseSession": lambda md: stub.CloseSession(common_pb2.CloseSessionRequest(session_id="x"), timeout=30, metadata=md),
-        "ListWorkers": lambda md: stub.ListWorkers(orchestrator_pb2.ListWorkersRequest(), timeout=30, metadata=md),
+        "CreateSession": lambda md: stub.CreateSession(
+            orchestrator_pb2.CreateSessionRequest(), timeout=30, metadata=md
+        ),
+        "GetSession": lambda md: stub.GetSession(
+            orchestrator_pb2.GetSessionRequest(session_id="x"), timeout=30, metadata=md
+        ),
+        "CloseSession": lambda md: stub.CloseSession(
+            common_pb2.CloseSessionRequest(session_id="x"), timeout=30, metadata=md
+        ),
+        "ListWorkers": lambda md: stub.ListWorkers(
+            orchestrator_pb2.ListWorkersRequest(), timeout=30, metadata=md
+        ),
     }
     presented = {
         "no key": None,
@@ -98,8 +106,11 @@ def test_no_key_a_wrong_key_or_a_malformed_one_is_unauthenticated(system, keys):
     }
     for method, call in calls.items():
         for what, metadata in presented.items():
-            error = _refusal(lambda: call(metadata))
-            assert (error.code(), error.details()) == (UNAUTHENTICATED, auth.REFUSAL), (method, what)
+            error = _refusal(lambda call=call, metadata=metadata: call(metadata))
+            assert (error.code(), error.details()) == (UNAUTHENTICATED, auth.REFUSAL), (
+                method,
+                what,
+            )
         try:  # with a key the call gets through (to NOT_FOUND for the session "x")
             result = call(bearer(keys["alice"]))
             if hasattr(result, "__next__"):
@@ -110,10 +121,14 @@ def test_no_key_a_wrong_key_or_a_malformed_one_is_unauthenticated(system, keys):
 
 def test_health_and_reflection_answer_without_a_key(system):
     with channel(system.address) as open_channel:
-        reply = health_pb2_grpc.HealthStub(open_channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        reply = health_pb2_grpc.HealthStub(open_channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         request = reflection_pb2.ServerReflectionRequest(list_services="")
-        answers = reflection_pb2_grpc.ServerReflectionStub(open_channel).ServerReflectionInfo(iter([request]), timeout=10)
+        answers = reflection_pb2_grpc.ServerReflectionStub(open_channel).ServerReflectionInfo(
+            iter([request]), timeout=10
+        )
         services = {s.name for answer in answers for s in answer.list_services_response.service}
     assert "specdec.v1.Orchestrator" in services
 
@@ -125,10 +140,14 @@ def test_another_keys_session_is_not_found_as_if_it_never_existed(system, keys):
 
     def refusals(sid: str, metadata) -> list[tuple[grpc.StatusCode, str]]:
         calls = [
-            lambda: stub.GetSession(orchestrator_pb2.GetSessionRequest(session_id=sid), timeout=30, metadata=metadata),
+            lambda: stub.GetSession(
+                orchestrator_pb2.GetSessionRequest(session_id=sid), timeout=30, metadata=metadata
+            ),
             lambda: stub.Generate(_generate(session_id=sid), timeout=30, metadata=metadata),
             lambda: stub.GenerateStream(_generate(session_id=sid), timeout=30, metadata=metadata),
-            lambda: stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=30, metadata=metadata),
+            lambda: stub.CloseSession(
+                common_pb2.CloseSessionRequest(session_id=sid), timeout=30, metadata=metadata
+            ),
         ]
         return [(e.code(), e.details().replace(sid, "ID")) for e in map(_refusal, calls)]
 
@@ -136,9 +155,13 @@ def test_another_keys_session_is_not_found_as_if_it_never_existed(system, keys):
     assert foreign == refusals(never, alice)  # word for word what a session that never existed gets
     assert {code for code, _ in foreign} == {grpc.StatusCode.NOT_FOUND}
     # The owner's session is untouched: it continues and closes.
-    follow_up = stub.Generate(_generate(ids=(8, 9), session_id=session_id), timeout=60, metadata=alice)
+    follow_up = stub.Generate(
+        _generate(ids=(8, 9), session_id=session_id), timeout=60, metadata=alice
+    )
     assert follow_up.session_id == session_id
-    stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=30, metadata=alice)
+    stub.CloseSession(
+        common_pb2.CloseSessionRequest(session_id=session_id), timeout=30, metadata=alice
+    )
 
 
 def test_a_key_added_to_the_file_works_without_a_restart(system, keys_file):
@@ -146,7 +169,9 @@ def test_a_key_added_to_the_file_works_without_a_restart(system, keys_file):
     deadline = time.monotonic() + 30
     while True:  # the file is re-read when it changes, within seconds
         try:
-            system.stub.ListWorkers(orchestrator_pb2.ListWorkersRequest(), timeout=10, metadata=bearer(carol))
+            system.stub.ListWorkers(
+                orchestrator_pb2.ListWorkersRequest(), timeout=10, metadata=bearer(carol)
+            )
             break
         except grpc.RpcError as error:
             assert error.code() == UNAUTHENTICATED and time.monotonic() < deadline, error
@@ -156,7 +181,12 @@ def test_a_key_added_to_the_file_works_without_a_restart(system, keys_file):
 def test_parse_keys_names_the_bad_line():
     good = f"# team keys\nalice {auth.hash_key('k1')}\n\nalice {auth.hash_key('k2')}  # rotated\n"
     assert sorted(auth.parse_keys(good).values()) == ["alice", "alice"]  # two keys of one caller
-    for bad in ("alice", "alice sha256:00", f"al ice {auth.hash_key('k')}", f"alice md5:{'0' * 64}"):
+    for bad in (
+        "alice",
+        "alice sha256:00",
+        f"al ice {auth.hash_key('k')}",
+        f"alice md5:{'0' * 64}",
+    ):
         with pytest.raises(InvalidArgument, match="line 2: expected 'NAME sha256:<64 hex digits>'"):
             auth.parse_keys(f"# header\n{bad}\n")
 

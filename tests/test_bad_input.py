@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from foundation.errors import IncompatibleModels, InvalidArgument, NotFound
 from model_runtime.fingerprint import tokenizer_fingerprint
 from model_runtime.loading import LoadedModel, load_model
 from speculative.drafters import ModelDrafter
-from foundation.errors import IncompatibleModels, InvalidArgument, NotFound
 from speculative.generator import SpeculativeGenerator
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
@@ -43,7 +43,9 @@ def test_invalid_sampling_values(tiny_target, change, message):
 
 def test_prompt_longer_than_the_context(tiny_target):
     prompt = [5] * tiny_target.context_length
-    with pytest.raises(InvalidArgument, match=f"prompt of {len(prompt)} tokens .* context length of 1024"):
+    with pytest.raises(
+        InvalidArgument, match=f"prompt of {len(prompt)} tokens .* context length of 1024"
+    ):
         SpeculativeGenerator(tiny_target).generate(prompt, GREEDY)
 
 
@@ -76,11 +78,17 @@ def test_mismatched_tokenizers_are_refused(tiny_target):
     )
     other_vocabulary.add_tokens(["<extra>"])
     draft = LoadedModel(
-        name="other", model=tiny_target.model, tokenizer=other_vocabulary,
-        fingerprint=tokenizer_fingerprint(other_vocabulary), context_length=1024, vocab_size=258,
+        name="other",
+        model=tiny_target.model,
+        tokenizer=other_vocabulary,
+        fingerprint=tokenizer_fingerprint(other_vocabulary),
+        context_length=1024,
+        vocab_size=258,
     )
     assert draft.fingerprint != tiny_target.fingerprint
-    with pytest.raises(IncompatibleModels, match="draft 'model:other' .* cannot serve target 'tiny-random:1'"):
+    with pytest.raises(
+        IncompatibleModels, match="draft 'model:other' .* cannot serve target 'tiny-random:1'"
+    ):
         SpeculativeGenerator(tiny_target, ModelDrafter(draft))
 
 

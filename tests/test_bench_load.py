@@ -10,8 +10,21 @@ import statistics
 import pytest
 
 from benchmarks.bench_load import (
-    Cell, RequestRecord, check_exactness, inter_token_times, main, methods_for, percentile, poisson_schedule, pooled,
-    ratio, ratios, rotated, steady_window, summarize)
+    Cell,
+    RequestRecord,
+    check_exactness,
+    inter_token_times,
+    main,
+    methods_for,
+    percentile,
+    poisson_schedule,
+    pooled,
+    ratio,
+    ratios,
+    rotated,
+    steady_window,
+    summarize,
+)
 
 
 def test_percentile_interpolates_between_closest_ranks():
@@ -78,8 +91,12 @@ def test_summary_counts_tokens_failures_by_code_and_latencies():
 
 
 def test_ratios_are_against_the_baseline_summary():
-    fast = summarize(Cell("closed", "k=4", 1, 1.0, [_record("a", [1, 2, 3], 0.0, [(0.1, [1]), (0.2, [2, 3])])]))
-    slow = summarize(Cell("closed", "k=0", 1, 2.0, [_record("a", [1, 2, 3], 0.0, [(0.2, [1]), (0.4, [2, 3])])]))
+    fast = summarize(
+        Cell("closed", "k=4", 1, 1.0, [_record("a", [1, 2, 3], 0.0, [(0.1, [1]), (0.2, [2, 3])])])
+    )
+    slow = summarize(
+        Cell("closed", "k=0", 1, 2.0, [_record("a", [1, 2, 3], 0.0, [(0.2, [1]), (0.4, [2, 3])])])
+    )
     r = ratios(fast, slow)
     assert r.tokens_per_s == pytest.approx(2.0)
     assert r.ttft_p95 == pytest.approx(0.5) and r.per_token_p95 == pytest.approx(0.5)
@@ -88,9 +105,11 @@ def test_ratios_are_against_the_baseline_summary():
 def test_steady_throughput_counts_only_while_every_client_is_in_flight():
     """Client 0 ends its last request at 1.0 s; client 1 runs on alone until 3.0 s:
     the steady window is 0 to 1.0 s and holds the tokens that arrived in it."""
-    records = [_record("a", [1, 2], 0.0, [(0.4, [1]), (1.0, [2])]),
-               _record("a", [3, 4, 5], 0.0, [(0.5, [3, 4]), (2.0, [5])]),
-               _record("b", [6, 7], 2.0, [(2.5, [6]), (3.0, [7])])]
+    records = [
+        _record("a", [1, 2], 0.0, [(0.4, [1]), (1.0, [2])]),
+        _record("a", [3, 4, 5], 0.0, [(0.5, [3, 4]), (2.0, [5])]),
+        _record("b", [6, 7], 2.0, [(2.5, [6]), (3.0, [7])]),
+    ]
     records[0].client, records[1].client, records[2].client = 0, 1, 1
     assert steady_window(records) == (4, 1.0)
     one = Cell("closed", "k=0", 2, 3.0, records, steady=steady_window(records))
@@ -101,12 +120,18 @@ def test_steady_throughput_counts_only_while_every_client_is_in_flight():
 
 
 def test_every_completed_output_is_checked_against_its_prompts_reference():
-    records = [_record("a", [1, 2, 3], 0.0, [(0.1, [1, 2, 3])]), _record("b", [4, 9], 0.0, [(0.1, [4, 9])]),
-               _record("b", [], 0.0, [], status="UNAVAILABLE")]
+    records = [
+        _record("a", [1, 2, 3], 0.0, [(0.1, [1, 2, 3])]),
+        _record("b", [4, 9], 0.0, [(0.1, [4, 9])]),
+        _record("b", [], 0.0, [], status="UNAVAILABLE"),
+    ]
     cell = Cell("closed", "k=4", 2, 1.0, records)
     lines = check_exactness(cell, {"a": [1, 2, 3], "b": [4, 5, 6]})
     assert [r.matches_reference for r in records] == [True, False, None]
-    assert len(lines) == 1 and "prompt b: first difference at token 1, expected [5, 6], got [9]" in lines[0]
+    assert (
+        len(lines) == 1
+        and "prompt b: first difference at token 1, expected [5, 6], got [9]" in lines[0]
+    )
     assert summarize(cell).mismatches == 1
 
 
@@ -119,9 +144,28 @@ def test_methods_take_every_position_in_turn():
 
 
 def test_a_small_run_through_the_services_is_exact_and_complete(tmp_path):
-    status = main(["--pair", "tiny", "--concurrency", "1,2", "--max-new-tokens", "8", "--requests-per-client", "2",
-                   "--repeats", "2", "--open-loop-fractions", "1", "--open-loop-requests", "2", "--threads", "1",
-                   "--out", str(tmp_path)])
+    status = main(
+        [
+            "--pair",
+            "tiny",
+            "--concurrency",
+            "1,2",
+            "--max-new-tokens",
+            "8",
+            "--requests-per-client",
+            "2",
+            "--repeats",
+            "2",
+            "--open-loop-fractions",
+            "1",
+            "--open-loop-requests",
+            "2",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert status == 0
     runs = json.loads((tmp_path / "runs_load_tiny.json").read_text())
     assert runs["mismatches"] == [] and len(runs["reference"]) >= 8
@@ -130,8 +174,14 @@ def test_a_small_run_through_the_services_is_exact_and_complete(tmp_path):
         for concurrency in (1, 2):
             for repeat in (0, 1):
                 cell = cells[("closed", method, concurrency, repeat)]
-                assert cell["summary"]["completed"] == 2 * concurrency and cell["summary"]["failed"] == {}
-                assert all(r["matches_reference"] and r["num_tokens"] > 0 and r["chunk_s"] for r in cell["requests"])
+                assert (
+                    cell["summary"]["completed"] == 2 * concurrency
+                    and cell["summary"]["failed"] == {}
+                )
+                assert all(
+                    r["matches_reference"] and r["num_tokens"] > 0 and r["chunk_s"]
+                    for r in cell["requests"]
+                )
                 assert cell["summary"]["ttft_p95_ms"] > 0 and cell["summary"]["tokens_per_s"] > 0
                 assert cell["summary"]["steady_tokens_per_s"] > 0
     assert sum(c["phase"] == "open" for c in runs["cells"]) == 3

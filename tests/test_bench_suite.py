@@ -29,10 +29,11 @@ def test_repeats_are_interleaved_rotated_and_reversed():
         def run(value):
             order.append(name)
             return Run([1, 2], 1.0)
+
         return run
 
     results = measure({name: method(name) for name in "abc"}, {"prompt": None}, repeats=4)
-    assert order == list("abc" "cba" "bca" "acb")
+    assert order == list("abccbabcaacb")
     assert {name: len(runs) for name, runs in results["prompt"].items()} == {"a": 4, "b": 4, "c": 4}
 
 
@@ -44,7 +45,10 @@ def test_six_rounds_of_three_methods_run_every_order_once():
 
 
 def test_every_run_is_compared_with_target_only():
-    runs = {"target-only": [Run([1, 2], 1.0), Run([1, 2], 1.0)], "k=4": [Run([1, 2], 1.0), Run([1, 3], 1.0)]}
+    runs = {
+        "target-only": [Run([1, 2], 1.0), Run([1, 2], 1.0)],
+        "k=4": [Run([1, 2], 1.0), Run([1, 3], 1.0)],
+    }
     lines, _ = table("t", {"prompt": runs}, baseline="target-only", reference="target-only")
     row = next(line for line in lines if line.startswith("| prompt |") and "tok/s" in line)
     assert row.endswith("| 3/4 |")
@@ -67,13 +71,18 @@ def test_table_names_prompts_slower_beyond_the_noise_and_only_those():
     baseline = _runs([1.0, 1.2, 0.9, 1.1, 1.0])
     results = {
         # 10% slower every time, whatever the call's own speed: beyond the noise.
-        "steady": {"target-only": baseline, "k=4": _runs([s * 1.1 for s in (1.0, 1.2, 0.9, 1.1, 1.0)])},
+        "steady": {
+            "target-only": baseline,
+            "k=4": _runs([s * 1.1 for s in (1.0, 1.2, 0.9, 1.1, 1.0)]),
+        },
         # 10% slower by the medians, but the pairs disagree: within the noise.
         "noisy": {"target-only": baseline, "k=4": _runs([1.4, 1.0, 1.2, 0.9, 1.1])},
     }
     lines, _ = table("t", results, baseline="target-only", reference="target-only")
     summary = next(line for line in lines if line.startswith("- k=4:"))
-    assert "slower than target-only beyond the 95% interval of paired repeats: steady 0.91x" in summary
+    assert (
+        "slower than target-only beyond the 95% interval of paired repeats: steady 0.91x" in summary
+    )
     assert "noisy" not in summary
     assert summary.endswith("faster: none")
 
@@ -82,11 +91,21 @@ def test_services_are_set_against_hf_assisted_raw_and_by_speedup():
     # HF assisted: 20 tok/s, 2x over HF generate. Services: adaptive 25 tok/s raw (1.25x)
     # but only 1.25x over a fast Decode (0.62x by speedup): behind, and named.
     reference = {"p": {"target-only (HF generate)": _runs([1.0]), HF_ASSISTED: _runs([0.5])}}
-    services = {"p": {"target-only (Decode)": _runs([0.5]), "adaptive": _runs([0.4]), "k=4": _runs([0.2])}}
-    lines = against_reference("t", reference, "target-only (HF generate)", services, "target-only (Decode)")
+    services = {
+        "p": {"target-only (Decode)": _runs([0.5]), "adaptive": _runs([0.4]), "k=4": _runs([0.2])}
+    }
+    lines = against_reference(
+        "t", reference, "target-only (HF generate)", services, "target-only (Decode)"
+    )
     row = next(line for line in lines if line.startswith("| p |"))
-    assert row == "| p | 20.00 tok/s (2.00x) | 1.25x raw, 0.62x by speedup | 2.50x raw, 1.25x by speedup |"
-    assert "- adaptive: behind HF assisted (assistant_model) on p (1.25x raw, 0.62x by speedup)" in lines
+    assert (
+        row
+        == "| p | 20.00 tok/s (2.00x) | 1.25x raw, 0.62x by speedup | 2.50x raw, 1.25x by speedup |"
+    )
+    assert (
+        "- adaptive: behind HF assisted (assistant_model) on p (1.25x raw, 0.62x by speedup)"
+        in lines
+    )
     assert "- k=4: behind HF assisted (assistant_model) on no prompt, either way" in lines
 
 
@@ -106,8 +125,16 @@ def test_adaptive_is_set_against_the_fixed_k_fastest_on_each_prompt():
         return [Run([1] * 10, s) for s in seconds]
 
     results = {
-        "copy": {"k=2": runs([2.0, 2.0]), "k=8": runs([1.0, 1.1]), "adaptive k<=8": runs([1.25, 1.3])},
-        "chat": {"k=2": runs([1.0, 1.0]), "k=8": runs([2.0, 2.0]), "adaptive k<=8": runs([1.0, 1.0])},
+        "copy": {
+            "k=2": runs([2.0, 2.0]),
+            "k=8": runs([1.0, 1.1]),
+            "adaptive k<=8": runs([1.25, 1.3]),
+        },
+        "chat": {
+            "k=2": runs([1.0, 1.0]),
+            "k=8": runs([2.0, 2.0]),
+            "adaptive k<=8": runs([1.0, 1.0]),
+        },
     }
     lines = against_hindsight("t", results)
     assert any(line.startswith("| copy | k=8 (9.55) | 0.82x") for line in lines), lines
@@ -117,6 +144,7 @@ def test_adaptive_is_set_against_the_fixed_k_fastest_on_each_prompt():
 
 def test_with_several_prompts_a_kind_adaptive_is_also_set_against_the_kinds_fixed_k():
     """k=2 wins one edit prompt and k=8 the other; over both, k=8 is the kind's k."""
+
     def runs(seconds):
         return [Run([1] * 10, s) for s in seconds]
 
@@ -129,7 +157,10 @@ def test_with_several_prompts_a_kind_adaptive_is_also_set_against_the_kinds_fixe
 
 
 def test_no_hindsight_table_without_two_fixed_k():
-    assert against_hindsight("t", {"p": {"k=4": [Run([1], 1.0)], "adaptive k<=8": [Run([1], 1.0)]}}) == []
+    assert (
+        against_hindsight("t", {"p": {"k=4": [Run([1], 1.0)], "adaptive k<=8": [Run([1], 1.0)]}})
+        == []
+    )
 
 
 def test_the_features_report_sets_each_switch_beside_all_on():
@@ -137,6 +168,7 @@ def test_the_features_report_sets_each_switch_beside_all_on():
 
     def runs(rate):
         return [Run([1, 2], 2 / rate), Run([1, 2], 2 / rate)]
+
     results = {"chat": {"target-only": runs(1.0), "all on": runs(2.0), "stretches off": runs(1.0)}}
     args = type("Args", (), {"threads": 2, "max_new_tokens": 8, "repeats": 2})()
     text = report("cmd", "smollm2", "ngram", results, args)
@@ -153,4 +185,8 @@ def test_the_ceiling_counts_runs_of_agreement_and_picks_the_best_k():
     assert expected_tokens(agreed, 8) == 1 + (2 + 1 + 0 + 1) / 4
     flat = dict.fromkeys(range(1, 10), 100.0)  # a pass costs the same at every width
     speedup, k = ceiling(agreed, 0.0, flat)
-    assert (speedup, k) == (2.0, 2)  # free drafts: the longest run counts; the smallest k that reaches it
+    # free drafts: the longest run counts; the smallest k that reaches it
+    assert (speedup, k) == (
+        2.0,
+        2,
+    )

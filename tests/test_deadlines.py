@@ -54,8 +54,12 @@ class ScriptedTarget(BookkeepingTarget):
     Answers after `reply_delay_s`, opens sessions after `prefill_delay_s`, and stops
     answering verdicts after `answers` of them until `release` is set."""
 
-    def __init__(self, reply_delay_s: float = 0.0, prefill_delay_s: float = 0.0, answers: int | None = None):
-        self.reply_delay_s, self.prefill_delay_s, self.answers = reply_delay_s, prefill_delay_s, answers
+    def __init__(
+        self, reply_delay_s: float = 0.0, prefill_delay_s: float = 0.0, answers: int | None = None
+    ):
+        self.reply_delay_s = reply_delay_s
+        self.prefill_delay_s = prefill_delay_s
+        self.answers = answers
         self.answered = 0
         self.stalled = threading.Event()  # it holds a proposal it will not answer
         self.cancelled = threading.Event()  # the stalled stream was cancelled by the draft
@@ -73,11 +77,16 @@ class ScriptedTarget(BookkeepingTarget):
             self.release.wait(self.reply_delay_s)
             self.answered += 1
             yield target_pb2.Verdict(
-                session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len,
+                session_id=proposal.session_id,
+                round=proposal.round,
+                base_len=proposal.base_len,
                 decision=target_pb2.Decision(
-                    num_accepted=0, next_token_id=(list(proposal.draft.token_ids) or [5])[0],
+                    num_accepted=0,
+                    next_token_id=(list(proposal.draft.token_ids) or [5])[0],
                     next_token_kind=common_pb2.NEXT_TOKEN_KIND_RECOVERED,
-                    committed_len=proposal.base_len + 1, target_compute_ns=1000),
+                    committed_len=proposal.base_len + 1,
+                    target_compute_ns=1000,
+                ),
             )
 
     def _stall(self, context) -> None:
@@ -90,13 +99,16 @@ class ScriptedTarget(BookkeepingTarget):
     def Decode(self, request, context):
         for index in range(request.max_tokens or request.sampling.max_new_tokens):
             self.release.wait(self.reply_delay_s)
-            yield target_pb2.DecodeToken(token_id=5, committed_len=request.base_len + index + 1, compute_ns=1000)
+            yield target_pb2.DecodeToken(
+                token_id=5, committed_len=request.base_len + index + 1, compute_ns=1000
+            )
 
 
 @pytest.fixture
 def servers():
     """Starts servers for one test, stops them after it: start(kind, ...) -> address."""
     with contextlib.ExitStack() as stack:
+
         def start_target(target: ScriptedTarget) -> str:
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
             target_pb2_grpc.add_TargetServiceServicer_to_server(target, server)
@@ -126,12 +138,15 @@ def _draft(servers, **config) -> draft_pb2_grpc.DraftServiceStub:
 
 def _open_draft_session(draft, target_address: str) -> draft_pb2.SpeculateRequest:
     """A draft session on PROMPT, and a Speculate request from it against the target."""
-    handle = draft.OpenSession(draft_pb2.DraftOpenSessionRequest(prompt_token_ids=PROMPT, drafter="ngram"),
-                               timeout=WAIT_S).handle
+    handle = draft.OpenSession(
+        draft_pb2.DraftOpenSessionRequest(prompt_token_ids=PROMPT, drafter="ngram"), timeout=WAIT_S
+    ).handle
     return draft_pb2.SpeculateRequest(
-        session_id=handle.session_id, base_len=len(PROMPT),
-        target=common_pb2.KvHandle(worker_address=target_address, session_id="target-session",
-                                   committed_len=len(PROMPT)),
+        session_id=handle.session_id,
+        base_len=len(PROMPT),
+        target=common_pb2.KvHandle(
+            worker_address=target_address, session_id="target-session", committed_len=len(PROMPT)
+        ),
         sampling=common_pb2.SamplingParams(max_new_tokens=NUM_TOKENS),
         speculation=common_pb2.SpeculationParams(num_speculative_tokens=4),
     )
@@ -171,14 +186,21 @@ def test_a_target_that_stops_answering_fails_the_call_within_the_stall_timeout(s
             last = time.monotonic()
     waited = time.monotonic() - last
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
-    assert target_address in caught.value.details() and "verdict_stall_timeout_s" in caught.value.details()
+    assert (
+        target_address in caught.value.details()
+        and "verdict_stall_timeout_s" in caught.value.details()
+    )
     assert STALL_S <= waited < STALL_S + 5.0
     assert target.cancelled.wait(WAIT_S)
     committed_len = len(PROMPT) + 2
     assert [u.committed_len for u in updates] == [len(PROMPT) + 1, committed_len]
     # Extend only succeeds at the session's exact length.
-    extended = draft.Extend(common_pb2.ExtendRequest(session_id=request.session_id, base_len=committed_len,
-                                                     token_ids=[5]), timeout=WAIT_S)
+    extended = draft.Extend(
+        common_pb2.ExtendRequest(
+            session_id=request.session_id, base_len=committed_len, token_ids=[5]
+        ),
+        timeout=WAIT_S,
+    )
     assert extended.committed_len == committed_len + 1
 
 
@@ -196,7 +218,10 @@ def test_a_busy_session_is_waited_for_at_most_session_wait_timeout_s(servers):
     assert target.stalled.wait(WAIT_S)  # the Speculate call holds the session
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
-        draft.Truncate(common_pb2.TruncateRequest(session_id=request.session_id, length=len(PROMPT)), timeout=WAIT_S)
+        draft.Truncate(
+            common_pb2.TruncateRequest(session_id=request.session_id, length=len(PROMPT)),
+            timeout=WAIT_S,
+        )
     assert caught.value.code() == grpc.StatusCode.ABORTED, caught.value.details()
     assert 0.5 <= time.monotonic() - start < WAIT_S / 2
     speculate.cancel()
@@ -215,9 +240,13 @@ def _drain(call) -> None:
 
 def _orchestrator(servers, tiny_target, target_address: str, draft_address: str = ""):
     _, start_service, channel = servers
-    config = OrchestratorConfig(address="127.0.0.1:0", target_addresses=target_address,
-                                draft_addresses=draft_address, generate_timeout_s=GENERATE_TIMEOUT_S,
-                                rpc_timeout_s=RPC_TIMEOUT_S)
+    config = OrchestratorConfig(
+        address="127.0.0.1:0",
+        target_addresses=target_address,
+        draft_addresses=draft_address,
+        generate_timeout_s=GENERATE_TIMEOUT_S,
+        rpc_timeout_s=RPC_TIMEOUT_S,
+    )
     address = start_service(create_orchestrator(config, tokenizer=tiny_target.tokenizer))
     return orchestrator_pb2_grpc.OrchestratorStub(channel(address))
 
@@ -234,7 +263,9 @@ def test_a_client_deadline_longer_than_generate_timeout_s_is_followed(servers, t
     """Target-only decoding slower in all than generate_timeout_s, a prefill slower
     than rpc_timeout_s: the client's deadline allows both, so the call succeeds."""
     start_target, _, _ = servers
-    target_address = start_target(ScriptedTarget(reply_delay_s=REPLY_DELAY_S, prefill_delay_s=2 * RPC_TIMEOUT_S))
+    target_address = start_target(
+        ScriptedTarget(reply_delay_s=REPLY_DELAY_S, prefill_delay_s=2 * RPC_TIMEOUT_S)
+    )
     orchestrator = _orchestrator(servers, tiny_target, target_address)
     start = time.monotonic()
     response = orchestrator.Generate(_generate_request(k=0), timeout=WAIT_S)
@@ -258,7 +289,9 @@ def test_speculation_under_load_lives_as_long_as_the_client_deadline(servers, ti
 
 def _draft_address(servers) -> str:
     _, start_service, _ = servers
-    return start_service(create_draft_server(DraftConfig(address="127.0.0.1:0", verdict_stall_timeout_s=STALL_S)))
+    return start_service(
+        create_draft_server(DraftConfig(address="127.0.0.1:0", verdict_stall_timeout_s=STALL_S))
+    )
 
 
 def test_without_a_client_deadline_generate_timeout_s_bounds_the_call(servers, tiny_target):

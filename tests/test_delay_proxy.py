@@ -58,7 +58,10 @@ def _recv_exactly(connection: socket.socket, size: int) -> bytes:
 
 
 def test_round_trip_takes_twice_the_delay_and_data_is_intact(echo_server):
-    with DelayProxy(echo_server, DELAY_MS) as proxy, socket.create_connection(("127.0.0.1", proxy.port)) as conn:
+    with (
+        DelayProxy(echo_server, DELAY_MS) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port)) as conn,
+    ):
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         round_trips = []
         for _ in range(5):
@@ -78,7 +81,10 @@ def test_round_trip_takes_twice_the_delay_and_data_is_intact(echo_server):
 
 def test_delay_is_latency_not_a_throttle(echo_server):
     """50 small messages sent back to back come back about one round trip later, not 50."""
-    with DelayProxy(echo_server, DELAY_MS) as proxy, socket.create_connection(("127.0.0.1", proxy.port)) as conn:
+    with (
+        DelayProxy(echo_server, DELAY_MS) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port)) as conn,
+    ):
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         messages = [f"{i:04d}".encode() for i in range(50)]
         start = time.perf_counter()
@@ -96,14 +102,19 @@ def test_grpc_through_the_proxy():
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        with DelayProxy(f"127.0.0.1:{port}", DELAY_MS) as proxy, grpc.insecure_channel(proxy.address) as channel:
+        with (
+            DelayProxy(f"127.0.0.1:{port}", DELAY_MS) as proxy,
+            grpc.insecure_channel(proxy.address) as channel,
+        ):
             stub = health_pb2_grpc.HealthStub(channel)
             stub.Check(health_pb2.HealthCheckRequest(), timeout=10)  # connect (several round trips)
             round_trips = []
             for _ in range(3):
                 start = time.perf_counter()
-                assert stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
-                    health_pb2.HealthCheckResponse.SERVING
+                assert (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                )
                 round_trips.append(time.perf_counter() - start)
             assert min(round_trips) >= 2 * DELAY_MS / 1000
     finally:
@@ -112,8 +123,21 @@ def test_grpc_through_the_proxy():
 
 def test_command_line(echo_server):
     process = subprocess.Popen(
-        [sys.executable, "-m", "launcher.delay_proxy", "--listen", "127.0.0.1:0", "--upstream", echo_server,
-         "--delay-ms", "5"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "launcher.delay_proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            echo_server,
+            "--delay-ms",
+            "5",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = process.stdout.readline()
         assert "listening on 127.0.0.1:" in line

@@ -181,11 +181,17 @@ def test_entrypoint_runs_each_role_as_its_module(tmp_path):
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     entrypoint = str(REPO_ROOT / "deploy" / "entrypoint.sh")
     for role in validate.ROLES.values():
-        run = subprocess.run(["sh", entrypoint, role.name, "--k", "4"], capture_output=True, text=True, env=env)
+        run = subprocess.run(
+            ["sh", entrypoint, role.name, "--k", "4"], capture_output=True, text=True, env=env
+        )
         assert (run.returncode, run.stdout.strip()) == (0, f"-m {role.module} --k 4")
-    ranks = subprocess.run(["sh", entrypoint, "ranks", "--node-index", "1"], capture_output=True, text=True, env=env)
+    ranks = subprocess.run(
+        ["sh", entrypoint, "ranks", "--node-index", "1"], capture_output=True, text=True, env=env
+    )
     assert ranks.stdout.strip() == "-m model_runtime.tensor_parallel --node-index 1"
-    assert subprocess.run(["sh", entrypoint, "compiler"], capture_output=True, env=env).returncode == 2
+    assert (
+        subprocess.run(["sh", entrypoint, "compiler"], capture_output=True, env=env).returncode == 2
+    )
     assert subprocess.run(["sh", entrypoint], capture_output=True, env=env).returncode == 2
 
 
@@ -199,7 +205,9 @@ def test_healthcheck_reports_the_health_service():
         assert healthcheck.ports({"DRAFT_ADDRESS": f"0.0.0.0:{port}"}) == [port]
         assert healthcheck.ports({}) == [50050, 50051, 50052]
         # Under TLS the role's port asks for a client certificate: the health-only port answers.
-        assert healthcheck.ports({"DRAFT_ADDRESS": "0.0.0.0:1", "DRAFT_HEALTH_ADDRESS": f"0.0.0.0:{port}"}) == [port]
+        assert healthcheck.ports(
+            {"DRAFT_ADDRESS": "0.0.0.0:1", "DRAFT_HEALTH_ADDRESS": f"0.0.0.0:{port}"}
+        ) == [port]
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         assert healthcheck.serving(port)
         servicer.enter_graceful_shutdown()  # what SIGTERM does: NOT_SERVING while draining
@@ -215,8 +223,19 @@ def test_healthcheck_reports_the_health_service():
 # Settings that differ between one host's processes and containers by nature: where
 # things listen and are found, threads, telemetry sinks, logging, drain time.
 HOST_SPECIFIC = {
-    "address", "advertise_address", "worker_id", "target_addresses", "draft_addresses", "redis_url",
-    "threads", "trace_exporter", "trace_file", "otlp_endpoint", "metrics_port", "log_level", "grace_s",
+    "address",
+    "advertise_address",
+    "worker_id",
+    "target_addresses",
+    "draft_addresses",
+    "redis_url",
+    "threads",
+    "trace_exporter",
+    "trace_file",
+    "otlp_endpoint",
+    "metrics_port",
+    "log_level",
+    "grace_s",
     "orchestrator_address",
 }
 
@@ -267,16 +286,22 @@ def launcher_compose_differences(compose: dict) -> list[str]:
             role, prefix, fields = settings.role, settings.role.prefix(), settings.role.fields()
             for field_name, value in validate._flags(args).items():
                 if field_name not in fields:
-                    differences.append(f"launcher passes --{field_name} to {name}: not a field of {role.config}")
+                    differences.append(
+                        f"launcher passes --{field_name} to {name}: not a field of {role.config}"
+                    )
                     continue
                 if field_name in HOST_SPECIFIC:
                     continue
-                in_compose = settings.env.get(f"{prefix}_{field_name.upper()}", settings.flags.get(field_name))
+                in_compose = settings.env.get(
+                    f"{prefix}_{field_name.upper()}", settings.flags.get(field_name)
+                )
                 if in_compose is None:
                     in_compose = fields[field_name].default
                 if typed(role, field_name, value) != typed(role, field_name, in_compose):
-                    differences.append(f"{name}: launcher --{field_name.replace('_', '-')} {value!r}, "
-                                       f"compose {in_compose!r}")
+                    differences.append(
+                        f"{name}: launcher --{field_name.replace('_', '-')} {value!r}, "
+                        f"compose {in_compose!r}"
+                    )
     return differences
 
 
@@ -312,7 +337,9 @@ def test_services_probes_and_resources(rendered, overlay):
         probe_port = int(health.rpartition(":")[2]) if health else role.port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == probe_port, (role.name, probe)
-        assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
+        assert (
+            container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
+        )
         assert pod["securityContext"]["runAsNonRoot"] is True
         # Metrics on: the HPA's gauges come from this endpoint.
         settings = role_settings(objects, role.name)
@@ -324,8 +351,12 @@ def test_workers_register_their_pod_in_redis(rendered, overlay):
     for role in ("target", "draft"):
         settings = role_settings(rendered[overlay], role)
         prefix = settings.role.prefix()
-        assert settings.env[f"{prefix}_ADVERTISE_ADDRESS"] == f"$(POD_IP):{validate.ROLES[role].port}"
-        assert settings.env[f"{prefix}_REDIS_URL"].startswith("redis://:$(REDIS_PASSWORD)@specdec-redis:6379")
+        assert (
+            settings.env[f"{prefix}_ADVERTISE_ADDRESS"] == f"$(POD_IP):{validate.ROLES[role].port}"
+        )
+        assert settings.env[f"{prefix}_REDIS_URL"].startswith(
+            "redis://:$(REDIS_PASSWORD)@specdec-redis:6379"
+        )
     orchestrator = role_settings(rendered[overlay], "orchestrator")
     assert orchestrator.env["ORCHESTRATOR_REDIS_URL"].startswith("redis://:$(REDIS_PASSWORD)@")
     assert "ORCHESTRATOR_TARGET_ADDRESSES" not in orchestrator.env
@@ -333,7 +364,11 @@ def test_workers_register_their_pod_in_redis(rendered, overlay):
 
 def pods_metrics(hpa: dict) -> dict[str, dict]:
     """The HPA's Pods metrics: metric name -> its target."""
-    return {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    return {
+        m["pods"]["metric"]["name"]: m["pods"]["target"]
+        for m in hpa["spec"]["metrics"]
+        if m["type"] == "Pods"
+    }
 
 
 def quantity(value) -> float:
@@ -355,14 +390,20 @@ def test_each_pool_scales_on_its_own_gauges(rendered, overlay):
     hpas = objects_of(rendered[overlay], "HorizontalPodAutoscaler")
     for role in ("target", "draft"):
         hpa = hpas[f"specdec-{role}"]
-        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"specdec-{role}"}
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": f"specdec-{role}",
+        }
         assert set(pods_metrics(hpa)) == POOL_METRICS[role]
         for target in pods_metrics(hpa).values():
             assert target["type"] == "AverageValue" and quantity(target["averageValue"]) > 0
         resources = [m["resource"] for m in hpa["spec"]["metrics"] if m["type"] == "Resource"]
         assert [r["name"] for r in resources] == ["cpu"]  # the fallback
         # The Deployment leaves the count to the HPA.
-        assert "replicas" not in objects_of(rendered[overlay], "Deployment")[f"specdec-{role}"]["spec"]
+        assert (
+            "replicas" not in objects_of(rendered[overlay], "Deployment")[f"specdec-{role}"]["spec"]
+        )
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
@@ -392,13 +433,29 @@ def test_target_pool_scales_out_before_its_calls_queue_or_are_refused(rendered, 
 def test_hpa_metrics_are_gauges_the_workers_export(rendered):
     telemetry = pytest.importorskip("service_common.telemetry")
     exported = {
-        "target": {name.replace(".", "_") for name in (
-            telemetry.SESSIONS_ACTIVE_GAUGE, telemetry.LOAD_GAUGE, telemetry.CACHED_TOKENS_GAUGE,
-            telemetry.CALLS_UTILIZATION_GAUGE, telemetry.CALLS_RUNNING_GAUGE, telemetry.CALLS_QUEUED_GAUGE,
-            telemetry.MAX_RUNNING_GAUGE, telemetry.BATCH_MEAN_TOKENS_GAUGE, telemetry.BATCH_MAX_TOKENS_GAUGE)},
+        "target": {
+            name.replace(".", "_")
+            for name in (
+                telemetry.SESSIONS_ACTIVE_GAUGE,
+                telemetry.LOAD_GAUGE,
+                telemetry.CACHED_TOKENS_GAUGE,
+                telemetry.CALLS_UTILIZATION_GAUGE,
+                telemetry.CALLS_RUNNING_GAUGE,
+                telemetry.CALLS_QUEUED_GAUGE,
+                telemetry.MAX_RUNNING_GAUGE,
+                telemetry.BATCH_MEAN_TOKENS_GAUGE,
+                telemetry.BATCH_MAX_TOKENS_GAUGE,
+            )
+        },
         # The draft has no admission: only the memory gauges.
-        "draft": {name.replace(".", "_") for name in (
-            telemetry.SESSIONS_ACTIVE_GAUGE, telemetry.LOAD_GAUGE, telemetry.CACHED_TOKENS_GAUGE)},
+        "draft": {
+            name.replace(".", "_")
+            for name in (
+                telemetry.SESSIONS_ACTIVE_GAUGE,
+                telemetry.LOAD_GAUGE,
+                telemetry.CACHED_TOKENS_GAUGE,
+            )
+        },
     }
     assert telemetry.SESSIONS_ACTIVE_GAUGE.replace(".", "_") == "specdec_worker_sessions_active"
     assert telemetry.CALLS_UTILIZATION_GAUGE.replace(".", "_") == "specdec_worker_calls_utilization"
@@ -442,7 +499,9 @@ def test_gpu_overlay_places_pools_on_gpus(rendered):
     assert int(target["resources"]["limits"]["nvidia.com/gpu"]) > 1
     assert pod["nodeSelector"] and pod["tolerations"]
     settings = role_settings(objects, "target")
-    assert settings.env["TARGET_DEVICE_MAP"] == "auto" and settings.env["TARGET_DTYPE"] == "bfloat16"
+    assert (
+        settings.env["TARGET_DEVICE_MAP"] == "auto" and settings.env["TARGET_DTYPE"] == "bfloat16"
+    )
     pod, draft = role_container(objects, "draft")
     assert int(draft["resources"]["limits"]["nvidia.com/gpu"]) == 1
     assert role_settings(objects, "draft").env["DRAFT_DEVICE"] == "cuda"
@@ -457,8 +516,10 @@ def test_tensor_parallel_overlay_runs_one_rank_per_gpu_of_the_pod(rendered):
     assert ranks > 1
     assert int(target["resources"]["limits"]["nvidia.com/gpu"]) == ranks
     assert int(target["resources"]["requests"]["nvidia.com/gpu"]) == ranks
-    assert not settings["TARGET_DEVICE_MAP"] and settings["TARGET_DEVICE"] == "cuda"  # one way to shard
-    assert any(volume.get("emptyDir", {}).get("medium") == "Memory" for volume in pod["volumes"])  # NCCL's /dev/shm
+    # one way to shard
+    assert not settings["TARGET_DEVICE_MAP"] and settings["TARGET_DEVICE"] == "cuda"
+    # NCCL's /dev/shm
+    assert any(volume.get("emptyDir", {}).get("medium") == "Memory" for volume in pod["volumes"])
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
@@ -466,13 +527,23 @@ def test_http_api_is_a_service_probed_on_health_that_scales_on_cpu(rendered, ove
     objects = rendered[overlay]
     role = validate.ROLES["http"]
     service = objects_of(objects, "Service")["specdec-http"]
-    assert service["spec"].get("clusterIP") != "None" and service["spec"]["ports"][0]["port"] == role.port
+    assert (
+        service["spec"].get("clusterIP") != "None"
+        and service["spec"]["ports"][0]["port"] == role.port
+    )
     pod, container = role_container(objects, "http")
     assert {p["name"]: p["containerPort"] for p in container["ports"]}["http"] == role.port
-    paths = {probe: container[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+    paths = {
+        probe: container[probe]["httpGet"]["path"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
     # Ready once the orchestrator serves; alive while the server answers (an orchestrator
     # outage must not restart the front).
-    assert paths == {"startupProbe": "/health", "readinessProbe": "/health", "livenessProbe": "/health/live"}
+    assert paths == {
+        "startupProbe": "/health",
+        "readinessProbe": "/health",
+        "livenessProbe": "/health/live",
+    }
     assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     settings = role_settings(objects, "http")
@@ -498,8 +569,11 @@ def test_compose_wiring(compose):
         assert settings.env[f"{settings.role.prefix()}_REDIS_URL"] == "redis://redis:6379/0"
         endpoint = settings.env[f"{settings.role.prefix()}_OTLP_ENDPOINT"]
         assert endpoint == "http://jaeger:4317" and "jaeger" in services
-    assert {dep: c["condition"] for dep, c in services["orchestrator"]["depends_on"].items() if dep != "jaeger"} == {
-        "redis": "service_healthy", "target": "service_healthy", "draft": "service_healthy"}
+    assert {
+        dep: c["condition"]
+        for dep, c in services["orchestrator"]["depends_on"].items()
+        if dep != "jaeger"
+    } == {"redis": "service_healthy", "target": "service_healthy", "draft": "service_healthy"}
     assert "127.0.0.1:50050:50050" in services["orchestrator"]["ports"]
     http = services["http"]
     assert http["depends_on"] == {"orchestrator": {"condition": "service_healthy"}}
@@ -512,8 +586,11 @@ def test_compose_wiring(compose):
 
 def gauge_value(text: str, name: str) -> float:
     """The value of the one sample of a gauge on a worker's /metrics."""
-    values = [float(line.rpartition(" ")[2]) for line in text.splitlines()
-              if line.startswith(name + "{") or line.startswith(name + " ")]
+    values = [
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
     assert len(values) == 1, f"{name}: {values}"
     return values[0]
 
@@ -534,36 +611,59 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
     metrics_ports: dict[str, int] = {}
 
     def start(settings) -> None:
-        role, prefix, service = settings.role, settings.role.prefix(), settings.where.removeprefix("compose: ")
-        env = {name: validate.INTERPOLATION.sub(lambda m: user_env.get(m.group(1) or m.group(3), m.group(2) or ""),
-                                               str(raw))
-               for name, raw in services[service]["environment"].items()}
+        role, prefix, service = (
+            settings.role,
+            settings.role.prefix(),
+            settings.where.removeprefix("compose: "),
+        )
+        env = {
+            name: validate.INTERPOLATION.sub(
+                lambda m: user_env.get(m.group(1) or m.group(3), m.group(2) or ""), str(raw)
+            )
+            for name, raw in services[service]["environment"].items()
+        }
         ports[service] = free_port()
         if role.protocol == "http":  # the orchestrator's host name is this host's
             assert env[f"{prefix}_ORCHESTRATOR_ADDRESS"] == "orchestrator:50050"
-            env.update({f"{prefix}_ORCHESTRATOR_ADDRESS": f"127.0.0.1:{ports['orchestrator']}",
-                        f"{prefix}_ADDRESS": f"127.0.0.1:{ports[service]}"})
+            env.update(
+                {
+                    f"{prefix}_ORCHESTRATOR_ADDRESS": f"127.0.0.1:{ports['orchestrator']}",
+                    f"{prefix}_ADDRESS": f"127.0.0.1:{ports[service]}",
+                }
+            )
         assert role.protocol == "http" or env[f"{prefix}_REDIS_URL"] == "redis://redis:6379/0"
-        env.update({} if role.protocol == "http" else {
-            f"{prefix}_REDIS_URL": redis_server.url,
-            f"{prefix}_ADDRESS": f"127.0.0.1:{ports[service]}",
-            f"{prefix}_TRACE_EXPORTER": "none",  # no Jaeger here
-            f"{prefix}_METRICS_PORT": str(metrics_ports.setdefault(service, free_port())),
-            f"{prefix}_THREADS": "1",
-        })
+        env.update(
+            {}
+            if role.protocol == "http"
+            else {
+                f"{prefix}_REDIS_URL": redis_server.url,
+                f"{prefix}_ADDRESS": f"127.0.0.1:{ports[service]}",
+                f"{prefix}_TRACE_EXPORTER": "none",  # no Jaeger here
+                f"{prefix}_METRICS_PORT": str(metrics_ports.setdefault(service, free_port())),
+                f"{prefix}_THREADS": "1",
+            }
+        )
         if role.name not in ("orchestrator", "http"):
             env[f"{prefix}_ADVERTISE_ADDRESS"] = f"127.0.0.1:{ports[service]}"
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
         processes[service] = subprocess.Popen(
             ["sh", str(REPO_ROOT / "deploy" / "entrypoint.sh"), role.name],
             env={**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1", **env},
-            stdout=open(tmp_path / f"{service}.log", "w"), stderr=subprocess.STDOUT)
+            stdout=open(tmp_path / f"{service}.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_healthy(service: str) -> None:
         deadline = time.monotonic() + 120
-        check = healthcheck.http_serving if by_service[service].role.protocol == "http" else healthcheck.serving
+        check = (
+            healthcheck.http_serving
+            if by_service[service].role.protocol == "http"
+            else healthcheck.serving
+        )
         while not check(ports[service], timeout_s=1.0):
-            assert processes[service].poll() is None, (tmp_path / f"{service}.log").read_text()[-3000:]
+            assert processes[service].poll() is None, (tmp_path / f"{service}.log").read_text()[
+                -3000:
+            ]
             assert time.monotonic() < deadline, f"{service} not SERVING after 120 s"
             time.sleep(0.5)
 
@@ -571,8 +671,15 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
     try:
         started: list[str] = []
         while len(started) < len(by_service):
-            ready = [name for name in by_service if name not in started
-                     and all(dep in started or dep not in by_service for dep in services[name].get("depends_on", {}))]
+            ready = [
+                name
+                for name in by_service
+                if name not in started
+                and all(
+                    dep in started or dep not in by_service
+                    for dep in services[name].get("depends_on", {})
+                )
+            ]
             assert ready, "depends_on has a cycle"
             for name in ready:
                 start(by_service[name])
@@ -581,34 +688,67 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
             started += ready
         assert started[-2:] == ["orchestrator", "http"]
         run = subprocess.run(
-            [sys.executable, "-m", "client", "The quick brown fox", "--address", f"127.0.0.1:{ports['orchestrator']}",
-             "--max-new-tokens", "8", "--raw"],
-            capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "client",
+                "The quick brown fox",
+                "--address",
+                f"127.0.0.1:{ports['orchestrator']}",
+                "--max-new-tokens",
+                "8",
+                "--raw",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         logs = "\n".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log")))
         assert run.returncode == 0, run.stderr + logs
         assert run.stdout.strip()
         # The README's curl, through the HTTP API.
-        body = json.dumps({"model": "tiny-random:1", "prompt": "The quick brown fox", "max_tokens": 8}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{ports['http']}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": "tiny-random:1", "prompt": "The quick brown fox", "max_tokens": 8}
+        ).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{ports['http']}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=60) as reply:
             completion = json.loads(reply.read())
-        assert completion["usage"]["completion_tokens"] == 8 and completion["choices"][0]["text"], logs
+        assert completion["usage"]["completion_tokens"] == 8 and completion["choices"][0]["text"], (
+            logs
+        )
         # The gauges the HPAs scale on, on each worker's /metrics; the target's calls
         # and batch gauges with its configured limits (compose leaves them at the defaults).
         from target_service.config import TargetConfig
 
         scraped = {}
         for worker in ("target", "draft"):
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_ports[worker]}/metrics", timeout=10) as reply:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{metrics_ports[worker]}/metrics", timeout=10
+            ) as reply:
                 scraped[worker] = reply.read().decode()
-            assert "specdec_worker_sessions_active" in scraped[worker] and "specdec_worker_load" in scraped[worker]
+            assert (
+                "specdec_worker_sessions_active" in scraped[worker]
+                and "specdec_worker_load" in scraped[worker]
+            )
         target_env = services["target"]["environment"]
-        limits = {name: int(target_env.get(f"TARGET_{name.upper()}", getattr(TargetConfig(), name)))
-                  for name in ("max_running", "max_batch_tokens")}
-        assert gauge_value(scraped["target"], "specdec_worker_calls_max_running") == limits["max_running"]
-        assert gauge_value(scraped["target"], "specdec_worker_batch_max_tokens") == limits["max_batch_tokens"]
-        assert gauge_value(scraped["target"], "specdec_worker_batch_mean_tokens") > 0  # the generation's steps
+        limits = {
+            name: int(target_env.get(f"TARGET_{name.upper()}", getattr(TargetConfig(), name)))
+            for name in ("max_running", "max_batch_tokens")
+        }
+        assert (
+            gauge_value(scraped["target"], "specdec_worker_calls_max_running")
+            == limits["max_running"]
+        )
+        assert (
+            gauge_value(scraped["target"], "specdec_worker_batch_max_tokens")
+            == limits["max_batch_tokens"]
+        )
+        # the generation's steps
+        assert gauge_value(scraped["target"], "specdec_worker_batch_mean_tokens") > 0
         assert gauge_value(scraped["target"], "specdec_worker_calls_utilization") >= 0
         assert "specdec_worker_calls_utilization" not in scraped["draft"]  # no admission on drafts
     finally:
@@ -633,20 +773,34 @@ def test_the_multinode_target_is_one_leaderworkerset_group_of_tensor_parallel_ra
     assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
     leader = next(s for s in validate.k8s_settings(objects) if "leaderTemplate" in s.where)
     assert leader.role.name == "target"
-    ranks, local = int(leader.env["TARGET_TENSOR_PARALLEL"]), int(leader.env["TARGET_TENSOR_PARALLEL_LOCAL"])
-    assert group["size"] * local == ranks and leader.env["TARGET_TENSOR_PARALLEL_MASTER"] == "$(POD_IP)"
+    ranks = int(leader.env["TARGET_TENSOR_PARALLEL"])
+    local = int(leader.env["TARGET_TENSOR_PARALLEL_LOCAL"])
+    assert (
+        group["size"] * local == ranks
+        and leader.env["TARGET_TENSOR_PARALLEL_MASTER"] == "$(POD_IP)"
+    )
     assert leader.env["TARGET_TENSOR_PARALLEL_PORT"] and not leader.env.get("TARGET_DEVICE_MAP")
     worker = group["workerTemplate"]["spec"]["containers"][0]
-    assert worker["args"] == ["ranks", "--node-index", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)"]
+    assert worker["args"] == [
+        "ranks",
+        "--node-index",
+        "$(LWS_WORKER_INDEX)",
+        "--master-addr",
+        "$(LWS_LEADER_ADDRESS)",
+    ]
     leader_container = group["leaderTemplate"]["spec"]["containers"][0]
-    assert worker["envFrom"] == leader_container["envFrom"]  # one set of TARGET_* settings for every rank
+    # one set of TARGET_* settings for every rank
+    assert worker["envFrom"] == leader_container["envFrom"]
     for container in (worker, leader_container):
         assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == local
     ports = {p["name"]: p["containerPort"] for p in leader_container["ports"]}
     assert ports["rendezvous"] == int(leader.env["TARGET_TENSOR_PARALLEL_PORT"])
     hpa = objects_of(objects, "HorizontalPodAutoscaler")["specdec-target"]
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": validate.LWS_API, "kind": "LeaderWorkerSet",
-                                             "name": "specdec-target"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": validate.LWS_API,
+        "kind": "LeaderWorkerSet",
+        "name": "specdec-target",
+    }
 
 
 def test_a_bad_leaderworkerset_fails_validation(rendered):
@@ -659,9 +813,12 @@ def test_a_bad_leaderworkerset_fails_validation(rendered):
     lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["cpu"] = "8"
     leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
     leader["env"].append({"name": "TARGET_TENSOR_PARALELL", "value": "8"})
-    errors = "\n".join(validate.schema_errors(objects) + [e for s in validate.k8s_settings(objects)
-                                                           for e in validate.settings_errors(s)])
+    errors = "\n".join(
+        validate.schema_errors(objects)
+        + [e for s in validate.k8s_settings(objects) for e in validate.settings_errors(s)]
+    )
     assert "'Sometimes' is not one of" in errors
     assert "groupSize: not a field" in errors
-    assert "workerTemplate: template.spec.containers.0: Additional properties" in errors  # PodTemplate schema
+    # PodTemplate schema
+    assert "workerTemplate: template.spec.containers.0: Additional properties" in errors
     assert "TARGET_TENSOR_PARALELL is not read by target" in errors

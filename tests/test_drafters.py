@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from speculative.drafters import ModelDrafter
 from foundation.errors import InvalidArgument
+from speculative.drafters import ModelDrafter
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter, lookup_continuation
 from speculative.sampling import SamplingParams
 
@@ -47,8 +47,9 @@ def test_lookup_continuation_follows_its_definition_on_random_sequences():
         tokens = [rng.randrange(rng.randint(1, 4)) for _ in range(rng.randrange(30))]
         min_ngram = rng.randint(1, 4)
         max_ngram, k = rng.randint(min_ngram, 8), rng.randrange(5)
-        assert lookup_continuation(tokens, k, min_ngram, max_ngram) == \
-            _lookup_by_definition(tokens, k, min_ngram, max_ngram), (tokens, k, min_ngram, max_ngram)
+        assert lookup_continuation(tokens, k, min_ngram, max_ngram) == _lookup_by_definition(
+            tokens, k, min_ngram, max_ngram
+        ), (tokens, k, min_ngram, max_ngram)
 
 
 def test_single_token_matches_when_allowed():
@@ -67,7 +68,9 @@ def test_ngram_session_follows_verdicts():
 
 def test_bad_ngram_sizes():
     for sizes in [(3, 2), (0, 2), (2, 33)]:
-        with pytest.raises(InvalidArgument, match="1 <= prompt_lookup_min <= prompt_lookup_max <= 32"):
+        with pytest.raises(
+            InvalidArgument, match="1 <= prompt_lookup_min <= prompt_lookup_max <= 32"
+        ):
             NgramDrafter(*sizes)
 
 
@@ -88,7 +91,9 @@ def test_model_draft_lag_runs_pending_tokens_together(tiny_target, prompt_ids):
 
 
 def test_model_draft_sampling_sends_exact_sparse_distributions(tiny_target, prompt_ids):
-    session = ModelDrafter(tiny_target, draft_top_k=5).open(prompt_ids[0], SamplingParams(temperature=1.0, seed=3))
+    session = ModelDrafter(tiny_target, draft_top_k=5).open(
+        prompt_ids[0], SamplingParams(temperature=1.0, seed=3)
+    )
     proposal = session.propose(4)
     assert len(proposal.draft_probs) == 4
     for token_id, probs in zip(proposal.token_ids, proposal.draft_probs):

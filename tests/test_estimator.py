@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from foundation.load import StepLoad
 from speculative.estimator import HOPE, PRIOR_TRIALS, CostEstimator, expected_tokens
 from speculative.pass_costs import SLOW_PASS_CLIP, pass_x
 from speculative.rejection import NextTokenKind
-from foundation.load import StepLoad
 from speculative.stats import RoundStats
 from speculative.stretch_costs import SOLO_TOKEN_WEIGHT
 
@@ -21,19 +21,36 @@ MS = 1_000_000  # nanoseconds
 
 def round_(num_drafted, num_accepted, compute_ms, overhead_ms=0.0, draft_ms=0.0, step=None):
     """A round's statistics and its elapsed time: drafting + target compute + overhead."""
-    stats = RoundStats(index=0, base_len=0, num_drafted=num_drafted, num_accepted=num_accepted,
-                       num_committed=num_accepted + 1, next_token_kind=NextTokenKind.BONUS,
-                       draft_ns=int(draft_ms * MS), verify_ns=int((compute_ms + overhead_ms) * MS),
-                       target_compute_ns=int(compute_ms * MS), step=step)
+    stats = RoundStats(
+        index=0,
+        base_len=0,
+        num_drafted=num_drafted,
+        num_accepted=num_accepted,
+        num_committed=num_accepted + 1,
+        next_token_kind=NextTokenKind.BONUS,
+        draft_ns=int(draft_ms * MS),
+        verify_ns=int((compute_ms + overhead_ms) * MS),
+        target_compute_ns=int(compute_ms * MS),
+        step=step,
+    )
     return stats, int((draft_ms + compute_ms + overhead_ms) * MS)
 
 
 def streamed(compute_ms, overhead_ms=0.0, looked_up=0, accepted=0):
     """One pass of a stretch: one token, or a looked-up proposal verified and accepted."""
     elapsed = int((compute_ms + overhead_ms) * MS)
-    stats = RoundStats(index=0, base_len=0, num_drafted=looked_up, num_accepted=accepted, num_committed=accepted + 1,
-                       next_token_kind=NextTokenKind.BONUS, draft_ns=0, verify_ns=elapsed,
-                       target_compute_ns=int(compute_ms * MS), streamed=True)
+    stats = RoundStats(
+        index=0,
+        base_len=0,
+        num_drafted=looked_up,
+        num_accepted=accepted,
+        num_committed=accepted + 1,
+        next_token_kind=NextTokenKind.BONUS,
+        draft_ns=0,
+        verify_ns=elapsed,
+        target_compute_ns=int(compute_ms * MS),
+        streamed=True,
+    )
     return stats, elapsed
 
 
@@ -54,13 +71,21 @@ def test_acceptance_counts_accepted_tokens_and_the_first_rejection():
     estimator = settled(fresh, [round_(4, 2, 14.0)])
     assert estimator.acceptances.rate() == pytest.approx(2 / 3, abs=1e-4)
     hopeful = (estimator.acceptances.accepted + HOPE) / (estimator.acceptances.trials + HOPE)
-    assert estimator.estimates().acceptance == pytest.approx(hopeful) == pytest.approx(21 / 31, abs=1e-4)
+    assert (
+        estimator.estimates().acceptance
+        == pytest.approx(hopeful)
+        == pytest.approx(21 / 31, abs=1e-4)
+    )
 
 
 def test_the_target_line_and_the_round_trip_are_fitted_from_rounds():
-    estimator = settled(CostEstimator(8), [round_(4, 2, 14.0, overhead_ms=5.0), round_(0, 0, 10.0, overhead_ms=5.0)])
+    estimator = settled(
+        CostEstimator(8), [round_(4, 2, 14.0, overhead_ms=5.0), round_(0, 0, 10.0, overhead_ms=5.0)]
+    )
     e = estimator.estimates()
-    assert e.compute_ns(1) == pytest.approx(10 * MS, rel=0.01) and e.compute_ns(5) == pytest.approx(14 * MS, rel=0.01)
+    assert e.compute_ns(1) == pytest.approx(10 * MS, rel=0.01) and e.compute_ns(5) == pytest.approx(
+        14 * MS, rel=0.01
+    )
     assert e.overhead_ns == pytest.approx(5 * MS, rel=0.01)
     assert e.round_ns(4) == pytest.approx(19 * MS, rel=0.01)
 
@@ -81,22 +106,35 @@ def test_a_target_that_reports_its_step_costs_is_priced_by_them():
     e = settled(told, rounds).estimates()
     for width in range(1, 10):
         assert e.compute_ns(width) == pytest.approx(1.1 * STEP_MS[width - 1] * MS, rel=0.01), width
-    assert e.compute_ns(5) > e.compute_ns(6) and e.widening_ns(5) == pytest.approx(0.0, abs=0.01 * MS)
+    assert e.compute_ns(5) > e.compute_ns(6) and e.widening_ns(5) == pytest.approx(
+        0.0, abs=0.01 * MS
+    )
     blind = settled(CostEstimator(8), rounds).estimates()
-    assert blind.compute_ns(5) <= blind.compute_ns(6) and blind.widening_ns(5) > 0.02 * 1.1 * STEP_MS[0] * MS / 5
+    assert (
+        blind.compute_ns(5) <= blind.compute_ns(6)
+        and blind.widening_ns(5) > 0.02 * 1.1 * STEP_MS[0] * MS / 5
+    )
 
 
 def test_a_pass_is_placed_on_the_line_by_its_timed_cost():
     assert [pass_x((), w) for w in (1, 3)] == [0.0, 2.0]  # nothing timed: w - 1
-    assert [pass_x((100.0, 50.0, 150.0), w) for w in (1, 2, 3, 4)] == [1.0, 0.0, 2.0, 2.5]  # on at the mean slope
+    assert [pass_x((100.0, 50.0, 150.0), w) for w in (1, 2, 3, 4)] == [
+        1.0,
+        0.0,
+        2.0,
+        2.5,
+    ]  # on at the mean slope
 
 
 def test_one_slow_pass_does_not_rule_anything_out():
     """A cold first pass at some width, or a slow streamed token, must not make that
     choice look too costly to ever be tried (and re-measured) again."""
-    estimator = settled(CostEstimator(8), [round_(1, 1, 11.0, overhead_ms=2.0), streamed(10.0)], times=30)
+    estimator = settled(
+        CostEstimator(8), [round_(1, 1, 11.0, overhead_ms=2.0), streamed(10.0)], times=30
+    )
     estimator.observe(*round_(4, 4, 300.0, overhead_ms=2.0))  # 30x a one-token pass
-    assert estimator.estimates().compute_ns(5) < SLOW_PASS_CLIP * 14.0 * MS  # clipped to the line times the clip
+    # clipped to the line times the clip
+    assert estimator.estimates().compute_ns(5) < SLOW_PASS_CLIP * 14.0 * MS
     for _ in range(10):
         estimator.observe(*round_(8, 8, 18.0, overhead_ms=2.0))
     assert estimator.estimates().compute_ns(9) == pytest.approx(18.0 * MS, rel=0.1)
@@ -114,7 +152,10 @@ def test_a_long_stretch_refines_c1_without_erasing_the_slope():
     """64 tokens decoded alone weigh SOLO_TOKEN_WEIGHT of a pass each and do not age the
     wider passes: c(1) follows them, the slope stays what the passes measured."""
     assert SOLO_TOKEN_WEIGHT < 1.0
-    passes = [round_(w - 1, w - 1, 213.0 + 130.0 * (w - 1), draft_ms=100.0 * (w - 1)) for w in (2, 3, 4, 5)]
+    passes = [
+        round_(w - 1, w - 1, 213.0 + 130.0 * (w - 1), draft_ms=100.0 * (w - 1))
+        for w in (2, 3, 4, 5)
+    ]
     estimator = settled(CostEstimator(8), passes, times=5)
     for _ in range(64):
         estimator.observe(*streamed(213.0))
@@ -131,7 +172,10 @@ def test_a_stretch_measures_decoding_alone_and_its_start():
     for _ in range(100):
         estimator.stretches.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
     e = estimator.estimates()
-    assert (e.stretch.solo_token_ns, e.stretch.start_ns) == (pytest.approx(11 * MS), pytest.approx(30 * MS))
+    assert (e.stretch.solo_token_ns, e.stretch.start_ns) == (
+        pytest.approx(11 * MS),
+        pytest.approx(30 * MS),
+    )
     assert e.stretch.solo_measured and e.stretch.after_stretch
     counted, stretched = CostEstimator(4), CostEstimator(4)
     for _ in range(9):
@@ -147,7 +191,9 @@ def test_costs_carry_to_the_next_call():
     seeded = CostEstimator(4, costs=earlier.costs())
     assert seeded.acceptances.rate() == pytest.approx(2 / 3, abs=1e-3)
     assert seeded.acceptances.trials == 2.0  # a light prior
-    assert seeded.estimates().round_ns(4) == pytest.approx(earlier.estimates().round_ns(4), rel=0.01)
+    assert seeded.estimates().round_ns(4) == pytest.approx(
+        earlier.estimates().round_ns(4), rel=0.01
+    )
     assert seeded.measured and not CostEstimator(4).measured
 
 
@@ -177,7 +223,15 @@ def _settled_under_load(sessions, accepted_of_4, base_ms=40.0, per_token_ms=0.9)
     rounds = []
     for accepted in accepted_of_4:
         stats, elapsed = round_(4, accepted, base_ms + per_token_ms * sessions * 5)
-        step = StepLoad(0, stats.target_compute_ns, sessions * 5, sessions, sessions, base_ms * MS, per_token_ms * MS)
+        step = StepLoad(
+            0,
+            stats.target_compute_ns,
+            sessions * 5,
+            sessions,
+            sessions,
+            base_ms * MS,
+            per_token_ms * MS,
+        )
         rounds.append((dataclasses.replace(stats, step=step), elapsed))
     return settled(CostEstimator(4), rounds)
 
@@ -188,10 +242,18 @@ IID_TWO_THIRDS = [0, 1, 4, 0, 2, 1, 0, 3, 4] * 8 + [0, 1, 2, 0, 1, 2, 0, 2, 2]
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 64), st.integers(1, 64), st.integers(0, 4), st.floats(5.0, 200.0), st.floats(0.1, 5.0))
+@given(
+    st.integers(1, 64),
+    st.integers(1, 64),
+    st.integers(0, 4),
+    st.floats(5.0, 200.0),
+    st.floats(0.1, 5.0),
+)
 def test_more_sessions_per_step_never_raise_k(fewer, more, accepted, base_ms, per_token_ms):
     fewer, more = sorted((fewer, more))
-    assert _worker_k(more, accepted, base_ms, per_token_ms) <= _worker_k(fewer, accepted, base_ms, per_token_ms)
+    assert _worker_k(more, accepted, base_ms, per_token_ms) <= _worker_k(
+        fewer, accepted, base_ms, per_token_ms
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -222,7 +284,9 @@ def test_shadow_proposals_during_stretches_count_as_rounds_would():
         if drafted:
             rounds.observe(*round_(drafted, accepted, 10.0))
     assert shadowed.acceptances.rate() == pytest.approx(rounds.acceptances.rate())
-    assert shadowed.estimates().stretch.proposal_rate == pytest.approx(rounds.estimates().stretch.proposal_rate)
+    assert shadowed.estimates().stretch.proposal_rate == pytest.approx(
+        rounds.estimates().stretch.proposal_rate
+    )
     assert shadowed.estimates().stretch.measure and not rounds.estimates().stretch.measure
 
 
@@ -232,7 +296,9 @@ def test_the_load_cap_reads_the_measured_acceptance():
     of about 0.35. Rounds settling at 0.332 must not buy the batch drafts on hope
     (which reads 0.393)."""
     step = StepLoad(0, 50 * MS, 24, 24, 24, 40.0 * MS, 0.9 * MS)
-    estimator = settled(CostEstimator(4), [round_(1, accepted, 50.0, step=step) for accepted in (0, 1, 0)])
+    estimator = settled(
+        CostEstimator(4), [round_(1, accepted, 50.0, step=step) for accepted in (0, 1, 0)]
+    )
     assert estimator.acceptances.rate() == pytest.approx(0.332, abs=0.01)
     assert estimator.estimates().acceptance > 0.38
     assert estimator.worker_k() == 0
@@ -254,14 +320,20 @@ def test_alone_on_the_target_the_load_cap_hopes_as_the_call_does():
     measured, the cap reads a with the call's hope, and leaves the deep k the call's
     own decision takes (steps of 58 ms + 2.4 ms a token: a copying drafter's k = 8
     costs a third more than one token). At B = 16 the same hope is shared out."""
+
     def capped(sessions):
         stats, elapsed = streamed(60.0)
         step = StepLoad(0, 60 * MS, sessions, sessions, sessions, 58.0 * MS, 2.4 * MS)
         estimator = CostEstimator(8)
         estimator.observe(dataclasses.replace(stats, step=step), elapsed)
         return estimator
+
     alone = capped(1)
-    assert alone.worker_k() >= dataclasses.replace(alone.estimates(), overhead_ns=0.0, worker_k=8).best_k() >= 4
+    assert (
+        alone.worker_k()
+        >= dataclasses.replace(alone.estimates(), overhead_ns=0.0, worker_k=8).best_k()
+        >= 4
+    )
     assert capped(16).worker_k() < alone.worker_k()
 
 
@@ -270,14 +342,21 @@ def test_a_rounds_time_away_from_the_target_counts_under_load():
     that come straight back, k = 1 commits the most; with 40 ms away per round (the
     session misses most of a step) decoding alone does."""
     step = StepLoad(0, 90 * MS, 8, 8, 8, 50.0 * MS, 4.7 * MS)
-    quick = settled(CostEstimator(4), [round_(1, accepted, 90.0, step=step) for accepted in (1, 1, 0)])
-    away = settled(CostEstimator(4), [round_(1, accepted, 90.0, overhead_ms=40.0, step=step) for accepted in (1, 1, 0)])
+    quick = settled(
+        CostEstimator(4), [round_(1, accepted, 90.0, step=step) for accepted in (1, 1, 0)]
+    )
+    away = settled(
+        CostEstimator(4),
+        [round_(1, accepted, 90.0, overhead_ms=40.0, step=step) for accepted in (1, 1, 0)],
+    )
     assert quick.worker_k() == 1 and away.worker_k() == 0
 
 
 def test_a_round_drafted_ahead_leaves_the_round_trip_alone():
     """Its drafting fell within the round before, so its elapsed time holds no R."""
-    estimator = settled(CostEstimator(4, overlaps=True), [round_(4, 3, 14.0, overhead_ms=5.0, draft_ms=8.0)])
+    estimator = settled(
+        CostEstimator(4, overlaps=True), [round_(4, 3, 14.0, overhead_ms=5.0, draft_ms=8.0)]
+    )
     stats, elapsed = round_(4, 3, 14.0, draft_ms=8.0)
     estimator.observe(dataclasses.replace(stats, drafted_ahead=True), elapsed - int(8.0 * MS))
     assert estimator.estimates().overhead_ns == pytest.approx(5.0 * MS)

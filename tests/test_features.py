@@ -42,7 +42,11 @@ class EverythingPolicy(SpeculationPolicy):
             return Action(stretch=4)
         self.turns += 1
         # A stretch asked for twice: the first may find a proposal ahead still to settle.
-        return Action(stretch=4, lookup_k=3) if self.turns % 3 != 1 else Action(k=3, ahead=True, min_reach=2.0)
+        return (
+            Action(stretch=4, lookup_k=3)
+            if self.turns % 3 != 1
+            else Action(k=3, ahead=True, min_reach=2.0)
+        )
 
 
 class WatchingVerifier(LocalVerifier):
@@ -53,7 +57,9 @@ class WatchingVerifier(LocalVerifier):
         self.sent_ahead = self.stretches = self.looked_up = 0
         self.longest = 0  # the longest proposal not drafted ahead
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None):
+    def send(
+        self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None
+    ):
         self.sent_ahead += expected_last_token_id is not None
         if expected_last_token_id is None:
             self.longest = max(self.longest, len(draft_token_ids))
@@ -72,39 +78,66 @@ def _features(off: str | None) -> Features:
 
 @pytest.fixture(scope="module")
 def references(tiny_bigram, prompt_ids):
-    return [SpeculativeGenerator(tiny_bigram).generate(ids, GREEDY, k=0).token_ids for ids in prompt_ids]
+    return [
+        SpeculativeGenerator(tiny_bigram).generate(ids, GREEDY, k=0).token_ids for ids in prompt_ids
+    ]
 
 
 @pytest.mark.parametrize("off", [None, *SWITCHES, "all"])
 @pytest.mark.parametrize("drafter_name", ["ngram", "model", "ngram+model"])
-def test_each_optimisation_off_and_on_keeps_greedy_output(off, drafter_name, tiny_bigram, tiny_perturbed,
-                                                          prompt_ids, references):
-    drafter = {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_bigram),
-               "ngram+model": LookupThenModelDrafter(ModelDrafter(tiny_perturbed), NgramDrafter())}[drafter_name]
+def test_each_optimisation_off_and_on_keeps_greedy_output(
+    off, drafter_name, tiny_bigram, tiny_perturbed, prompt_ids, references
+):
+    drafter = {
+        "ngram": NgramDrafter(),
+        "model": ModelDrafter(tiny_bigram),
+        "ngram+model": LookupThenModelDrafter(ModelDrafter(tiny_perturbed), NgramDrafter()),
+    }[drafter_name]
     features = _features(off)
     used = dict.fromkeys(SWITCHES, 0)
     for ids, reference in zip(prompt_ids, references):
         target = TargetSession(tiny_bigram, ids, GREEDY)
         draft = drafter.open(ids, GREEDY)
         verifier = WatchingVerifier(target)
-        tokens = [t for r in speculation_rounds(verifier, draft, len(ids), GREEDY, EverythingPolicy(),
-                                                tiny_bigram.context_length, features) for t in r.token_ids]
+        tokens = [
+            t
+            for r in speculation_rounds(
+                verifier,
+                draft,
+                len(ids),
+                GREEDY,
+                EverythingPolicy(),
+                tiny_bigram.context_length,
+                features,
+            )
+            for t in r.token_ids
+        ]
         assert tokens == reference, (ids, off)
         used["draft_ahead"] += verifier.sent_ahead
         used["stretches"] += verifier.stretches
         used["target_lookup"] += verifier.looked_up
         used["draft_stop"] = max(used["draft_stop"], verifier.longest)
-    used["draft_stop"] = int(used["draft_stop"] == 1)  # stopping, a model drafter proposes one token
+    used["draft_stop"] = int(
+        used["draft_stop"] == 1
+    )  # stopping, a model drafter proposes one token
     # Where each can show: the target runs only a pure lookup drafter; only the model
     # drafter's every proposal is its own (a cascade's lookup proposals are never cut).
     # A proposal cut short is never drafted ahead of (the draft could not go on).
     stopped_short = features.draft_stop and drafter_name == "model"
-    shows = {"draft_ahead": not stopped_short, "stretches": True, "target_lookup": drafter_name == "ngram",
-             "draft_stop": drafter_name == "model"}
+    shows = {
+        "draft_ahead": not stopped_short,
+        "stretches": True,
+        "target_lookup": drafter_name == "ngram",
+        "draft_stop": drafter_name == "model",
+    }
     for name in SWITCHES:
         if (name == "draft_stop" and not shows[name]) or (name == "draft_ahead" and stopped_short):
             continue
-        switched_on = shows[name] and getattr(features, name) and (name != "target_lookup" or features.stretches)
+        switched_on = (
+            shows[name]
+            and getattr(features, name)
+            and (name != "target_lookup" or features.stretches)
+        )
         assert (used[name] > 0) == switched_on, (name, used)
 
 
@@ -112,24 +145,31 @@ def _request(ids) -> orchestrator_pb2.GenerateRequest:
     request = orchestrator_pb2.GenerateRequest(include_stats=True)
     request.token_ids.ids.extend(ids)
     request.sampling.CopyFrom(common_pb2.SamplingParams(max_new_tokens=24))
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=4, drafter="ngram",
-                                                              adaptive=True))
+    request.speculation.CopyFrom(
+        common_pb2.SpeculationParams(num_speculative_tokens=4, drafter="ngram", adaptive=True)
+    )
     return request
 
 
 @pytest.mark.parametrize("switch", ["on", "off"])
-def test_stretches_and_target_lookup_off_and_on_through_the_services(switch, tiny_target, prompt_ids):
+def test_stretches_and_target_lookup_off_and_on_through_the_services(
+    switch, tiny_target, prompt_ids
+):
     """Over a 15 ms link adaptive calls decode stretches (the target running lookup's
     rounds in them); with both off, rounds only. Exact both ways."""
     system = LocalSystem(draft_target_delay_ms=15)
     if switch == "off":
-        next(r for r in system.roles if r.pool == "draft").args.extend(["--no-stretches", "--no-target-lookup"])
+        next(r for r in system.roles if r.pool == "draft").args.extend(
+            ["--no-stretches", "--no-target-lookup"]
+        )
     generator = SpeculativeGenerator(tiny_target)
     greedy = dataclasses.replace(GREEDY, stop_token_ids=(tiny_target.eos_token_id,))
     streamed = 0
     with system:
         for ids in prompt_ids[:4]:
             response = system.stub.Generate(_request(ids), timeout=120)
-            assert list(response.token_ids) == generator.generate(ids, greedy, k=0).token_ids, system.logs()
+            assert list(response.token_ids) == generator.generate(ids, greedy, k=0).token_ids, (
+                system.logs()
+            )
             streamed += response.stats.num_streamed_tokens
     assert (streamed > 0) == (switch == "on"), streamed

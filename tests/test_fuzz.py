@@ -22,11 +22,12 @@ the workers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -34,8 +35,15 @@ from google.protobuf import descriptor as pb_descriptor
 from google.protobuf import message_factory
 from hypothesis import given
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
+from foundation.errors import NotFound
 from model_runtime.step_scheduler import FORGET_AFTER_NS, _Turnarounds
 from model_runtime.tiny import TINY_VOCAB_SIZE
 from orchestrator.config import OrchestratorConfig
@@ -45,8 +53,14 @@ from orchestrator.text import TextAssembler
 from orchestrator.workers import Worker
 from service_common.auth import ApiGate
 from service_common.limits import CallLimits
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, target_pb2, target_pb2_grpc
-from foundation.errors import NotFound
+from specdec.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    orchestrator_pb2,
+    target_pb2,
+    target_pb2_grpc,
+)
 from tests.fuzzing import DOCUMENTED, Code, Reference, Tally, fuzz_settings, methods_of, raw_method
 from tests.system import LocalSystem
 
@@ -107,32 +121,49 @@ def assert_fresh_session_is_greedy(system, reference) -> None:
         request.speculation.num_speculative_tokens, request.speculation.drafter = k, drafter
         response = system.stub.Generate(request, timeout=TIMEOUT_S)
         assert list(response.token_ids) == reference(prompt, 24), (k, drafter)
-        system.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=response.session_id), timeout=TIMEOUT_S)
+        system.stub.CloseSession(
+            common_pb2.CloseSessionRequest(session_id=response.session_id), timeout=TIMEOUT_S
+        )
 
 
 def worker_sessions(channels) -> dict[str, int]:
     load = {}
-    for pool, stub_class in (("target", target_pb2_grpc.TargetServiceStub), ("draft", draft_pb2_grpc.DraftServiceStub)):
-        load[pool] = stub_class(channels[pool]).Info(common_pb2.InfoRequest(), timeout=TIMEOUT_S).load.active_sessions
+    for pool, stub_class in (
+        ("target", target_pb2_grpc.TargetServiceStub),
+        ("draft", draft_pb2_grpc.DraftServiceStub),
+    ):
+        load[pool] = (
+            stub_class(channels[pool])
+            .Info(common_pb2.InfoRequest(), timeout=TIMEOUT_S)
+            .load.active_sessions
+        )
     return load
 
 
 def wait_for_no_worker_sessions(channels) -> dict[str, int]:
     """Sessions freed by a cancelled call are closed once that call unwinds: poll."""
     deadline = time.monotonic() + 15
-    while (left := worker_sessions(channels)) != {"target": 0, "draft": 0} and time.monotonic() < deadline:
+    while (left := worker_sessions(channels)) != {
+        "target": 0,
+        "draft": 0,
+    } and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
 
 # --- random field values, from the message descriptors --------------------------------
 
+
 class Live:
     """Ids the fuzzed calls created, so that later examples can hit real sessions."""
 
     def __init__(self):
         self.ids: dict[str, list[str]] = {"orchestrator": [], "target": [], "draft": []}
-        self.all: dict[str, set[str]] = {"orchestrator": set(), "target": set(), "draft": set()}  # to close
+        self.all: dict[str, set[str]] = {
+            "orchestrator": set(),
+            "target": set(),
+            "draft": set(),
+        }  # to close
 
     def pick(self, pool: str, index: int) -> str:
         ids = self.ids[pool]
@@ -150,14 +181,24 @@ ADDRESSES: dict[str, str] = {}  # pool -> address, set by the channels fixture
 
 
 def _session_ids(pool: str):
-    return st.one_of(st.just(""), st.text(max_size=12), st.integers(0, 10**6).map(lambda i: LIVE.pick(pool, i)),
-                     st.integers(0, 10**6).map(lambda i: LIVE.pick(pool, i)))
+    return st.one_of(
+        st.just(""),
+        st.text(max_size=12),
+        st.integers(0, 10**6).map(lambda i: LIVE.pick(pool, i)),
+        st.integers(0, 10**6).map(lambda i: LIVE.pick(pool, i)),
+    )
 
 
 def _addresses():
-    return st.one_of(st.sampled_from(["target", "draft", "orchestrator"]).map(lambda pool: ADDRESSES.get(pool, "")),
-                     st.sampled_from(["", "127.0.0.1:1", "localhost:0", "[::1]:1", "unix:/nonexistent", "dns:///bad host"]),
-                     st.text(max_size=20))
+    return st.one_of(
+        st.sampled_from(["target", "draft", "orchestrator"]).map(
+            lambda pool: ADDRESSES.get(pool, "")
+        ),
+        st.sampled_from(
+            ["", "127.0.0.1:1", "localhost:0", "[::1]:1", "unix:/nonexistent", "dns:///bad host"]
+        ),
+        st.text(max_size=20),
+    )
 
 
 def _lengths():
@@ -173,7 +214,9 @@ def _field_strategy(field: pb_descriptor.FieldDescriptor, pool: str, depth: int)
     if name in ("worker_address", "address"):
         return _addresses()
     if name == "drafter":
-        return st.one_of(st.sampled_from(["", "model", "ngram", "ngram+model"]), st.text(max_size=12))
+        return st.one_of(
+            st.sampled_from(["", "model", "ngram", "ngram+model"]), st.text(max_size=12)
+        )
     if name == "role":
         return st.one_of(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=8))
     if name in ("base_len", "length", "committed_len"):
@@ -201,7 +244,9 @@ def _field_strategy(field: pb_descriptor.FieldDescriptor, pool: str, depth: int)
     if kind == F.TYPE_BYTES:
         return st.binary(max_size=20)
     if kind == F.TYPE_ENUM:
-        return st.one_of(st.sampled_from([v.number for v in field.enum_type.values]), st.integers(-5, 100))
+        return st.one_of(
+            st.sampled_from([v.number for v in field.enum_type.values]), st.integers(-5, 100)
+        )
     if kind == F.TYPE_MESSAGE:
         return messages(field.message_type, pool, depth + 1)
     raise AssertionError(f"no strategy for {field.full_name}")
@@ -239,8 +284,12 @@ def _repeated(field, pool: str, depth: int):
     if field.type == field.TYPE_MESSAGE:
         return st.lists(_field_strategy(field, pool, depth), max_size=3)
     if "token_ids" in field.name or field.name == "ids":
-        return st.one_of(st.lists(SMALL_TOKENS, max_size=24), st.lists(_field_strategy(field, pool, depth), max_size=6),
-                         st.integers(1000, 1100).map(lambda n: [7] * n))  # past the context
+        # past the context
+        return st.one_of(
+            st.lists(SMALL_TOKENS, max_size=24),
+            st.lists(_field_strategy(field, pool, depth), max_size=6),
+            st.integers(1000, 1100).map(lambda n: [7] * n),
+        )
     return st.lists(_field_strategy(field, pool, depth), max_size=5)
 
 
@@ -257,10 +306,16 @@ def _stub_call(channels, pool: str, method):
     channel = channels[pool]
     request_class = type(_new(method.input_type))
     response_class = type(_new(method.output_type))
-    kind = ("stream" if method.client_streaming else "unary") + "_" + ("stream" if method.server_streaming else "unary")
-    return getattr(channel, kind)(f"/{method.containing_service.full_name}/{method.name}",
-                                  request_serializer=request_class.SerializeToString,
-                                  response_deserializer=response_class.FromString)
+    kind = (
+        ("stream" if method.client_streaming else "unary")
+        + "_"
+        + ("stream" if method.server_streaming else "unary")
+    )
+    return getattr(channel, kind)(
+        f"/{method.containing_service.full_name}/{method.name}",
+        request_serializer=request_class.SerializeToString,
+        response_deserializer=response_class.FromString,
+    )
 
 
 def _remember(pool: str, method_name: str, response) -> None:
@@ -279,8 +334,11 @@ METHODS = [(pool, m) for pool, service in SERVICES for m in service.methods]
 
 # With every process up and no other client, only a draft sent to a random address has
 # a reason to be UNAVAILABLE, and only a draft session is ABORTED (held too long).
-NOT_EXPECTED = {"orchestrator": {Code.UNAVAILABLE, Code.ABORTED, Code.ALREADY_EXISTS},
-                "target": {Code.UNAVAILABLE, Code.ABORTED}, "draft": set()}
+NOT_EXPECTED = {
+    "orchestrator": {Code.UNAVAILABLE, Code.ABORTED, Code.ALREADY_EXISTS},
+    "target": {Code.UNAVAILABLE, Code.ABORTED},
+    "draft": set(),
+}
 
 
 def _call_with_random_fields(channels, tally, pool, method, request_or_requests, cancel_after):
@@ -290,7 +348,9 @@ def _call_with_random_fields(channels, tally, pool, method, request_or_requests,
     if method.client_streaming:
         request_or_requests = iter(request_or_requests)
     if not method.server_streaming:
-        status, response = tally.call(path, call, request_or_requests, timeout=TIMEOUT_S, expected=expected)
+        status, response = tally.call(
+            path, call, request_or_requests, timeout=TIMEOUT_S, expected=expected
+        )
         if status == Code.OK:
             _remember(pool, method.name, response)
         return
@@ -335,18 +395,34 @@ def test_random_field_values_get_documented_statuses(system, channels, tally, re
 
 # --- random bytes -----------------------------------------------------------------------
 
+
 def _valid_requests():
     """Serialized valid-looking requests of every method, to mutate."""
-    prompt = orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=[5, 17, 99]), stop=["x"])
+    prompt = orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=[5, 17, 99]), stop=["x"]
+    )
     prompt.sampling.max_new_tokens = 4
     return [
         prompt.SerializeToString(),
         target_pb2.OpenSessionRequest(prompt_token_ids=[5, 17, 99]).SerializeToString(),
-        target_pb2.Proposal(session_id="s", base_len=3, draft=target_pb2.Draft(token_ids=[1, 2], distributions=[
-            common_pb2.SparseDistribution(token_ids=[1], probs=[1.0])])).SerializeToString(),
-        target_pb2.Proposal(session_id="s", base_len=3, stretch=target_pb2.Stretch(max_tokens=2)).SerializeToString(),
-        draft_pb2.SpeculateRequest(session_id="s", base_len=3, target=common_pb2.KvHandle(
-            worker_address="127.0.0.1:1", session_id="t", committed_len=3)).SerializeToString(),
+        target_pb2.Proposal(
+            session_id="s",
+            base_len=3,
+            draft=target_pb2.Draft(
+                token_ids=[1, 2],
+                distributions=[common_pb2.SparseDistribution(token_ids=[1], probs=[1.0])],
+            ),
+        ).SerializeToString(),
+        target_pb2.Proposal(
+            session_id="s", base_len=3, stretch=target_pb2.Stretch(max_tokens=2)
+        ).SerializeToString(),
+        draft_pb2.SpeculateRequest(
+            session_id="s",
+            base_len=3,
+            target=common_pb2.KvHandle(
+                worker_address="127.0.0.1:1", session_id="t", committed_len=3
+            ),
+        ).SerializeToString(),
         common_pb2.ExtendRequest(session_id="s", base_len=3, token_ids=[4, 5]).SerializeToString(),
     ]
 
@@ -366,8 +442,14 @@ def _mutated(draw):
     return bytes(data)
 
 
-PAYLOADS = st.one_of(st.binary(max_size=64), _mutated(), st.sampled_from([b"", b"\xff", b"\x0a\x02\xc3\x28", b"\x0a\xff\xff\xff\xff\x0f"]))
-RAW_METHODS = [(pool, path, rs, ss) for pool, service in SERVICES for path, rs, ss in methods_of(service)]
+PAYLOADS = st.one_of(
+    st.binary(max_size=64),
+    _mutated(),
+    st.sampled_from([b"", b"\xff", b"\x0a\x02\xc3\x28", b"\x0a\xff\xff\xff\xff\x0f"]),
+)
+RAW_METHODS = [
+    (pool, path, rs, ss) for pool, service in SERVICES for path, rs, ss in methods_of(service)
+]
 
 
 def test_random_bytes_get_documented_statuses(system, channels, tally, reference):
@@ -379,13 +461,24 @@ def test_random_bytes_get_documented_statuses(system, channels, tally, reference
     def run(method, payloads):
         pool, path, request_streaming, response_streaming = method
         call = raw_method(channels[pool], path, request_streaming, response_streaming)
-        status, response = tally.call(f"raw {path.rsplit('/', 2)[-2].rsplit('.', 1)[-1]}.{path.rsplit('/', 1)[-1]}",
-                                      call, iter(payloads) if request_streaming else payloads[0], timeout=TIMEOUT_S)
+        status, response = tally.call(
+            f"raw {path.rsplit('/', 2)[-2].rsplit('.', 1)[-1]}.{path.rsplit('/', 1)[-1]}",
+            call,
+            iter(payloads) if request_streaming else payloads[0],
+            timeout=TIMEOUT_S,
+        )
         if status == Code.OK:  # bytes that parsed may have opened a session: closed at the end
-            method = next(m for _, m in METHODS if f"/{m.containing_service.full_name}/{m.name}" == path)
+            method = next(
+                m for _, m in METHODS if f"/{m.containing_service.full_name}/{m.name}" == path
+            )
             output = type(_new(method.output_type))
-            _remember(pool, method.name, [output.FromString(r) for r in response] if response_streaming
-                      else output.FromString(response))
+            _remember(
+                pool,
+                method.name,
+                [output.FromString(r) for r in response]
+                if response_streaming
+                else output.FromString(response),
+            )
         assert_alive(system)
 
     run()
@@ -398,20 +491,29 @@ def test_undecodable_bytes_are_invalid_argument(system, channels, tally):
     for pool, path, request_streaming, response_streaming in RAW_METHODS:
         call = raw_method(channels[pool], path, request_streaming, response_streaming)
         payload = b"\x0a\x02\xc3\x28"  # field 1, a string of invalid UTF-8 (or not a valid field)
-        status, _ = tally.call(f"raw {path}", call, iter([payload]) if request_streaming else payload,
-                               timeout=TIMEOUT_S)
+        status, _ = tally.call(
+            f"raw {path}",
+            call,
+            iter([payload]) if request_streaming else payload,
+            timeout=TIMEOUT_S,
+        )
         if status != Code.OK:  # Info and ListWorkers have no field 1: they parse it as unknown
             assert status == Code.INVALID_ARGUMENT, path
     with pytest.raises(grpc.RpcError) as error:
-        raw_method(channels["orchestrator"], "/specdec.v1.Orchestrator/Generate", False, False)(b"\xff", timeout=TIMEOUT_S)
+        raw_method(channels["orchestrator"], "/specdec.v1.Orchestrator/Generate", False, False)(
+            b"\xff", timeout=TIMEOUT_S
+        )
     assert error.value.code() == Code.INVALID_ARGUMENT
     assert "specdec.v1.GenerateRequest" in error.value.details()
 
 
 # --- random call orders on public sessions ----------------------------------------------
 
-SPECULATION = st.tuples(st.sampled_from([0, 1, 2, 4, 8]), st.sampled_from(["", "model", "ngram", "ngram+model"]),
-                        st.booleans())
+SPECULATION = st.tuples(
+    st.sampled_from([0, 1, 2, 4, 8]),
+    st.sampled_from(["", "model", "ngram", "ngram+model"]),
+    st.booleans(),
+)
 NEW_TOKENS = st.integers(1, 10)
 SETTLE_S = 15.0  # a cancelled call unwinds within a few rounds
 
@@ -432,7 +534,7 @@ def _assembled(tokenizer, token_ids, stops, rounds) -> tuple[str, list[int]]:
     of the given sizes, cut before the first stop string (orchestrator.text)."""
     assembler, streamed, start = TextAssembler(tokenizer, stops), "", 0
     for size in rounds:
-        _, delta = assembler.add(token_ids[start:start + size])
+        _, delta = assembler.add(token_ids[start : start + size])
         streamed, start = streamed + delta, start + size
         if assembler.stopped_at is not None or start >= len(token_ids):
             break
@@ -457,42 +559,75 @@ class PublicSessions(RuleBasedStateMachine):
         self.unsettled: dict[str, tuple[list[int], list[int]]] = {}  # id -> (before, continuation)
 
     def _call(self, name, function, request, expected):
-        return self.tally.call(f"sessions {name}", function, request, timeout=TIMEOUT_S, expected=expected)
+        return self.tally.call(
+            f"sessions {name}", function, request, timeout=TIMEOUT_S, expected=expected
+        )
 
     def _expect_ok_or_gone(self, session_id):
         return {Code.OK} if self.history.get(session_id) is not None else {Code.NOT_FOUND}
 
-    @rule(target=sessions, prompt=st.lists(SMALL_TOKENS, min_size=1, max_size=12), speculation=SPECULATION,
-          max_new_tokens=NEW_TOKENS)
+    @rule(
+        target=sessions,
+        prompt=st.lists(SMALL_TOKENS, min_size=1, max_size=12),
+        speculation=SPECULATION,
+        max_new_tokens=NEW_TOKENS,
+    )
     def generate_new(self, prompt, speculation, max_new_tokens):
-        _, response = self._call("Generate", self.system.stub.Generate,
-                                 _generate_request("", prompt, speculation, max_new_tokens), {Code.OK})
+        _, response = self._call(
+            "Generate",
+            self.system.stub.Generate,
+            _generate_request("", prompt, speculation, max_new_tokens),
+            {Code.OK},
+        )
         assert list(response.token_ids) == self.reference(prompt, max_new_tokens), speculation
         self.history[response.session_id] = prompt + list(response.token_ids)
         return response.session_id
 
     @rule(target=sessions)
     def create(self):
-        _, session = self._call("CreateSession", self.system.stub.CreateSession,
-                                orchestrator_pb2.CreateSessionRequest(), {Code.OK})
+        _, session = self._call(
+            "CreateSession",
+            self.system.stub.CreateSession,
+            orchestrator_pb2.CreateSessionRequest(),
+            {Code.OK},
+        )
         self.history[session.session_id] = []
         return session.session_id
 
-    @rule(session=sessions, new=st.lists(SMALL_TOKENS, max_size=6), speculation=SPECULATION,
-          max_new_tokens=NEW_TOKENS)
+    @rule(
+        session=sessions,
+        new=st.lists(SMALL_TOKENS, max_size=6),
+        speculation=SPECULATION,
+        max_new_tokens=NEW_TOKENS,
+    )
     def continue_(self, session, new, speculation, max_new_tokens):
         self._settle(session)
         history = self.history[session]
-        expected = {Code.NOT_FOUND} if history is None else {Code.INVALID_ARGUMENT} if not history + new else {Code.OK}
-        status, response = self._call("Generate", self.system.stub.Generate,
-                                      _generate_request(session, new, speculation, max_new_tokens), expected)
+        expected = (
+            {Code.NOT_FOUND}
+            if history is None
+            else {Code.INVALID_ARGUMENT}
+            if not history + new
+            else {Code.OK}
+        )
+        status, response = self._call(
+            "Generate",
+            self.system.stub.Generate,
+            _generate_request(session, new, speculation, max_new_tokens),
+            expected,
+        )
         if status == Code.OK:
-            assert list(response.token_ids) == self.reference(history + new, max_new_tokens), speculation
+            assert list(response.token_ids) == self.reference(history + new, max_new_tokens), (
+                speculation
+            )
             self.history[session] = history + new + list(response.token_ids)
 
-    @rule(session=sessions, new=st.lists(SMALL_TOKENS, max_size=4),
-          sampling=messages(common_pb2.SamplingParams.DESCRIPTOR, "orchestrator"),
-          speculation=messages(common_pb2.SpeculationParams.DESCRIPTOR, "orchestrator"))
+    @rule(
+        session=sessions,
+        new=st.lists(SMALL_TOKENS, max_size=4),
+        sampling=messages(common_pb2.SamplingParams.DESCRIPTOR, "orchestrator"),
+        speculation=messages(common_pb2.SpeculationParams.DESCRIPTOR, "orchestrator"),
+    )
     def continue_with_random_fields(self, session, new, sampling, speculation):
         """Refused (nothing changes) or served (sampled tokens, whatever they are, are
         what the session then holds)."""
@@ -500,17 +635,26 @@ class PublicSessions(RuleBasedStateMachine):
         history = self.history[session]
         if sampling.max_new_tokens > 12 or sampling.max_new_tokens == 0:
             sampling.max_new_tokens = 12  # a long valid generation would only cost time
-        request = orchestrator_pb2.GenerateRequest(session_id=session, sampling=sampling, speculation=speculation)
+        request = orchestrator_pb2.GenerateRequest(
+            session_id=session, sampling=sampling, speculation=speculation
+        )
         request.token_ids.ids.extend(new)
         expected = {Code.NOT_FOUND} if history is None else {Code.OK, Code.INVALID_ARGUMENT}
-        status, response = self._call("Generate (random fields)", self.system.stub.Generate, request, expected)
+        status, response = self._call(
+            "Generate (random fields)", self.system.stub.Generate, request, expected
+        )
         if status == Code.OK:
             self.history[session] = history + new + list(response.token_ids)
         if history is not None:
             self.get(session)  # a refused call changed nothing
 
-    @rule(session=sessions, new=st.lists(SMALL_TOKENS, max_size=6), speculation=SPECULATION,
-          start=st.integers(0, 40), width=st.integers(1, 3))
+    @rule(
+        session=sessions,
+        new=st.lists(SMALL_TOKENS, max_size=6),
+        speculation=SPECULATION,
+        start=st.integers(0, 40),
+        width=st.integers(1, 3),
+    )
     def continue_with_stop_string(self, session, new, speculation, start, width):
         self._settle(session)
         history = self.history[session]
@@ -518,24 +662,36 @@ class PublicSessions(RuleBasedStateMachine):
             return
         continuation = self.reference(history + new, 10)
         text = self.tokenizer.decode(continuation, skip_special_tokens=True)
-        stop = text[start % max(1, len(text)):][:width]
+        stop = text[start % max(1, len(text)) :][:width]
         if not stop or "\ufffd" in stop:
             return  # a stop string is text: never a byte of an unfinished character
-        _, response = self._call("Generate", self.system.stub.Generate,
-                                 _generate_request(session, new, speculation, 10, [stop]), {Code.OK})
-        expected_text, expected_kept = _assembled(self.tokenizer, continuation, [stop], [1] * len(continuation))
+        _, response = self._call(
+            "Generate",
+            self.system.stub.Generate,
+            _generate_request(session, new, speculation, 10, [stop]),
+            {Code.OK},
+        )
+        expected_text, expected_kept = _assembled(
+            self.tokenizer, continuation, [stop], [1] * len(continuation)
+        )
         assert (response.text, list(response.token_ids)) == (expected_text, expected_kept)
         assert response.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
         self.history[session] = history + new + expected_kept
 
-    @rule(session=sessions, new=st.lists(SMALL_TOKENS, max_size=6), speculation=SPECULATION,
-          after=st.integers(0, 3))
+    @rule(
+        session=sessions,
+        new=st.lists(SMALL_TOKENS, max_size=6),
+        speculation=SPECULATION,
+        after=st.integers(0, 3),
+    )
     def cancel_mid_stream(self, session, new, speculation, after):
         self._settle(session)
         history = self.history[session]
         if history is None or not history + new:
             return
-        stream = self.system.stub.GenerateStream(_generate_request(session, new, speculation, 200), timeout=TIMEOUT_S)
+        stream = self.system.stub.GenerateStream(
+            _generate_request(session, new, speculation, 200), timeout=TIMEOUT_S
+        )
         self._cancel_after(stream, after)
         self.unsettled[session] = (history, history + new + self.reference(history + new, 200))
 
@@ -547,11 +703,16 @@ class PublicSessions(RuleBasedStateMachine):
         history = self.history[session]
         if not history or len(self.reference(history, 200)) < 200:
             return  # no stream that lasts
-        stream = self.system.stub.GenerateStream(_generate_request(session, [], speculation, 200), timeout=TIMEOUT_S)
+        stream = self.system.stub.GenerateStream(
+            _generate_request(session, [], speculation, 200), timeout=TIMEOUT_S
+        )
         next(stream)
-        status, _ = self._call("CloseSession (busy)", self.system.stub.CloseSession,
-                               common_pb2.CloseSessionRequest(session_id=session),
-                               {Code.FAILED_PRECONDITION, Code.OK})
+        status, _ = self._call(
+            "CloseSession (busy)",
+            self.system.stub.CloseSession,
+            common_pb2.CloseSessionRequest(session_id=session),
+            {Code.FAILED_PRECONDITION, Code.OK},
+        )
         stream.cancel()
         if status == Code.OK:
             self.history[session] = None
@@ -561,16 +722,23 @@ class PublicSessions(RuleBasedStateMachine):
     @rule(session=sessions)
     def close(self, session):
         self._settle(session)
-        self._call("CloseSession", self.system.stub.CloseSession, common_pb2.CloseSessionRequest(session_id=session),
-                   self._expect_ok_or_gone(session))
+        self._call(
+            "CloseSession",
+            self.system.stub.CloseSession,
+            common_pb2.CloseSessionRequest(session_id=session),
+            self._expect_ok_or_gone(session),
+        )
         self.history[session] = None
 
     @rule(session=sessions)
     def get(self, session):
         self._settle(session)
-        status, described = self._call("GetSession", self.system.stub.GetSession,
-                                       orchestrator_pb2.GetSessionRequest(session_id=session),
-                                       self._expect_ok_or_gone(session))
+        status, described = self._call(
+            "GetSession",
+            self.system.stub.GetSession,
+            orchestrator_pb2.GetSessionRequest(session_id=session),
+            self._expect_ok_or_gone(session),
+        )
         if status == Code.OK:
             assert described.num_committed_tokens == len(self.history[session])
 
@@ -582,7 +750,9 @@ class PublicSessions(RuleBasedStateMachine):
         for session, history in self.history.items():
             if history is not None:
                 self._settle(session)
-                self.system.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session), timeout=TIMEOUT_S)
+                self.system.stub.CloseSession(
+                    common_pb2.CloseSessionRequest(session_id=session), timeout=TIMEOUT_S
+                )
 
     def _cancel_after(self, stream, after: int) -> None:
         try:
@@ -590,7 +760,9 @@ class PublicSessions(RuleBasedStateMachine):
                 if index + 1 >= after:
                     break
         except grpc.RpcError as error:
-            self.tally.record("sessions GenerateStream", error.code(), error.details() or "", {Code.CANCELLED})
+            self.tally.record(
+                "sessions GenerateStream", error.code(), error.details() or "", {Code.CANCELLED}
+            )
         stream.cancel()
         self.tally.record("sessions GenerateStream", Code.CANCELLED)
 
@@ -603,17 +775,31 @@ class PublicSessions(RuleBasedStateMachine):
         probe = _generate_request(session, [7], (0, "", False), 1)
         deadline = time.monotonic() + SETTLE_S
         while True:
-            status, response = self._call("Generate (probe)", self.system.stub.Generate, probe,
-                                          {Code.OK, Code.FAILED_PRECONDITION})
+            status, response = self._call(
+                "Generate (probe)",
+                self.system.stub.Generate,
+                probe,
+                {Code.OK, Code.FAILED_PRECONDITION},
+            )
             if status == Code.OK or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        assert status == Code.OK, f"session {session} still busy {SETTLE_S} s after its call was cancelled"
-        _, described = self._call("GetSession", self.system.stub.GetSession,
-                                  orchestrator_pb2.GetSessionRequest(session_id=session), {Code.OK})
+        assert status == Code.OK, (
+            f"session {session} still busy {SETTLE_S} s after its call was cancelled"
+        )
+        _, described = self._call(
+            "GetSession",
+            self.system.stub.GetSession,
+            orchestrator_pb2.GetSessionRequest(session_id=session),
+            {Code.OK},
+        )
         held = described.num_committed_tokens - 2  # before the probe's input and token
         prefix = before if held == len(before) else continuation[:held]
-        assert held == len(before) or len(before) < held <= len(continuation), (held, len(before), len(continuation))
+        assert held == len(before) or len(before) < held <= len(continuation), (
+            held,
+            len(before),
+            len(continuation),
+        )
         assert list(response.token_ids) == self.reference(prefix + [7], 1)
         self.history[session] = prefix + [7] + list(response.token_ids)
 
@@ -660,7 +846,7 @@ class Pair:
     draft_id: str
     drafter: str
     tokens: dict  # side -> list[int] | None
-    dirty: set = field(default_factory=set)
+    dirty: set = dataclasses.field(default_factory=set)
 
 
 class WorkerSessions(RuleBasedStateMachine):
@@ -686,18 +872,37 @@ class WorkerSessions(RuleBasedStateMachine):
         return pair.target_id if side == "target" else pair.draft_id
 
     def _call(self, name, function, request, expected):
-        return self.tally.call(f"workers {name}", function, request, timeout=TIMEOUT_S, expected=expected)
+        return self.tally.call(
+            f"workers {name}", function, request, timeout=TIMEOUT_S, expected=expected
+        )
 
-    @rule(target=pairs, prompt=st.lists(SMALL_TOKENS, min_size=1, max_size=10),
-          drafter=st.sampled_from(["", "model", "ngram", "ngram+model"]))
+    @rule(
+        target=pairs,
+        prompt=st.lists(SMALL_TOKENS, min_size=1, max_size=10),
+        drafter=st.sampled_from(["", "model", "ngram", "ngram+model"]),
+    )
     def open_pair(self, prompt, drafter):
-        _, opened_target = self._call("target OpenSession", self.target.OpenSession,
-                                      target_pb2.OpenSessionRequest(prompt_token_ids=prompt), {Code.OK})
-        _, opened_draft = self._call("draft OpenSession", self.draft.OpenSession,
-                                     draft_pb2.DraftOpenSessionRequest(prompt_token_ids=prompt, drafter=drafter), {Code.OK})
-        assert opened_target.handle.committed_len == opened_draft.handle.committed_len == len(prompt)
-        pair = Pair(opened_target.handle.session_id, opened_draft.handle.session_id, drafter or "ngram",
-                    {"target": list(prompt), "draft": list(prompt)})
+        _, opened_target = self._call(
+            "target OpenSession",
+            self.target.OpenSession,
+            target_pb2.OpenSessionRequest(prompt_token_ids=prompt),
+            {Code.OK},
+        )
+        _, opened_draft = self._call(
+            "draft OpenSession",
+            self.draft.OpenSession,
+            draft_pb2.DraftOpenSessionRequest(prompt_token_ids=prompt, drafter=drafter),
+            {Code.OK},
+        )
+        assert (
+            opened_target.handle.committed_len == opened_draft.handle.committed_len == len(prompt)
+        )
+        pair = Pair(
+            opened_target.handle.session_id,
+            opened_draft.handle.session_id,
+            drafter or "ngram",
+            {"target": list(prompt), "draft": list(prompt)},
+        )
         self.opened.append(pair)
         return pair
 
@@ -705,24 +910,45 @@ class WorkerSessions(RuleBasedStateMachine):
     def open_with_a_used_id(self, pair, side, prompt):
         """ALREADY_EXISTS while the session lives; a closed id may be used again."""
         session_id = self._id(pair, side)
-        request = (target_pb2.OpenSessionRequest(session_id=session_id, prompt_token_ids=prompt) if side == "target"
-                   else draft_pb2.DraftOpenSessionRequest(session_id=session_id, prompt_token_ids=prompt,
-                                                          drafter=pair.drafter))
+        request = (
+            target_pb2.OpenSessionRequest(session_id=session_id, prompt_token_ids=prompt)
+            if side == "target"
+            else draft_pb2.DraftOpenSessionRequest(
+                session_id=session_id, prompt_token_ids=prompt, drafter=pair.drafter
+            )
+        )
         closed = pair.tokens[side] is None
         self._settle(pair, side)
-        status, _ = self._call(f"{side} OpenSession", self._stub(side).OpenSession, request,
-                               {Code.OK} if closed else {Code.ALREADY_EXISTS})
+        status, _ = self._call(
+            f"{side} OpenSession",
+            self._stub(side).OpenSession,
+            request,
+            {Code.OK} if closed else {Code.ALREADY_EXISTS},
+        )
         if status == Code.OK:
             pair.tokens[side] = list(prompt)
 
-    @rule(pair=pairs, side=SIDES, new=st.lists(SMALL_TOKENS, max_size=6), off=st.sampled_from([0, 0, 0, -1, 1, 5]))
+    @rule(
+        pair=pairs,
+        side=SIDES,
+        new=st.lists(SMALL_TOKENS, max_size=6),
+        off=st.sampled_from([0, 0, 0, -1, 1, 5]),
+    )
     def extend(self, pair, side, new, off):
         held = self._settle(pair, side)
-        expected = {Code.NOT_FOUND} if held is None else {Code.FAILED_PRECONDITION} if off else {Code.OK}
+        expected = (
+            {Code.NOT_FOUND} if held is None else {Code.FAILED_PRECONDITION} if off else {Code.OK}
+        )
         if held is not None and not new:  # "no token ids given" (the first check that fails)
             expected = {Code.INVALID_ARGUMENT} | (expected - {Code.OK})
-        status, response = self._call(f"{side} Extend", self._stub(side).Extend, common_pb2.ExtendRequest(
-            session_id=self._id(pair, side), base_len=len(held or []) + off, token_ids=new), expected)
+        status, response = self._call(
+            f"{side} Extend",
+            self._stub(side).Extend,
+            common_pb2.ExtendRequest(
+                session_id=self._id(pair, side), base_len=len(held or []) + off, token_ids=new
+            ),
+            expected,
+        )
         if status == Code.OK:
             held += new
             assert response.committed_len == len(held)
@@ -730,9 +956,19 @@ class WorkerSessions(RuleBasedStateMachine):
     @rule(pair=pairs, side=SIDES, length=st.integers(-1, 40))
     def truncate(self, pair, side, length):
         held = self._settle(pair, side)
-        expected = {Code.NOT_FOUND} if held is None else {Code.OK} if 1 <= length <= len(held) else {Code.INVALID_ARGUMENT}
-        status, response = self._call(f"{side} Truncate", self._stub(side).Truncate,
-                                      common_pb2.TruncateRequest(session_id=self._id(pair, side), length=length), expected)
+        expected = (
+            {Code.NOT_FOUND}
+            if held is None
+            else {Code.OK}
+            if 1 <= length <= len(held)
+            else {Code.INVALID_ARGUMENT}
+        )
+        status, response = self._call(
+            f"{side} Truncate",
+            self._stub(side).Truncate,
+            common_pb2.TruncateRequest(session_id=self._id(pair, side), length=length),
+            expected,
+        )
         if status == Code.OK:
             del held[length:]
             assert response.committed_len == length
@@ -740,14 +976,21 @@ class WorkerSessions(RuleBasedStateMachine):
     @rule(pair=pairs, max_new_tokens=st.integers(1, 8), off=st.sampled_from([0, 0, 0, -1, 2]))
     def decode(self, pair, max_new_tokens, off):
         held = self._settle(pair, "target")
-        expected = {Code.NOT_FOUND} if held is None else {Code.FAILED_PRECONDITION} if off else {Code.OK}
-        request = target_pb2.DecodeRequest(session_id=pair.target_id, base_len=len(held or []) + off,
-                                           sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens))
+        expected = (
+            {Code.NOT_FOUND} if held is None else {Code.FAILED_PRECONDITION} if off else {Code.OK}
+        )
+        request = target_pb2.DecodeRequest(
+            session_id=pair.target_id,
+            base_len=len(held or []) + off,
+            sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens),
+        )
         status, tokens = self._call("target Decode", self.target.Decode, request, expected)
         if status == Code.OK:
             out = [t.token_id for t in tokens]
             assert out == self.reference(held, max_new_tokens)
-            assert [t.committed_len for t in tokens] == list(range(len(held) + 1, len(held) + len(out) + 1))
+            assert [t.committed_len for t in tokens] == list(
+                range(len(held) + 1, len(held) + len(out) + 1)
+            )
             held += out
 
     @rule(pair=pairs, after=st.integers(0, 3))
@@ -755,24 +998,46 @@ class WorkerSessions(RuleBasedStateMachine):
         held = self._settle(pair, "target")
         if held is None:
             return
-        stream = self.target.Decode(target_pb2.DecodeRequest(
-            session_id=pair.target_id, base_len=len(held), sampling=common_pb2.SamplingParams(max_new_tokens=100)),
-            timeout=TIMEOUT_S)
+        stream = self.target.Decode(
+            target_pb2.DecodeRequest(
+                session_id=pair.target_id,
+                base_len=len(held),
+                sampling=common_pb2.SamplingParams(max_new_tokens=100),
+            ),
+            timeout=TIMEOUT_S,
+        )
         received = _read_then_cancel(stream, after, self.tally, "workers target Decode")
         out = [t.token_id for t in received]
         assert out == self.reference(held, 100)[: len(out)]
         held += out
         pair.dirty.add("target")
 
-    @rule(pair=pairs, rounds=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 6), st.sampled_from([0, 0, 0, -1, 1]),
-                                                st.booleans(), st.booleans()), min_size=1, max_size=4))
+    @rule(
+        pair=pairs,
+        rounds=st.lists(
+            st.tuples(
+                st.integers(0, 5),
+                st.integers(0, 6),
+                st.sampled_from([0, 0, 0, -1, 1]),
+                st.booleans(),
+                st.booleans(),
+            ),
+            min_size=1,
+            max_size=4,
+        ),
+    )
     def verify(self, pair, rounds):
         """Proposals right for their first `right` tokens of k (greedy, deterministic),
         stale ones (a wrong base_len or last token: discarded in-band), stretches."""
         held = self._settle(pair, "target")
         if held is None:
-            proposals = iter([target_pb2.Proposal(session_id=pair.target_id, base_len=1,
-                                                  draft=target_pb2.Draft(token_ids=[1]))])
+            proposals = iter(
+                [
+                    target_pb2.Proposal(
+                        session_id=pair.target_id, base_len=1, draft=target_pb2.Draft(token_ids=[1])
+                    )
+                ]
+            )
             self._call("target Verify", self.target.Verify, proposals, {Code.NOT_FOUND})
             return
         stream = Lockstep(self.target)
@@ -806,21 +1071,35 @@ class WorkerSessions(RuleBasedStateMachine):
                 if stretch:
                     tokens = [d.next_token_id for d in decisions]
                 else:
-                    tokens = list(proposal.draft.token_ids[: decisions[0].num_accepted]) + [decisions[0].next_token_id]
+                    tokens = list(proposal.draft.token_ids[: decisions[0].num_accepted]) + [
+                        decisions[0].next_token_id
+                    ]
                 assert tokens == expected_tokens, (k, right, stretch)
                 held += tokens
                 assert decisions[-1].committed_len == len(held)
             stream.close()
             self.tally.record("workers target Verify", Code.OK)
         except grpc.RpcError as error:
-            self.tally.record("workers target Verify", error.code(), error.details() or "", {Code.OK})
+            self.tally.record(
+                "workers target Verify", error.code(), error.details() or "", {Code.OK}
+            )
 
-    @rule(pair=pairs, k=st.sampled_from([1, 2, 4, 8]), max_new_tokens=st.integers(1, 12),
-          drafter=st.sampled_from(["", "", "same", "other"]), adaptive=st.booleans(), cancel_after=st.none() | st.integers(0, 2))
+    @rule(
+        pair=pairs,
+        k=st.sampled_from([1, 2, 4, 8]),
+        max_new_tokens=st.integers(1, 12),
+        drafter=st.sampled_from(["", "", "same", "other"]),
+        adaptive=st.booleans(),
+        cancel_after=st.none() | st.integers(0, 2),
+    )
     def speculate(self, pair, k, max_new_tokens, drafter, adaptive, cancel_after):
         """The target decides every token, whatever the draft session holds."""
         target_held, draft_held = self._settle(pair, "target"), self._settle(pair, "draft")
-        requested = {"": "", "same": pair.drafter, "other": "model" if pair.drafter != "model" else "ngram"}[drafter]
+        requested = {
+            "": "",
+            "same": pair.drafter,
+            "other": "model" if pair.drafter != "model" else "ngram",
+        }[drafter]
         # Each thing wrong with the call is a status it may get (the first check that fails).
         expected = {Code.NOT_FOUND} if draft_held is None or target_held is None else set()
         if draft_held is not None and drafter == "other":
@@ -830,17 +1109,30 @@ class WorkerSessions(RuleBasedStateMachine):
         expected = expected or {Code.OK}
         base_len = len(draft_held or [])
         request = draft_pb2.SpeculateRequest(
-            session_id=pair.draft_id, base_len=base_len,
-            target=common_pb2.KvHandle(worker_address=ADDRESSES["target"], session_id=pair.target_id,
-                                       committed_len=len(target_held or [])),
+            session_id=pair.draft_id,
+            base_len=base_len,
+            target=common_pb2.KvHandle(
+                worker_address=ADDRESSES["target"],
+                session_id=pair.target_id,
+                committed_len=len(target_held or []),
+            ),
             sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens),
-            speculation=common_pb2.SpeculationParams(num_speculative_tokens=k, drafter=requested, adaptive=adaptive))
+            speculation=common_pb2.SpeculationParams(
+                num_speculative_tokens=k, drafter=requested, adaptive=adaptive
+            ),
+        )
         if cancel_after is not None and expected == {Code.OK}:
-            received = _read_then_cancel(self.draft.Speculate(request, timeout=TIMEOUT_S), cancel_after, self.tally,
-                                         "workers draft Speculate")
+            received = _read_then_cancel(
+                self.draft.Speculate(request, timeout=TIMEOUT_S),
+                cancel_after,
+                self.tally,
+                "workers draft Speculate",
+            )
             pair.dirty |= {"target", "draft"}
         else:
-            status, received = self._call("draft Speculate", self.draft.Speculate, request, expected)
+            status, received = self._call(
+                "draft Speculate", self.draft.Speculate, request, expected
+            )
             if status != Code.OK:
                 return
         out = [t for update in received for t in update.token_ids]
@@ -850,10 +1142,15 @@ class WorkerSessions(RuleBasedStateMachine):
         target_held += out
         draft_held += out
 
-    @rule(pair=pairs, draft=st.lists(st.one_of(SMALL_TOKENS, I32), max_size=5),
-          distributions=st.lists(messages(common_pb2.SparseDistribution.DESCRIPTOR, "target"), max_size=5),
-          sampling=st.none() | messages(common_pb2.SamplingParams.DESCRIPTOR, "target"),
-          stretch=st.none() | messages(target_pb2.Stretch.DESCRIPTOR, "target"))
+    @rule(
+        pair=pairs,
+        draft=st.lists(st.one_of(SMALL_TOKENS, I32), max_size=5),
+        distributions=st.lists(
+            messages(common_pb2.SparseDistribution.DESCRIPTOR, "target"), max_size=5
+        ),
+        sampling=st.none() | messages(common_pb2.SamplingParams.DESCRIPTOR, "target"),
+        stretch=st.none() | messages(target_pb2.Stretch.DESCRIPTOR, "target"),
+    )
     def verify_with_random_fields(self, pair, draft, distributions, sampling, stretch):
         """A proposal at the right length with random tokens, distributions (NaN,
         negative, not summing to 1, outside the vocabulary), sampling or stretch:
@@ -862,24 +1159,38 @@ class WorkerSessions(RuleBasedStateMachine):
         held = self._settle(pair, "target")
         if held is None:
             return
-        proposal = target_pb2.Proposal(session_id=pair.target_id, base_len=len(held),
-                                       draft=target_pb2.Draft(token_ids=draft, distributions=distributions))
+        proposal = target_pb2.Proposal(
+            session_id=pair.target_id,
+            base_len=len(held),
+            draft=target_pb2.Draft(token_ids=draft, distributions=distributions),
+        )
         if sampling is not None:
             proposal.sampling.CopyFrom(sampling)
         if stretch is not None:
             stretch.max_tokens = min(stretch.max_tokens, 8)  # a long stretch would only cost time
             proposal.stretch.CopyFrom(stretch)
-        status, verdicts = self._call("target Verify (random fields)", self.target.Verify, iter([proposal]),
-                                      {Code.OK, Code.INVALID_ARGUMENT})
+        status, verdicts = self._call(
+            "target Verify (random fields)",
+            self.target.Verify,
+            iter([proposal]),
+            {Code.OK, Code.INVALID_ARGUMENT},
+        )
         for verdict in verdicts or []:
             assert verdict.WhichOneof("kind") == ("decision" if stretch is None else "stretch_pass")
             decision = verdict.decision if stretch is None else verdict.stretch_pass.decision
-            accepted = draft[: decision.num_accepted] if stretch is None else verdict.stretch_pass.accepted_token_ids
+            accepted = (
+                draft[: decision.num_accepted]
+                if stretch is None
+                else verdict.stretch_pass.accepted_token_ids
+            )
             held += list(accepted) + [decision.next_token_id]
             assert decision.committed_len == len(held)
 
-    @rule(pair=pairs, sampling=messages(common_pb2.SamplingParams.DESCRIPTOR, "draft"),
-          speculation=messages(common_pb2.SpeculationParams.DESCRIPTOR, "draft"))
+    @rule(
+        pair=pairs,
+        sampling=messages(common_pb2.SamplingParams.DESCRIPTOR, "draft"),
+        speculation=messages(common_pb2.SpeculationParams.DESCRIPTOR, "draft"),
+    )
     def speculate_with_random_fields(self, pair, sampling, speculation):
         """Refused, or served: both sessions then hold the tokens it streamed."""
         target_held, draft_held = self._settle(pair, "target"), self._settle(pair, "draft")
@@ -888,11 +1199,22 @@ class WorkerSessions(RuleBasedStateMachine):
         if sampling.max_new_tokens > 12 or sampling.max_new_tokens == 0:
             sampling.max_new_tokens = 12  # a long valid generation would only cost time
         request = draft_pb2.SpeculateRequest(
-            session_id=pair.draft_id, base_len=len(draft_held), sampling=sampling, speculation=speculation,
-            target=common_pb2.KvHandle(worker_address=ADDRESSES["target"], session_id=pair.target_id,
-                                       committed_len=len(target_held)))
-        status, updates = self._call("draft Speculate (random fields)", self.draft.Speculate, request,
-                                     {Code.OK, Code.INVALID_ARGUMENT})
+            session_id=pair.draft_id,
+            base_len=len(draft_held),
+            sampling=sampling,
+            speculation=speculation,
+            target=common_pb2.KvHandle(
+                worker_address=ADDRESSES["target"],
+                session_id=pair.target_id,
+                committed_len=len(target_held),
+            ),
+        )
+        status, updates = self._call(
+            "draft Speculate (random fields)",
+            self.draft.Speculate,
+            request,
+            {Code.OK, Code.INVALID_ARGUMENT},
+        )
         out = [t for update in updates or [] for t in update.token_ids]
         target_held += out
         draft_held += out
@@ -902,8 +1224,12 @@ class WorkerSessions(RuleBasedStateMachine):
     @rule(pair=pairs, side=SIDES)
     def close(self, pair, side):
         self._settle(pair, side)
-        self._call(f"{side} CloseSession", self._stub(side).CloseSession,
-                   common_pb2.CloseSessionRequest(session_id=self._id(pair, side)), {Code.OK})
+        self._call(
+            f"{side} CloseSession",
+            self._stub(side).CloseSession,
+            common_pb2.CloseSessionRequest(session_id=self._id(pair, side)),
+            {Code.OK},
+        )
         pair.tokens[side] = None
 
     @invariant()
@@ -914,8 +1240,10 @@ class WorkerSessions(RuleBasedStateMachine):
         for pair in self.opened:
             for side in ("target", "draft"):
                 self._settle(pair, side)
-                self._stub(side).CloseSession(common_pb2.CloseSessionRequest(session_id=self._id(pair, side)),
-                                              timeout=TIMEOUT_S)
+                self._stub(side).CloseSession(
+                    common_pb2.CloseSessionRequest(session_id=self._id(pair, side)),
+                    timeout=TIMEOUT_S,
+                )
 
     def _settle(self, pair, side):
         """What the side's session holds; after a cancelled call, once that call let go
@@ -928,8 +1256,12 @@ class WorkerSessions(RuleBasedStateMachine):
             return held
         if side == "target":
             _wait_until_idle(self.target)  # the draft-side lock serializes the draft's calls
-        self._call(f"{side} Truncate", self._stub(side).Truncate,
-                   common_pb2.TruncateRequest(session_id=self._id(pair, side), length=len(held)), {Code.OK})
+        self._call(
+            f"{side} Truncate",
+            self._stub(side).Truncate,
+            common_pb2.TruncateRequest(session_id=self._id(pair, side), length=len(held)),
+            {Code.OK},
+        )
         return held
 
 
@@ -968,15 +1300,23 @@ def test_no_session_is_left_on_the_workers(system, channels, tally, reference):
     """Once every session the fuzzing opened is closed (the public ones through the
     orchestrator, the workers' own directly), the workers hold none: nothing leaked,
     cancelled streams included."""
-    stubs = {"target": target_pb2_grpc.TargetServiceStub(channels["target"]),
-             "draft": draft_pb2_grpc.DraftServiceStub(channels["draft"])}
+    stubs = {
+        "target": target_pb2_grpc.TargetServiceStub(channels["target"]),
+        "draft": draft_pb2_grpc.DraftServiceStub(channels["draft"]),
+    }
     for session_id in LIVE.all["orchestrator"]:
-        tally.call("cleanup Orchestrator.CloseSession", system.stub.CloseSession,
-                   common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S,
-                   expected={Code.OK, Code.NOT_FOUND})
+        tally.call(
+            "cleanup Orchestrator.CloseSession",
+            system.stub.CloseSession,
+            common_pb2.CloseSessionRequest(session_id=session_id),
+            timeout=TIMEOUT_S,
+            expected={Code.OK, Code.NOT_FOUND},
+        )
     for pool, stub in stubs.items():
         for session_id in LIVE.all[pool]:
-            stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S)
+            stub.CloseSession(
+                common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S
+            )
     assert wait_for_no_worker_sessions(channels) == {"target": 0, "draft": 0}
     assert_fresh_session_is_greedy(system, reference)
     assert_alive(system)
@@ -984,16 +1324,28 @@ def test_no_session_is_left_on_the_workers(system, channels, tally, reference):
 
 # --- what the fuzzing found: each a regression test -------------------------------------
 
+
 def test_an_extend_of_no_tokens_is_invalid_argument_on_both_workers(channels):
     """The target answered OK (and changed nothing), the draft INVALID_ARGUMENT."""
-    for stub, request in ((target_pb2_grpc.TargetServiceStub(channels["target"]),
-                           target_pb2.OpenSessionRequest(prompt_token_ids=[5, 6])),
-                          (draft_pb2_grpc.DraftServiceStub(channels["draft"]),
-                           draft_pb2.DraftOpenSessionRequest(prompt_token_ids=[5, 6]))):
+    for stub, request in (
+        (
+            target_pb2_grpc.TargetServiceStub(channels["target"]),
+            target_pb2.OpenSessionRequest(prompt_token_ids=[5, 6]),
+        ),
+        (
+            draft_pb2_grpc.DraftServiceStub(channels["draft"]),
+            draft_pb2.DraftOpenSessionRequest(prompt_token_ids=[5, 6]),
+        ),
+    ):
         session_id = stub.OpenSession(request, timeout=TIMEOUT_S).handle.session_id
         with pytest.raises(grpc.RpcError) as error:
-            stub.Extend(common_pb2.ExtendRequest(session_id=session_id, base_len=2), timeout=TIMEOUT_S)
-        assert error.value.code() == Code.INVALID_ARGUMENT and "no token ids given" in error.value.details()
+            stub.Extend(
+                common_pb2.ExtendRequest(session_id=session_id, base_len=2), timeout=TIMEOUT_S
+            )
+        assert (
+            error.value.code() == Code.INVALID_ARGUMENT
+            and "no token ids given" in error.value.details()
+        )
         stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S)
 
 
@@ -1014,16 +1366,22 @@ def test_a_call_whose_client_left_before_it_ran_holds_no_slot():
     """The same leak by another path: calls queued behind a busy thread pool whose
     deadline passed before a thread took them never run, and held their slot for good.
     One server thread, held by a slow call; ten quick calls time out in the queue."""
-    limits, release_slow, slow_running = CallLimits(max_calls=32), threading.Event(), threading.Event()
+    limits = CallLimits(max_calls=32)
+    release_slow = threading.Event()
+    slow_running = threading.Event()
 
     def slow(request, context):
         slow_running.set()
         release_slow.wait(10)
         return request
 
-    handlers = {"Slow": grpc.unary_unary_rpc_method_handler(slow),
-                "Fast": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), interceptors=[ApiGate(None, limits)])
+    handlers = {
+        "Slow": grpc.unary_unary_rpc_method_handler(slow),
+        "Fast": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
+    }
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=1), interceptors=[ApiGate(None, limits)]
+    )
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("fuzz.Test", handlers)])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -1081,7 +1439,9 @@ class _Target:
         self.closed = []
 
     def OpenSession(self, request, timeout):
-        handle = common_pb2.KvHandle(worker_id="t", session_id="s", committed_len=len(request.prompt_token_ids))
+        handle = common_pb2.KvHandle(
+            worker_id="t", session_id="s", committed_len=len(request.prompt_token_ids)
+        )
         return target_pb2.OpenSessionResponse(handle=handle)
 
     def Decode(self, request, timeout):
@@ -1127,11 +1487,20 @@ def test_a_call_cancelled_while_it_saves_frees_its_new_session(client_reads_the_
     had checked that its client was there and while it saved the new session (its
     generation had ended at once: one token) kept that session until its TTL."""
     context, target = _Context(), _Target()
-    worker = Worker("target", common_pb2.Worker(worker_id="t", address="t:1", model=common_pb2.ModelInfo(
-        context_length=64, vocab_size=TINY_VOCAB_SIZE)), target)
+    worker = Worker(
+        "target",
+        common_pb2.Worker(
+            worker_id="t",
+            address="t:1",
+            model=common_pb2.ModelInfo(context_length=64, vocab_size=TINY_VOCAB_SIZE),
+        ),
+        target,
+    )
     store = _CancelOnSave(context)
     request = _generate_request("", [5, 17, 99], (0, "", False), 1)
-    generation = Generation(OrchestratorConfig(), _Pool(worker), store, _Tokenizer(), request, context)
+    generation = Generation(
+        OrchestratorConfig(), _Pool(worker), store, _Tokenizer(), request, context
+    )
     chunks = generation.run()
     if client_reads_the_last_chunk:  # a unary Generate: the servicer reads all of it
         assert [t for c in chunks for t in c.token_ids] == [7]
@@ -1148,14 +1517,23 @@ def test_speculate_against_an_address_that_is_no_target_is_invalid_argument(syst
     """It was UNIMPLEMENTED ("downstream: ... Method not found!"), passed on from the
     draft or orchestrator that the address reached."""
     draft = draft_pb2_grpc.DraftServiceStub(channels["draft"])
-    session_id = draft.OpenSession(draft_pb2.DraftOpenSessionRequest(prompt_token_ids=[5, 6]),
-                                   timeout=TIMEOUT_S).handle.session_id
+    session_id = draft.OpenSession(
+        draft_pb2.DraftOpenSessionRequest(prompt_token_ids=[5, 6]), timeout=TIMEOUT_S
+    ).handle.session_id
     for pool in ("draft", "orchestrator"):
-        request = draft_pb2.SpeculateRequest(session_id=session_id, base_len=2, target=common_pb2.KvHandle(
-            worker_address=ADDRESSES[pool], session_id="t", committed_len=2))
+        request = draft_pb2.SpeculateRequest(
+            session_id=session_id,
+            base_len=2,
+            target=common_pb2.KvHandle(
+                worker_address=ADDRESSES[pool], session_id="t", committed_len=2
+            ),
+        )
         with pytest.raises(grpc.RpcError) as error:
             list(draft.Speculate(request, timeout=TIMEOUT_S))
-        assert error.value.code() == Code.INVALID_ARGUMENT and "serves no TargetService" in error.value.details()
+        assert (
+            error.value.code() == Code.INVALID_ARGUMENT
+            and "serves no TargetService" in error.value.details()
+        )
     draft.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S)
 
 
@@ -1175,7 +1553,10 @@ def test_the_step_scheduler_forgets_the_sessions_it_served():
 def test_a_chat_with_no_messages_is_invalid_argument(system):
     """It was INTERNAL: the chat template raised on an empty conversation."""
     with pytest.raises(grpc.RpcError) as error:
-        system.stub.Generate(orchestrator_pb2.GenerateRequest(chat=orchestrator_pb2.ChatMessages()), timeout=TIMEOUT_S)
+        system.stub.Generate(
+            orchestrator_pb2.GenerateRequest(chat=orchestrator_pb2.ChatMessages()),
+            timeout=TIMEOUT_S,
+        )
     assert error.value.code() == Code.INVALID_ARGUMENT
     assert "prompt is empty" in error.value.details()
 
@@ -1189,12 +1570,16 @@ def test_a_session_continues_with_another_drafter(system, reference):
     session_id = ""
     for drafter in ("ngram", "model", "ngram+model", "", "model"):
         new = prompt if not session_id else [9]
-        response = system.stub.Generate(_generate_request(session_id, new, (3, drafter, False), 6), timeout=TIMEOUT_S)
-        history += ([] if not session_id else new)
+        response = system.stub.Generate(
+            _generate_request(session_id, new, (3, drafter, False), 6), timeout=TIMEOUT_S
+        )
+        history += [] if not session_id else new
         assert list(response.token_ids) == reference(history, 6), drafter
         history += list(response.token_ids)
         session_id = response.session_id
-    system.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S)
+    system.stub.CloseSession(
+        common_pb2.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S
+    )
 
 
 def test_a_stop_string_completed_by_a_multi_byte_character_is_never_streamed(tiny_target):
@@ -1202,21 +1587,40 @@ def test_a_stop_string_completed_by_a_multi_byte_character_is_never_streamed(tin
     back the characters that could begin a stop string: with rounds of 3 and 7 tokens,
     "~" went out although the next round completed "~\u0548" (the stop string) and the
     session kept a token of it."""
-    tokens = [228, 93, 145, 230, 57, 64, 12, 145, 149, 9]  # "\ufffd~\u0548Za-..." in the tiny byte-level vocabulary
+    tokens = [
+        228,
+        93,
+        145,
+        230,
+        57,
+        64,
+        12,
+        145,
+        149,
+        9,
+    ]  # "\ufffd~\u0548Za-..." in the tiny byte-level vocabulary
     assert _assembled(tiny_target.tokenizer, tokens, ["~\u0548"], [3, 7]) == ("\ufffd", [228])
 
 
 @fuzz_settings(300)
-@given(data=st.one_of(st.lists(st.integers(0, TINY_VOCAB_SIZE - 1), min_size=1, max_size=24),
-                      st.text(min_size=1, max_size=12)),
-       start=st.integers(0, 60), width=st.integers(1, 4), rounds=st.lists(st.integers(1, 9), min_size=40, max_size=40))
-def test_stop_strings_cut_the_same_text_whatever_the_rounds(tiny_target, data, start, width, rounds):
+@given(
+    data=st.one_of(
+        st.lists(st.integers(0, TINY_VOCAB_SIZE - 1), min_size=1, max_size=24),
+        st.text(min_size=1, max_size=12),
+    ),
+    start=st.integers(0, 60),
+    width=st.integers(1, 4),
+    rounds=st.lists(st.integers(1, 9), min_size=40, max_size=40),
+)
+def test_stop_strings_cut_the_same_text_whatever_the_rounds(
+    tiny_target, data, start, width, rounds
+):
     """How rounds split the tokens never changes the text, the tokens kept or where a
     stop string cuts them; the text never contains the stop string. Tokens are random,
     or the bytes of random text (one token per byte: multi-byte characters split)."""
     tokens = tiny_target.tokenizer(data).input_ids if isinstance(data, str) else data
     text = tiny_target.tokenizer.decode(tokens, skip_special_tokens=True)
-    stop = text[start % max(1, len(text)):][:width]
+    stop = text[start % max(1, len(text)) :][:width]
     if not stop or "\ufffd" in stop:
         return
     one_at_a_time = _assembled(tiny_target.tokenizer, tokens, [stop], [1] * len(tokens))

@@ -41,8 +41,14 @@ class FakeWorker:
 
     def OpenSession(self, request, timeout):
         self.calls.append(("OpenSession", len(request.prompt_token_ids)))
-        handle = common_pb2.KvHandle(worker_id=self.name, session_id="new", committed_len=len(request.prompt_token_ids))
-        response = target_pb2.OpenSessionResponse if self.name == TARGET else draft_pb2.DraftOpenSessionResponse
+        handle = common_pb2.KvHandle(
+            worker_id=self.name, session_id="new", committed_len=len(request.prompt_token_ids)
+        )
+        response = (
+            target_pb2.OpenSessionResponse
+            if self.name == TARGET
+            else draft_pb2.DraftOpenSessionResponse
+        )
         return response(handle=handle)
 
     def Info(self, request, timeout):
@@ -63,7 +69,9 @@ def _worker(pool: str, stub: FakeWorker) -> Worker:
 
 def _generation() -> Generation:
     pool = WorkerPool(lambda: [], refresh_s=60)
-    return Generation(OrchestratorConfig(), pool, None, None, orchestrator_pb2.GenerateRequest(), Context())
+    return Generation(
+        OrchestratorConfig(), pool, None, None, orchestrator_pb2.GenerateRequest(), Context()
+    )
 
 
 def _plan(record: SessionRecord, tokens: list[int], keep: int) -> Plan:
@@ -84,9 +92,14 @@ def test_a_retry_after_a_failed_sync_does_not_redo_the_synced_worker():
     the retry syncs the draft only, from the same shared prefix."""
     generation = _generation()
     target, draft = FakeWorker(TARGET), FakeWorker(DRAFT, fail_extend=1)
-    generation.placement.target, generation.placement.draft = _worker(TARGET, target), _worker(DRAFT, draft)
-    record = SessionRecord("s", [1, 2, 3], target=WorkerHandle(TARGET, "target:1", "t", 3),
-                           draft=WorkerHandle(DRAFT, "draft:1", "d", 3))
+    generation.placement.target = _worker(TARGET, target)
+    generation.placement.draft = _worker(DRAFT, draft)
+    record = SessionRecord(
+        "s",
+        [1, 2, 3],
+        target=WorkerHandle(TARGET, "target:1", "t", 3),
+        draft=WorkerHandle(DRAFT, "draft:1", "d", 3),
+    )
     generation.failover.sync(_plan(record, [1, 2, 3, 4, 5], 3), 3)
     assert target.calls == [("Truncate", 3), ("Extend", 3, 2)]
     assert draft.calls == [("Truncate", 3), ("Extend", 3, 2), ("Truncate", 3), ("Extend", 3, 2)]

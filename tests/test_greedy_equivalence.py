@@ -33,10 +33,12 @@ def test_plain_decoding_matches_hugging_face_generate(tiny_target, prompt_ids, r
     for ids, reference in zip(prompt_ids[:5], references):
         input_ids = torch.tensor([ids])
         output = tiny_target.model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=MAX_NEW_TOKENS,
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=MAX_NEW_TOKENS,
             do_sample=False,
         )
-        generated = output[0, len(ids):].tolist()
+        generated = output[0, len(ids) :].tolist()
         # generate() stops at the end-of-text token; ours was told no stop tokens.
         assert generated == reference[: len(generated)]
         assert len(generated) == MAX_NEW_TOKENS or generated[-1] == tiny_target.eos_token_id
@@ -107,7 +109,9 @@ def test_stop_token_ends_generation_inside_an_accepted_run(tiny_target, prompt_i
 
 
 def test_lookup_then_model_equals_target_only(tiny_target, tiny_perturbed, prompt_ids, references):
-    lookup, model = counting_proposals(NgramDrafter()), counting_proposals(ModelDrafter(tiny_perturbed))
+    lookup = counting_proposals(NgramDrafter())
+    model = counting_proposals(ModelDrafter(tiny_perturbed))
     drafter = LookupThenModelDrafter(model, lookup)
     _check_all(tiny_target, prompt_ids, references, lambda ids, ref: drafter)
-    assert lookup.proposals > 0 and model.proposals > 0  # lookup copied somewhere, the model drafted elsewhere
+    # lookup copied somewhere, the model drafted elsewhere
+    assert lookup.proposals > 0 and model.proposals > 0

@@ -32,8 +32,13 @@ with torch.inference_mode():
 
 
 def _growth_mib(mode: str) -> float:
-    done = subprocess.run([sys.executable, "-c", PASSES, mode], capture_output=True, text=True, timeout=120,
-                          check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PASSES, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return float(done.stdout.strip())
 
 

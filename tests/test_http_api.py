@@ -36,11 +36,17 @@ def system():
 @pytest.fixture(scope="module")
 def client(system) -> openai.OpenAI:
     # No retries: each error must reach the test as the server sent it.
-    return openai.OpenAI(base_url=system.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=system.http_url + "/v1", api_key="unused", max_retries=0, timeout=60
+    )
 
 
 def _chat_ids(tokenizer, messages) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def _reference(tiny_target, ids, max_tokens=MAX_TOKENS) -> list[int]:
@@ -57,8 +63,13 @@ USER = [{"role": "user", "content": "abcabcabc: say it again"}]
 
 
 def _chat(client, messages=USER, **kwargs):
-    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                          max_tokens=kwargs.pop("max_tokens", MAX_TOKENS), **kwargs)
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=kwargs.pop("max_tokens", MAX_TOKENS),
+        **kwargs,
+    )
 
 
 def _stream(client, messages=USER, **kwargs) -> list:
@@ -82,28 +93,44 @@ def test_greedy_chat_equals_target_only(client, tiny_target, k, drafter):
     assert choice.message.content == _text(tiny_target, reference)
     assert choice.finish_reason == ("length" if len(reference) == MAX_TOKENS else "stop")
     prompt_tokens = len(_chat_ids(tiny_target.tokenizer, USER))
-    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (prompt_tokens, len(reference))
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (
+        prompt_tokens,
+        len(reference),
+    )
     assert response.usage.total_tokens == prompt_tokens + len(reference)
     speculation = response.model_extra["speculation"]
     assert speculation["num_speculative_tokens"] == k
     assert sum(speculation["token_sources"].values()) == len(reference)
     if k == 0:
-        assert speculation["token_sources"]["target"] == len(reference) and speculation["drafted_tokens"] == 0
+        assert (
+            speculation["token_sources"]["target"] == len(reference)
+            and speculation["drafted_tokens"] == 0
+        )
     if drafter == "model":  # the draft is the target: every draft token accepted
-        assert speculation["acceptance_rate"] == 1.0 and speculation["token_sources"]["recovered"] == 0
+        assert (
+            speculation["acceptance_rate"] == 1.0 and speculation["token_sources"]["recovered"] == 0
+        )
         assert speculation["token_sources"]["accepted"] == speculation["accepted_tokens"] > 0
 
 
 def test_greedy_completion_equals_target_only(client, tiny_target):
     prompt = "to be or not to be, to be or not"
     reference = _reference(tiny_target, tiny_target.tokenizer(prompt).input_ids)
-    response = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS,
-                                         extra_body={"num_speculative_tokens": 4, "drafter": "ngram"})
+    response = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        extra_body={"num_speculative_tokens": 4, "drafter": "ngram"},
+    )
     assert response.object == "text_completion"
     assert response.choices[0].text == _text(tiny_target, reference)
     assert response.usage.completion_tokens == len(reference)
-    streamed = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS,
-                                              stream=True))
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed) == response.choices[0].text
 
 
@@ -134,8 +161,13 @@ def test_stop_strings_end_the_output_before_them(client, tiny_target, stream):
     text = _text(tiny_target, _reference(tiny_target, _chat_ids(tiny_target.tokenizer, USER)))
     # Two printable characters (a random model writes random bytes; a U+FFFD of a
     # character not yet complete must not be what the test stops at).
-    stop = next(text[i:i + 2] for i in range(1, len(text) - 1)
-                if text[i:i + 2].isprintable() and text[i:i + 2].isascii() and text[i:i + 2] not in text[:i + 1])
+    stop = next(
+        text[i : i + 2]
+        for i in range(1, len(text) - 1)
+        if text[i : i + 2].isprintable()
+        and text[i : i + 2].isascii()
+        and text[i : i + 2] not in text[: i + 1]
+    )
     kwargs = {"stop": [stop, "never appears"], "extra_body": {"drafter": "model"}}
     if stream:
         chunks = _stream(client, **kwargs)
@@ -151,7 +183,9 @@ def test_stop_strings_end_the_output_before_them(client, tiny_target, stream):
 
 def test_max_tokens_reached_is_length(client):
     for limit in ({"max_tokens": 5}, {"max_completion_tokens": 5, "max_tokens": None}):
-        response = client.chat.completions.create(model=MODEL, messages=USER, temperature=0, **limit)
+        response = client.chat.completions.create(
+            model=MODEL, messages=USER, temperature=0, **limit
+        )
         assert response.choices[0].finish_reason == "length"
         assert response.usage.completion_tokens == 5
 
@@ -159,8 +193,14 @@ def test_max_tokens_reached_is_length(client):
 def test_seeded_sampling_reproduces(client):
     def run(seed: int) -> str:
         response = client.chat.completions.create(
-            model=MODEL, messages=USER, max_tokens=32, temperature=0.9, top_p=0.95, seed=seed,
-            extra_body={"num_speculative_tokens": 3, "drafter": "model"})
+            model=MODEL,
+            messages=USER,
+            max_tokens=32,
+            temperature=0.9,
+            top_p=0.95,
+            seed=seed,
+            extra_body={"num_speculative_tokens": 3, "drafter": "model"},
+        )
         return response.choices[0].message.content
 
     assert run(5) == run(5)
@@ -170,37 +210,56 @@ def test_seeded_sampling_reproduces(client):
 def test_token_sources_show_how_each_token_was_produced(client):
     # The self-draft's last round may be the target's plain step, when proposals drafted
     # ahead (ending where their verdict comes) left it one token of room.
-    for k, drafter, expected, last in ((4, "model", {"accepted", "bonus"}, ("bonus", "target")),
-                                       (0, "", {"target"}, ("target",))):
-        chunks = _stream(client, extra_body={"num_speculative_tokens": k, "drafter": drafter,
-                                             "return_token_sources": True})
+    for k, drafter, expected, last in (
+        (4, "model", {"accepted", "bonus"}, ("bonus", "target")),
+        (0, "", {"target"}, ("target",)),
+    ):
+        chunks = _stream(
+            client,
+            extra_body={
+                "num_speculative_tokens": k,
+                "drafter": drafter,
+                "return_token_sources": True,
+            },
+        )
         tokens = [t for c in chunks for t in c.model_extra.get("token_sources", [])]
         assert "".join(t["text"] for t in tokens) == _streamed_text(chunks)
         sources = {t["source"] for t in tokens[:-1]}
         assert sources == expected, sources
         assert tokens[-1]["source"] in last
         speculation = chunks[-1].model_extra["speculation"]
-        assert speculation["token_sources"] == {s: sum(t["source"] == s for t in tokens)
-                                                for s in ("accepted", "recovered", "bonus", "target")}
+        assert speculation["token_sources"] == {
+            s: sum(t["source"] == s for t in tokens)
+            for s in ("accepted", "recovered", "bonus", "target")
+        }
         drafted = sum(c.model_extra.get("drafted_tokens", 0) for c in chunks)
         assert drafted == speculation["drafted_tokens"]
 
 
 def test_a_continued_conversation_reuses_the_cached_prefix(client, tiny_target):
     first = _chat(client, extra_body={"drafter": "model"})
-    history = [*USER, {"role": "assistant", "content": first.choices[0].message.content},
-               {"role": "user", "content": "and once more"}]
+    history = [
+        *USER,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "and once more"},
+    ]
     second = _chat(client, history, extra_body={"drafter": "model"})
     full = _chat_ids(tiny_target.tokenizer, history)
     assert second.usage.prompt_tokens == len(full)
     # The first turn's prompt stayed cached: only what follows was prefilled (from where
     # the re-rendered reply first differs from its tokens; a random model's bytes do not
     # survive decoding and encoding again)...
-    assert second.model_extra["speculation"]["prefill_tokens"] <= len(full) - first.usage.prompt_tokens
+    assert (
+        second.model_extra["speculation"]["prefill_tokens"] <= len(full) - first.usage.prompt_tokens
+    )
     # ...and the output is a fresh request's.
     assert second.choices[0].message.content == _text(tiny_target, _reference(tiny_target, full))
     # Another history (the same first message, another reply) is a fresh session.
-    other = [*USER, {"role": "assistant", "content": "something else"}, {"role": "user", "content": "and once more"}]
+    other = [
+        *USER,
+        {"role": "assistant", "content": "something else"},
+        {"role": "user", "content": "and once more"},
+    ]
     third = _chat(client, other)
     assert third.model_extra["speculation"]["prefill_tokens"] == third.usage.prompt_tokens
 
@@ -210,10 +269,16 @@ def test_a_continued_conversation_reuses_the_cached_prefix(client, tiny_target):
 
 def test_bad_json_is_400(client, system):
     with pytest.raises(openai.BadRequestError) as raised:
-        client.post("/chat/completions", cast_to=object, content=b'{"model": "tiny', options={
-            "headers": {"Content-Type": "application/json"}})
+        client.post(
+            "/chat/completions",
+            cast_to=object,
+            content=b'{"model": "tiny',
+            options={"headers": {"Content-Type": "application/json"}},
+        )
     assert raised.value.status_code == 400 and "not valid JSON" in raised.value.message
-    request = urllib.request.Request(system.http_url + "/v1/completions", data=b"[1, 2", method="POST")
+    request = urllib.request.Request(
+        system.http_url + "/v1/completions", data=b"[1, 2", method="POST"
+    )
     with pytest.raises(urllib.error.HTTPError) as raw:
         urllib.request.urlopen(request, timeout=30)
     error = json.loads(raw.value.read())["error"]
@@ -221,23 +286,69 @@ def test_bad_json_is_400(client, system):
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize(("kwargs", "error_class", "status", "param", "message"), [
-    ({"model": "gpt-4o"}, openai.NotFoundError, 404, "model", "does not exist"),
-    ({"n": 2}, openai.BadRequestError, 400, "n", "only n=1"),
-    ({"temperature": 5}, openai.BadRequestError, 400, "temperature", "'temperature' must be in [0, 2]"),
-    ({"temperature": -0.5}, openai.BadRequestError, 400, "temperature", "'temperature' must be in [0, 2]"),
-    ({"top_p": 0}, openai.BadRequestError, 400, "top_p", "'top_p' must be in (0, 1]"),
-    ({"max_tokens": 0}, openai.BadRequestError, 400, "max_tokens", "'max_tokens' must be in [1, 2147483647], got 0"),
-    ({"messages": [{"role": "user", "content": "x" * 2000}]}, openai.BadRequestError, 400, None,
-     "prompt of 2024 tokens does not fit the model's context length of 1024"),
-    ({"max_tokens": 1000}, openai.BadRequestError, 400, None, "above the room left in the context"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, openai.BadRequestError, 400, "messages[0].role", "role"),
-    ({"logprobs": True}, openai.BadRequestError, 400, "logprobs", "not supported"),
-    ({"extra_body": {"num_speculative_tokens": -1}}, openai.BadRequestError, 400, "num_speculative_tokens", "must be"),
-    ({"extra_body": {"drafter": "magic"}}, openai.BadRequestError, 400, None, "magic"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error_class", "status", "param", "message"),
+    [
+        ({"model": "gpt-4o"}, openai.NotFoundError, 404, "model", "does not exist"),
+        ({"n": 2}, openai.BadRequestError, 400, "n", "only n=1"),
+        (
+            {"temperature": 5},
+            openai.BadRequestError,
+            400,
+            "temperature",
+            "'temperature' must be in [0, 2]",
+        ),
+        (
+            {"temperature": -0.5},
+            openai.BadRequestError,
+            400,
+            "temperature",
+            "'temperature' must be in [0, 2]",
+        ),
+        ({"top_p": 0}, openai.BadRequestError, 400, "top_p", "'top_p' must be in (0, 1]"),
+        (
+            {"max_tokens": 0},
+            openai.BadRequestError,
+            400,
+            "max_tokens",
+            "'max_tokens' must be in [1, 2147483647], got 0",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x" * 2000}]},
+            openai.BadRequestError,
+            400,
+            None,
+            "prompt of 2024 tokens does not fit the model's context length of 1024",
+        ),
+        (
+            {"max_tokens": 1000},
+            openai.BadRequestError,
+            400,
+            None,
+            "above the room left in the context",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": "x"}]},
+            openai.BadRequestError,
+            400,
+            "messages[0].role",
+            "role",
+        ),
+        ({"logprobs": True}, openai.BadRequestError, 400, "logprobs", "not supported"),
+        (
+            {"extra_body": {"num_speculative_tokens": -1}},
+            openai.BadRequestError,
+            400,
+            "num_speculative_tokens",
+            "must be",
+        ),
+        ({"extra_body": {"drafter": "magic"}}, openai.BadRequestError, 400, None, "magic"),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
-def test_errors_have_the_status_and_class_of_openai(client, kwargs, error_class, status, param, message, stream):
+def test_errors_have_the_status_and_class_of_openai(
+    client, kwargs, error_class, status, param, message, stream
+):
     request = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 8, **kwargs}
     with pytest.raises(error_class) as raised:
         client.chat.completions.create(**request, stream=stream)
@@ -251,17 +362,35 @@ def test_a_client_that_disconnects_frees_its_session(system):
     # Asked of the target itself: the orchestrator's view of its load is a snapshot that
     # lags by up to its refresh period (a stale "before" made this test flaky under load).
     workers = system.stub.ListWorkers(orchestrator_pb2.ListWorkersRequest()).workers
-    targets = [target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(w.address))
-               for w in workers if w.pool == common_pb2.WORKER_POOL_TARGET]
+    targets = [
+        target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(w.address))
+        for w in workers
+        if w.pool == common_pb2.WORKER_POOL_TARGET
+    ]
 
     def target_sessions() -> int:
-        return sum(t.Info(common_pb2.InfoRequest(), timeout=10).load.active_sessions for t in targets)
+        return sum(
+            t.Info(common_pb2.InfoRequest(), timeout=10).load.active_sessions for t in targets
+        )
 
     before = target_sessions()
-    body = json.dumps({"model": MODEL, "messages": USER, "max_tokens": 900, "temperature": 0, "stream": True,
-                       "num_speculative_tokens": 1, "drafter": "ngram"}).encode()
-    request = urllib.request.Request(system.http_url + "/v1/chat/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": USER,
+            "max_tokens": 900,
+            "temperature": 0,
+            "stream": True,
+            "num_speculative_tokens": 1,
+            "drafter": "ngram",
+        }
+    ).encode()
+    request = urllib.request.Request(
+        system.http_url + "/v1/chat/completions",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     reply = urllib.request.urlopen(request, timeout=30)
     assert reply.readline().startswith(b"data: ")  # streaming has begun
     reply.close()  # the client goes away mid-stream

@@ -38,26 +38,46 @@ class ScriptedOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def ListWorkers(self, request, context):
         self._check(context)
-        return orchestrator_pb2.ListWorkersResponse(workers=[common_pb2.Worker(
-            pool=common_pb2.WORKER_POOL_TARGET, worker_id="t", address="t:1",
-            model=common_pb2.ModelInfo(model_id="scripted"))])
+        return orchestrator_pb2.ListWorkersResponse(
+            workers=[
+                common_pb2.Worker(
+                    pool=common_pb2.WORKER_POOL_TARGET,
+                    worker_id="t",
+                    address="t:1",
+                    model=common_pb2.ModelInfo(model_id="scripted"),
+                )
+            ]
+        )
 
     def GenerateStream(self, request, context):
         self._check(context)
         prompt = request.text or request.chat.messages[-1].content
-        codes = {"busy": grpc.StatusCode.RESOURCE_EXHAUSTED, "down": grpc.StatusCode.UNAVAILABLE,
-                 "gone": grpc.StatusCode.NOT_FOUND, "odd": grpc.StatusCode.INVALID_ARGUMENT}
+        codes = {
+            "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "down": grpc.StatusCode.UNAVAILABLE,
+            "gone": grpc.StatusCode.NOT_FOUND,
+            "odd": grpc.StatusCode.INVALID_ARGUMENT,
+        }
         if prompt in codes:
             context.abort(codes[prompt], f"scripted {codes[prompt].name}")
-        yield orchestrator_pb2.GenerateChunk(session_id="s1", text_delta="Hello", token_ids=[1],
-                                             token_sources=[orchestrator_pb2.TOKEN_SOURCE_TARGET],
-                                             token_texts=["Hello"])
+        yield orchestrator_pb2.GenerateChunk(
+            session_id="s1",
+            text_delta="Hello",
+            token_ids=[1],
+            token_sources=[orchestrator_pb2.TOKEN_SOURCE_TARGET],
+            token_texts=["Hello"],
+        )
         if prompt == "fails midway":
             context.abort(grpc.StatusCode.UNAVAILABLE, "target lost and no failover left")
-        yield orchestrator_pb2.GenerateChunk(text_delta=" world", token_ids=[2],
-                                             token_sources=[orchestrator_pb2.TOKEN_SOURCE_TARGET],
-                                             token_texts=[" world"], finish_reason=common_pb2.FINISH_REASON_LENGTH,
-                                             num_prompt_tokens=3, stats=common_pb2.GenerationStats())
+        yield orchestrator_pb2.GenerateChunk(
+            text_delta=" world",
+            token_ids=[2],
+            token_sources=[orchestrator_pb2.TOKEN_SOURCE_TARGET],
+            token_texts=[" world"],
+            finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            num_prompt_tokens=3,
+            stats=common_pb2.GenerationStats(),
+        )
 
     def CloseSession(self, request, context):
         return common_pb2.CloseSessionResponse()
@@ -65,9 +85,19 @@ class ScriptedOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
 
 def _start_http_api(orchestrator_address: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "http_api", "--address", f"127.0.0.1:{port}",
-                                "--orchestrator-address", orchestrator_address],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "http_api",
+            "--address",
+            f"127.0.0.1:{port}",
+            "--orchestrator-address",
+            orchestrator_address,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -98,7 +128,9 @@ def _client(url: str, key: str = GOOD_KEY) -> openai.OpenAI:
 
 
 def _chat(client, content: str, **kwargs):
-    return client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": content}], **kwargs)
+    return client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": content}], **kwargs
+    )
 
 
 def test_the_authorization_header_is_passed_on_unchanged(scripted):
@@ -120,12 +152,15 @@ def test_unauthenticated_is_401(scripted, stream):
         _client(url, "sk-wrong").models.list()
 
 
-@pytest.mark.parametrize(("prompt", "error_class", "status"), [
-    ("busy", openai.RateLimitError, 429),
-    ("down", openai.InternalServerError, 503),
-    ("gone", openai.NotFoundError, 404),
-    ("odd", openai.BadRequestError, 400),
-])
+@pytest.mark.parametrize(
+    ("prompt", "error_class", "status"),
+    [
+        ("busy", openai.RateLimitError, 429),
+        ("down", openai.InternalServerError, 503),
+        ("gone", openai.NotFoundError, 404),
+        ("odd", openai.BadRequestError, 400),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_statuses_map_to_http_and_openai_classes(scripted, prompt, error_class, status, stream):
     _, url = scripted
@@ -151,7 +186,9 @@ def test_an_unreachable_orchestrator_is_503():
         assert raised.value.status_code == 503
         with pytest.raises(urllib.error.HTTPError) as health:
             urllib.request.urlopen(url + "/health", timeout=10)
-        assert health.value.code == 503 and json.loads(health.value.read())["status"] == "unavailable"
+        assert (
+            health.value.code == 503 and json.loads(health.value.read())["status"] == "unavailable"
+        )
     finally:
         process.terminate()
         assert process.wait(timeout=30) == 0  # SIGTERM: a clean, graceful stop

@@ -2,10 +2,11 @@
 
 Import rules (docs/architecture.md): the core (`speculative/`, the algorithm, above
 `model_runtime/`, the models it runs on, above `foundation/`, the base layer under both)
-knows nothing of gRPC or the protocol, and no layer imports one above it; the workers share only the common and their own contracts, never the
-orchestrator's; tests and benchmarks start systems through `launcher.cluster`, never
-through the command module `launcher.__main__`; the orchestrator and the draft worker
-without a model import neither torch nor transformers when they start.
+knows nothing of gRPC or the protocol, and no layer imports one above it; the workers
+share only the common and their own contracts, never the orchestrator's; tests and
+benchmarks start systems through `launcher.cluster`, never through the command module
+`launcher.__main__`; the orchestrator and the draft worker without a model import neither
+torch nor transformers when they start.
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def imported_modules(path: Path) -> set[str]:
     """Every module path.py imports, by its dotted name (`from a import b` gives a and a.b)."""
-    return {name for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
-            if isinstance(node, (ast.Import, ast.ImportFrom)) for name in names_imported_by(node)}
+    return {
+        name
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for name in names_imported_by(node)
+    }
 
 
 def names_imported_by(node: ast.Import | ast.ImportFrom) -> set[str]:
@@ -39,18 +44,34 @@ def sources(*folders: str) -> list[Path]:
 
 
 def violations(folders: tuple[str, ...], forbidden: re.Pattern) -> list[str]:
-    return [f"{path.relative_to(ROOT)} imports {name}"
-            for path in sources(*folders) for name in sorted(imported_modules(path)) if forbidden.fullmatch(name)]
+    return [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sources(*folders)
+        for name in sorted(imported_modules(path))
+        if forbidden.fullmatch(name)
+    ]
 
 
 RULES = [
-    (("target_service", "draft_service", "service_common"), r"specdec\.v1\.orchestrator_pb2(_grpc)?"),
-    (("speculative",), r"(grpc|specdec|service_common|orchestrator|target_service|draft_service)(\..*)?"),
-    (("model_runtime",), r"(grpc|specdec|service_common|orchestrator|target_service|draft_service)(\..*)?"),
+    (
+        ("target_service", "draft_service", "service_common"),
+        r"specdec\.v1\.orchestrator_pb2(_grpc)?",
+    ),
+    (
+        ("speculative",),
+        r"(grpc|specdec|service_common|orchestrator|target_service|draft_service)(\..*)?",
+    ),
+    (
+        ("model_runtime",),
+        r"(grpc|specdec|service_common|orchestrator|target_service|draft_service)(\..*)?",
+    ),
     # The layers one way: the base layer under both, the model runtime under the algorithm.
     (("model_runtime",), r"speculative(\..*)?"),
-    (("foundation",), r"(speculative|model_runtime|torch|transformers|grpc|specdec|service_common|orchestrator"
-                      r"|target_service|draft_service)(\..*)?"),
+    (
+        ("foundation",),
+        r"(speculative|model_runtime|torch|transformers|grpc|specdec|service_common|orchestrator"
+        r"|target_service|draft_service)(\..*)?",
+    ),
     (("tests", "benchmarks"), r"launcher\.__main__(\..*)?"),
 ]
 
@@ -85,7 +106,11 @@ def startup_imports(path: Path) -> set[str]:
             type_checking = isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
             statements += node.orelse if type_checking else node.body + node.orelse
         elif isinstance(node, (ast.Try, ast.With, ast.ClassDef)):
-            statements += [s for field in ("body", "handlers", "orelse", "finalbody") for s in getattr(node, field, [])]
+            statements += [
+                s
+                for field in ("body", "handlers", "orelse", "finalbody")
+                for s in getattr(node, field, [])
+            ]
         elif isinstance(node, ast.ExceptHandler):
             statements += node.body
     return names
@@ -109,7 +134,8 @@ def import_chain(module: str, forbidden: re.Pattern) -> list[str]:
         path = source_of(current)
         for name in sorted(startup_imports(path)) if path else ():
             parts = name.split(".")
-            for prefix in (".".join(parts[: i + 1]) for i in range(len(parts))):  # a.b imports a first
+            # a.b imports a first
+            for prefix in (".".join(parts[: i + 1]) for i in range(len(parts))):
                 if prefix not in came_from:
                     came_from[prefix] = current
                     queue.append(prefix)
@@ -129,15 +155,19 @@ def test_role_starts_without_the_model_runtime(role: str) -> None:
 
 
 def test_import_chain_finds_the_model_runtime_through_modules() -> None:
-    chain = import_chain("draft_service.draft_model", MODEL_RUNTIME)  # where a draft model is set up
+    chain = import_chain(
+        "draft_service.draft_model", MODEL_RUNTIME
+    )  # where a draft model is set up
     assert chain[0] == "draft_service.draft_model" and MODEL_RUNTIME.fullmatch(chain[-1]), chain
     assert len(chain) > 2  # it imports torch through the core's modules, not only itself
 
 
 def test_startup_imports_leave_out_functions_and_type_checking(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("from typing import TYPE_CHECKING\nimport a\nif TYPE_CHECKING:\n    import b\n"
-                      "def f():\n    import c\nclass C:\n    import d\ntry:\n    import e\nexcept ImportError:\n    import g\n")
+    module.write_text(
+        "from typing import TYPE_CHECKING\nimport a\nif TYPE_CHECKING:\n    import b\n"
+        "def f():\n    import c\nclass C:\n    import d\ntry:\n    import e\nexcept ImportError:\n    import g\n"
+    )
     assert startup_imports(module) == {"typing", "typing.TYPE_CHECKING", "a", "d", "e", "g"}
 
 
@@ -172,9 +202,13 @@ def test_markdown_links_resolve_inside_the_repository() -> None:
 
 def test_link_check_catches_a_link_outside(tmp_path: Path) -> None:
     page = ROOT / "docs" / "_link_check_probe.md"
-    page.write_text("[design](../../shared/DESIGN.md) [missing](nothing_here.md) [ok](architecture.md)\n")
+    page.write_text(
+        "[design](../../shared/DESIGN.md) [missing](nothing_here.md) [ok](architecture.md)\n"
+    )
     try:
-        assert broken_links(page) == ["docs/_link_check_probe.md: ../../shared/DESIGN.md",
-                                      "docs/_link_check_probe.md: nothing_here.md"]
+        assert broken_links(page) == [
+            "docs/_link_check_probe.md: ../../shared/DESIGN.md",
+            "docs/_link_check_probe.md: nothing_here.md",
+        ]
     finally:
         page.unlink()

@@ -53,7 +53,9 @@ def _from_gguf(path: Path, dtype=torch.float32):
 
 
 def _entries(cache: Path) -> list[Path]:
-    return sorted(p for p in (cache / model_cache.CONVERTED_DIR).iterdir() if not p.name.startswith("."))
+    return sorted(
+        p for p in (cache / model_cache.CONVERTED_DIR).iterdir() if not p.name.startswith(".")
+    )
 
 
 def _assert_same_model(loaded, reference_model, reference_tokenizer) -> None:
@@ -68,15 +70,22 @@ def _assert_same_model(loaded, reference_model, reference_tokenizer) -> None:
     for text in [*PROMPTS, "héllo wörld ✓ 日本"]:
         ids = reference_tokenizer(text).input_ids
         assert tokenizer(text).input_ids == ids
-        assert tokenizer.decode(ids, skip_special_tokens=True) == reference_tokenizer.decode(ids, skip_special_tokens=True)
-    assert (tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
-            == reference_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False))
+        assert tokenizer.decode(ids, skip_special_tokens=True) == reference_tokenizer.decode(
+            ids, skip_special_tokens=True
+        )
+    assert tokenizer.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=True, return_dict=False
+    ) == reference_tokenizer.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_the_converted_form_equals_what_transformers_loads_from_the_gguf_file(cache, tiny_gguf):
     loaded = load_model(str(tiny_gguf), pack_cpu_linears=False)
     (entry,) = _entries(cache)
-    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in entry.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in entry.iterdir()
+    }
     source = json.loads((entry / model_cache.SOURCE_FILE).read_text())
     assert (source["sha256"], source["dtype"]) == (model_cache.content_hash(tiny_gguf), "float32")
     reference_model, reference_tokenizer = _from_gguf(tiny_gguf)
@@ -96,8 +105,12 @@ def test_a_second_load_reads_the_cache_and_parses_no_gguf(cache, tiny_gguf, monk
     monkeypatch.setattr(gguf.GGUFReader, "__init__", no_parsing)
     monkeypatch.setattr(model_cache, "convert_gguf", no_parsing)
     second = load_model(str(tiny_gguf), pack_cpu_linears=False)
-    assert all(torch.equal(a, b) for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values()))
-    assert load_tokenizer(str(tiny_gguf)).get_vocab() == first.tokenizer.get_vocab()  # the tokenizer alone too
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values())
+    )
+    # the tokenizer alone too
+    assert load_tokenizer(str(tiny_gguf)).get_vocab() == first.tokenizer.get_vocab()
     assert len(_entries(cache)) == 1
 
 
@@ -137,21 +150,36 @@ def test_the_content_hash_is_remembered_until_the_file_changes(cache, tiny_gguf,
 
 def test_two_first_loads_at_once_convert_once_and_both_load_it(cache, tiny_gguf):
     """Two worker processes on one host start with an empty cache."""
-    script = ("import logging, sys; from model_runtime.loading import load_model; logging.basicConfig(level='INFO'); "
-              "m = load_model(sys.argv[1], pack_cpu_linears=False); "
-              "print(float(sum(p.double().sum() for p in m.model.parameters())))")
+    script = (
+        "import logging, sys; from model_runtime.loading import load_model; logging.basicConfig(level='INFO'); "
+        "m = load_model(sys.argv[1], pack_cpu_linears=False); "
+        "print(float(sum(p.double().sum() for p in m.model.parameters())))"
+    )
     env = {**os.environ, "SPECULATIVE_MODEL_CACHE": str(cache), "PYTHONPATH": str(REPO_ROOT)}
-    processes = [subprocess.Popen([sys.executable, "-c", script, str(tiny_gguf)], env=env, cwd=REPO_ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tiny_gguf)],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in processes]
     assert [p.returncode for p in processes] == [0, 0], [err[-2000:] for _, err in results]
     assert len({out for out, _ in results}) == 1
     converting = [err for _, err in results if "into the model cache" in err]
     assert len(converting) == 1, "the second process waited for the first one's conversion"
     (entry,) = _entries(cache)
-    assert not [p for p in (cache / model_cache.CONVERTED_DIR).glob(".*") if not p.name.endswith(".lock")]
+    assert not [
+        p for p in (cache / model_cache.CONVERTED_DIR).glob(".*") if not p.name.endswith(".lock")
+    ]
     reference_model, reference_tokenizer = _from_gguf(tiny_gguf)
-    _assert_same_model(load_model(str(tiny_gguf), pack_cpu_linears=False), reference_model, reference_tokenizer)
+    _assert_same_model(
+        load_model(str(tiny_gguf), pack_cpu_linears=False), reference_model, reference_tokenizer
+    )
 
 
 def test_writers_without_the_lock_race_to_one_whole_entry(cache, tiny_gguf, monkeypatch):
@@ -167,8 +195,12 @@ def test_writers_without_the_lock_race_to_one_whole_entry(cache, tiny_gguf, monk
 
     monkeypatch.setattr(model_cache, "convert_gguf", slow_convert)
     entries = []
-    threads = [threading.Thread(target=lambda: entries.append(model_cache.ensure_converted(tiny_gguf, "float32")))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda: entries.append(model_cache.ensure_converted(tiny_gguf, "float32"))
+        )
+        for _ in range(2)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -186,7 +218,9 @@ def test_a_failed_conversion_leaves_no_entry(cache, tiny_gguf, monkeypatch):
     monkeypatch.setattr(model_cache, "convert_gguf", failing)
     with pytest.raises(RuntimeError):
         model_cache.ensure_converted(tiny_gguf, "float32")
-    assert not [p for p in (cache / model_cache.CONVERTED_DIR).iterdir() if not p.name.endswith(".lock")]
+    assert not [
+        p for p in (cache / model_cache.CONVERTED_DIR).iterdir() if not p.name.endswith(".lock")
+    ]
     monkeypatch.undo()
     monkeypatch.setenv("SPECULATIVE_MODEL_CACHE", str(cache))
     assert model_cache.ensure_converted(tiny_gguf, "float32").is_dir()
@@ -221,4 +255,6 @@ def test_smollm2_converted_equals_smollm2_from_its_gguf_file(cache):
     source = resolve_model_source("smollm2-135m")
     path = Path(source.path) / source.gguf_file
     reference_model, reference_tokenizer = _from_gguf(path)
-    _assert_same_model(load_model("smollm2-135m", pack_cpu_linears=False), reference_model, reference_tokenizer)
+    _assert_same_model(
+        load_model("smollm2-135m", pack_cpu_linears=False), reference_model, reference_tokenizer
+    )

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runtime.model_session import ModelSession
 from foundation.errors import InvalidArgument
+from model_runtime.model_session import ModelSession
 
 
 def _full_logits(loaded, token_ids) -> torch.Tensor:
@@ -27,7 +27,9 @@ def test_incremental_logits_match_a_full_forward(tiny_target, prompt_ids):
     assert session.cached_length == 4  # the last token stays pending
     session.append(ids[5:9])
     logits = session.logits(5)  # positions 4..8
-    torch.testing.assert_close(logits, _full_logits(tiny_target, ids[:9])[4:9], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        logits, _full_logits(tiny_target, ids[:9])[4:9], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_truncate_then_extend_equals_a_fresh_session(tiny_target, prompt_ids):
@@ -53,7 +55,9 @@ def test_logits_after_rollback_rerun_a_cached_token(tiny_target, prompt_ids):
     before = session.num_forward_tokens
     logits = session.logits(1)
     assert session.num_forward_tokens == before + 1
-    torch.testing.assert_close(logits[0], _full_logits(tiny_target, ids[:-3])[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        logits[0], _full_logits(tiny_target, ids[:-3])[-1], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_truncate_is_absolute_and_repeatable(tiny_target):

@@ -51,12 +51,29 @@ from target_service.served_tokenizer import served_tokenizer  # noqa: E402
 from tests.conftest import PROMPTS  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TEXTS = [*PROMPTS, "héllo wörld ✓ 日本語", "<|im_start|>user\nhi<|im_end|>\n", "  two  spaces ", "", "<|endoftext|>x"]
+TEXTS = [
+    *PROMPTS,
+    "héllo wörld ✓ 日本語",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "  two  spaces ",
+    "",
+    "<|endoftext|>x",
+]
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓ <|im_end|> there"}],
-    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
-    [{"role": "system", "content": ""}, {"role": "user", "content": "{{ not a template }} {% raw %}"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi ✓ <|im_end|> there"},
+    ],
+    [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ],
+    [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "{{ not a template }} {% raw %}"},
+    ],
 ]
 # Every rule of transformers' environment a template may lean on.
 RULES_TEMPLATE = """
@@ -81,18 +98,30 @@ def _assert_same_tokenizer(served, reference) -> None:
     assert served.eos_token_id == reference.eos_token_id
     for text in TEXTS:
         for add_special_tokens in (True, False):
-            assert served(text, add_special_tokens=add_special_tokens).input_ids == \
-                reference(text, add_special_tokens=add_special_tokens).input_ids, text
+            assert (
+                served(text, add_special_tokens=add_special_tokens).input_ids
+                == reference(text, add_special_tokens=add_special_tokens).input_ids
+            ), text
         ids = reference(text).input_ids
         for skip in (True, False):
-            assert served.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+            assert served.decode(ids, skip_special_tokens=skip) == reference.decode(
+                ids, skip_special_tokens=skip
+            )
     for messages in CHATS:
         for add_generation_prompt in (True, False):
-            assert served.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False) \
-                == reference.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-            assert served.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == \
-                reference.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                              tokenize=True, return_dict=False)
+            assert served.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            ) == reference.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            assert served.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            ) == reference.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
 
 
 def test_the_served_tiny_tokenizer_answers_as_the_targets(tiny_target):
@@ -101,7 +130,9 @@ def test_the_served_tiny_tokenizer_answers_as_the_targets(tiny_target):
 
 def test_the_served_smollm2_tokenizer_and_template_answer_as_the_targets():
     reference = load_tokenizer("smollm2-135m")  # the real template, special tokens, 49,152 tokens
-    loaded = SimpleNamespace(name="smollm2-135m", tokenizer=reference, fingerprint=tokenizer_fingerprint(reference))
+    loaded = SimpleNamespace(
+        name="smollm2-135m", tokenizer=reference, fingerprint=tokenizer_fingerprint(reference)
+    )
     served = _served(loaded)
     assert "<|im_start|>" in served.chat_template
     _assert_same_tokenizer(served, reference)
@@ -111,26 +142,44 @@ def test_chat_templates_render_with_transformers_rules():
     reference = tiny.byte_tokenizer()
     reference.chat_template = RULES_TEMPLATE
     reference.add_special_tokens({"bos_token": "<s>"})
-    served = ServedTokenizer(reference.backend_tokenizer.to_str(), RULES_TEMPLATE, reference.special_tokens_map)
-    messages = [{"role": "system", "content": "skipped"}, {"role": "user", "content": "ü <b>&'\"", "name": None},
-                {"role": "assistant", "content": "stop"}, {"role": "user", "content": "after the break"}]
+    served = ServedTokenizer(
+        reference.backend_tokenizer.to_str(), RULES_TEMPLATE, reference.special_tokens_map
+    )
+    messages = [
+        {"role": "system", "content": "skipped"},
+        {"role": "user", "content": "ü <b>&'\"", "name": None},
+        {"role": "assistant", "content": "stop"},
+        {"role": "user", "content": "after the break"},
+    ]
     for add_generation_prompt in (True, False):
-        rendered = served.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        assert rendered == reference.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                         tokenize=False)
-        assert '"ü <b>&\'\\""' in rendered and "after the break" not in rendered and "None" not in rendered
+        rendered = served.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        assert rendered == reference.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        assert (
+            '"ü <b>&\'\\""' in rendered
+            and "after the break" not in rendered
+            and "None" not in rendered
+        )
 
 
-@pytest.mark.parametrize("template, error", [
-    ("{{ raise_exception('roles must alternate') }}", jinja2.TemplateError),
-    ("{% set ns = namespace(_private=1) %}", jinja2.exceptions.SecurityError),
-    ("{{ messages.append(1) }}", jinja2.exceptions.SecurityError),
-    ("{% for %}", jinja2.TemplateError),
-])
+@pytest.mark.parametrize(
+    "template, error",
+    [
+        ("{{ raise_exception('roles must alternate') }}", jinja2.TemplateError),
+        ("{% set ns = namespace(_private=1) %}", jinja2.exceptions.SecurityError),
+        ("{{ messages.append(1) }}", jinja2.exceptions.SecurityError),
+        ("{% for %}", jinja2.TemplateError),
+    ],
+)
 def test_a_template_that_refuses_raises_as_in_transformers(template, error):
     reference = tiny.byte_tokenizer()
     reference.chat_template = template
-    served = ServedTokenizer(reference.backend_tokenizer.to_str(), template, reference.special_tokens_map)
+    served = ServedTokenizer(
+        reference.backend_tokenizer.to_str(), template, reference.special_tokens_map
+    )
     with pytest.raises(error):
         reference.apply_chat_template(CHATS[0], tokenize=False)
     with pytest.raises(error):
@@ -155,7 +204,9 @@ def test_the_tokenizer_comes_from_a_live_target_over_grpc(tiny_target):
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            worker = SimpleNamespace(stub=target_pb2_grpc.TargetServiceStub(channel), worker_id="t", address="a")
+            worker = SimpleNamespace(
+                stub=target_pb2_grpc.TargetServiceStub(channel), worker_id="t", address="a"
+            )
             pool = SimpleNamespace(live_targets=lambda: [worker])
             tokenizer = TargetTokenizer(pool, timeout_s=10).get()
             assert tokenizer.fingerprint == tiny_target.fingerprint
@@ -179,16 +230,24 @@ def test_the_override_takes_a_saved_tokenizer_or_its_json(tmp_path, tiny_target)
 
 
 def test_importing_the_orchestrator_imports_no_torch_nor_transformers():
-    script = ("import sys, orchestrator.server, orchestrator.tokenizer; "
-              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy')))")
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, check=True)
+    script = (
+        "import sys, orchestrator.server, orchestrator.tokenizer; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy')))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, check=True
+    )
     assert run.stdout.strip() == "[]", run.stdout
 
 
 def test_the_served_tokenizer_is_compact(tiny_target):
     served = served_tokenizer(tiny_target)
-    assert gzip.decompress(served.tokenizer_json_gzip).decode() == tiny_target.tokenizer.backend_tokenizer.to_str()
-    assert served_tokenizer(tiny_target).tokenizer_json_gzip == served.tokenizer_json_gzip  # same bytes each time
+    assert (
+        gzip.decompress(served.tokenizer_json_gzip).decode()
+        == tiny_target.tokenizer.backend_tokenizer.to_str()
+    )
+    # same bytes each time
+    assert served_tokenizer(tiny_target).tokenizer_json_gzip == served.tokenizer_json_gzip
     assert served.special_tokens == {"eos_token": tiny.END_OF_TEXT}
 
 
@@ -196,8 +255,11 @@ def test_the_tokenizer_is_fetched_ahead_once_a_target_appears(tiny_target):
     import time
 
     targets = []
-    worker = SimpleNamespace(worker_id="t", address="a", stub=SimpleNamespace(
-        GetTokenizer=lambda request, timeout: served_tokenizer(tiny_target)))
+    worker = SimpleNamespace(
+        worker_id="t",
+        address="a",
+        stub=SimpleNamespace(GetTokenizer=lambda request, timeout: served_tokenizer(tiny_target)),
+    )
     pool = SimpleNamespace(live_targets=lambda: list(targets), why_empty=lambda message: message)
     tokenizer = TargetTokenizer(pool)
     tokenizer.fetch_ahead(period_s=0.05)
@@ -206,6 +268,9 @@ def test_the_tokenizer_is_fetched_ahead_once_a_target_appears(tiny_target):
         deadline = time.monotonic() + 10
         while tokenizer._tokenizer is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert tokenizer._tokenizer is not None and tokenizer.get().fingerprint == tiny_target.fingerprint
+        assert (
+            tokenizer._tokenizer is not None
+            and tokenizer.get().fingerprint == tiny_target.fingerprint
+        )
     finally:
         tokenizer.stop()

@@ -40,7 +40,9 @@ class CountingVerifier(LocalVerifier):
         super().__init__(target, overlaps=True)
         self.ahead = self.abandoned = 0
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None):
+    def send(
+        self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None
+    ):
         self.ahead += expected_last_token_id is not None
         super().send(base_len, draft_token_ids, draft_probs, expected_last_token_id, parents)
 
@@ -55,17 +57,25 @@ def _run(loaded, drafter, prompt, params, k, verifier_type=CountingVerifier):
     draft = drafter.open(prompt, params)
     verifier = verifier_type(target)
     tokens = []
-    for result in speculation_rounds(verifier, draft, len(prompt), params, FixedK(k), loaded.context_length):
+    for result in speculation_rounds(
+        verifier, draft, len(prompt), params, FixedK(k), loaded.context_length
+    ):
         tokens += result.token_ids
-        assert draft.length >= target.length == len(prompt) + len(tokens)  # the draft may hold a proposal ahead
+        # the draft may hold a proposal ahead
+        assert draft.length >= target.length == len(prompt) + len(tokens)
     return tokens, verifier, target, draft
 
 
 @pytest.fixture(scope="module")
 def drafters(tiny_target, tiny_perturbed, tiny_unrelated):
     perturbed = ModelDrafter(tiny_perturbed)
-    return {"same": ModelDrafter(tiny_target), "perturbed": perturbed, "unrelated": ModelDrafter(tiny_unrelated),
-            "ngram": NgramDrafter(), "ngram+model": LookupThenModelDrafter(perturbed, NgramDrafter())}
+    return {
+        "same": ModelDrafter(tiny_target),
+        "perturbed": perturbed,
+        "unrelated": ModelDrafter(tiny_unrelated),
+        "ngram": NgramDrafter(),
+        "ngram+model": LookupThenModelDrafter(perturbed, NgramDrafter()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +85,9 @@ def references(tiny_target, prompt_ids):
 
 
 @pytest.mark.parametrize("name", ["same", "perturbed", "unrelated", "ngram", "ngram+model"])
-def test_pipelined_greedy_equals_target_only_for_every_drafter_and_k(name, drafters, tiny_target, prompt_ids,
-                                                                     references):
+def test_pipelined_greedy_equals_target_only_for_every_drafter_and_k(
+    name, drafters, tiny_target, prompt_ids, references
+):
     ahead = abandoned = 0
     for k in range(1, 7):
         for ids, reference in zip(prompt_ids, references):
@@ -105,7 +116,9 @@ class EarlyVerdicts(CountingVerifier):
         self.asked += 1
         return self.asked % (self.every + 1) == 0
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None):
+    def send(
+        self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None
+    ):
         if expected_last_token_id is not None:
             self.ahead_sizes.append(len(draft_token_ids))
         super().send(base_len, draft_token_ids, draft_probs, expected_last_token_id, parents)
@@ -113,11 +126,14 @@ class EarlyVerdicts(CountingVerifier):
 
 @pytest.mark.parametrize("name", ["same", "perturbed", "ngram+model"])
 def test_a_verdict_that_comes_while_drafting_ahead_sends_what_is_drafted_and_stays_exact(
-        name, drafters, tiny_target, prompt_ids, references):
+    name, drafters, tiny_target, prompt_ids, references
+):
     sizes = []
     for k in range(2, 7):
         for ids, reference in zip(prompt_ids, references):
-            tokens, verifier, target, draft = _run(tiny_target, drafters[name], ids, GREEDY, k, EarlyVerdicts)
+            tokens, verifier, target, draft = _run(
+                tiny_target, drafters[name], ids, GREEDY, k, EarlyVerdicts
+            )
             assert tokens == reference, (name, k, ids)
             assert target.length == len(ids) + len(tokens)
             sizes += verifier.ahead_sizes
@@ -127,16 +143,21 @@ def test_a_verdict_that_comes_while_drafting_ahead_sends_what_is_drafted_and_sta
 
 
 def test_a_seeded_sampling_call_drafts_whole_proposals_ahead_so_its_draws_do_not_depend_on_timing(
-        drafters, tiny_target, prompt_ids):
+    drafters, tiny_target, prompt_ids
+):
     params = SamplingParams(temperature=1.0, top_k=8, seed=7, max_new_tokens=24)
-    runs = [_run(tiny_target, drafters["same"], prompt_ids[0], params, 4, verifier_type)
-            for verifier_type in (CountingVerifier, EarlyVerdicts)]
+    runs = [
+        _run(tiny_target, drafters["same"], prompt_ids[0], params, 4, verifier_type)
+        for verifier_type in (CountingVerifier, EarlyVerdicts)
+    ]
     (tokens, _, _, _), (early_tokens, early, _, _) = runs
     assert early.ahead_sizes and all(size == 4 for size in early.ahead_sizes[:-1])
     assert early_tokens == tokens
 
 
-def test_a_stop_token_inside_a_pipelined_round_ends_the_call(drafters, tiny_target, prompt_ids, references):
+def test_a_stop_token_inside_a_pipelined_round_ends_the_call(
+    drafters, tiny_target, prompt_ids, references
+):
     for ids, reference in zip(prompt_ids[:4], references):
         stop = SamplingParams(max_new_tokens=24, stop_token_ids=(reference[5],))
         expected = SpeculativeGenerator(tiny_target).generate(ids, stop, k=0).token_ids
@@ -149,7 +170,9 @@ class WrongAfter(DraftSession):
     draft position `wrong_at` is off by one: each round rejects there, while a proposal
     drafted ahead of it is in flight."""
 
-    def __init__(self, reference: Sequence[int], prompt: Sequence[int], wrong_at: int, vocab_size: int):
+    def __init__(
+        self, reference: Sequence[int], prompt: Sequence[int], wrong_at: int, vocab_size: int
+    ):
         self.reference, self.tokens = list(reference), list(prompt)
         self.wrong_at, self.vocab_size = wrong_at, vocab_size
         self.last_proposal = (-1, 0)  # (length after it, its size)
@@ -162,8 +185,11 @@ class WrongAfter(DraftSession):
         # A guess (one token right after a proposal) is the proposal's position k.
         end, size = self.last_proposal
         first = size if k == 1 and end == self.length else 0
-        truth = self.reference[self.length:self.length + k]
-        proposal = [(t + 1) % self.vocab_size if first + i == self.wrong_at else t for i, t in enumerate(truth)]
+        truth = self.reference[self.length : self.length + k]
+        proposal = [
+            (t + 1) % self.vocab_size if first + i == self.wrong_at else t
+            for i, t in enumerate(truth)
+        ]
         self.tokens += proposal
         self.last_proposal = (self.length, k)
         return Proposal(proposal)
@@ -175,16 +201,21 @@ class WrongAfter(DraftSession):
         del self.tokens[length:]
 
 
-def test_a_rejection_with_a_proposal_in_flight_discards_it_in_process(tiny_target, prompt_ids, references):
+def test_a_rejection_with_a_proposal_in_flight_discards_it_in_process(
+    tiny_target, prompt_ids, references
+):
     ids = prompt_ids[0]
     target = TargetSession(tiny_target, ids, GREEDY)
     draft = WrongAfter(ids + references[0], ids, wrong_at=2, vocab_size=tiny_target.vocab_size)
     verifier = CountingVerifier(target)
     tokens = []
-    for result in speculation_rounds(verifier, draft, len(ids), GREEDY, FixedK(4), tiny_target.context_length):
+    for result in speculation_rounds(
+        verifier, draft, len(ids), GREEDY, FixedK(4), tiny_target.context_length
+    ):
         tokens += result.token_ids
     assert tokens == references[0]
-    assert verifier.ahead > 0 and verifier.abandoned == verifier.ahead  # every one sent ahead was wrong
+    # every one sent ahead was wrong
+    assert verifier.ahead > 0 and verifier.abandoned == verifier.ahead
     assert draft.length == target.length == len(ids) + len(tokens)
 
 
@@ -216,39 +247,66 @@ class RecordingRemoteVerifier(RemoteVerifier):
 
 
 @pytest.mark.parametrize("wrong_at", [0, 2, 4])
-def test_a_rejection_with_a_proposal_in_flight_is_discarded_by_the_target(target_stub, tiny_target, prompt_ids,
-                                                                          references, wrong_at):
+def test_a_rejection_with_a_proposal_in_flight_is_discarded_by_the_target(
+    target_stub, tiny_target, prompt_ids, references, wrong_at
+):
     """Proposal n is rejected at `wrong_at` (4: all accepted, the bonus is the target's
     and the guess, position 4, is wrong) while n + 1, drafted on the assumption that all
     of n was accepted, is already on the stream: the target answers it `discarded`,
     changing nothing; the output is exact and both sessions end at the committed length."""
     stub, address = target_stub
     ids = prompt_ids[1]
-    handle = stub.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=ids), timeout=30).handle
-    draft = WrongAfter(ids + references[1], ids, wrong_at=wrong_at, vocab_size=tiny_target.vocab_size)
-    verifier = RecordingRemoteVerifier(stub, address, handle.session_id, GREEDY, first_round=0,
-                                       deadline=Deadline(60), stall_timeout_s=30)
+    handle = stub.OpenSession(
+        target_pb2.OpenSessionRequest(prompt_token_ids=ids), timeout=30
+    ).handle
+    draft = WrongAfter(
+        ids + references[1], ids, wrong_at=wrong_at, vocab_size=tiny_target.vocab_size
+    )
+    verifier = RecordingRemoteVerifier(
+        stub,
+        address,
+        handle.session_id,
+        GREEDY,
+        first_round=0,
+        deadline=Deadline(60),
+        stall_timeout_s=30,
+    )
     tokens = []
     try:
-        for result in speculation_rounds(verifier, draft, len(ids), GREEDY, FixedK(4), tiny_target.context_length):
+        for result in speculation_rounds(
+            verifier, draft, len(ids), GREEDY, FixedK(4), tiny_target.context_length
+        ):
             tokens += result.token_ids
     finally:
         verifier.close()
     assert tokens == references[1]
     discarded = [v for v in verifier.verdicts if v.WhichOneof("kind") == "discarded"]
     assert discarded and all(v.discarded.committed_len <= v.base_len for v in discarded)
-    length = stub.Truncate(common_pb2.TruncateRequest(session_id=handle.session_id, length=len(ids) + len(tokens)),
-                           timeout=30).committed_len
+    length = stub.Truncate(
+        common_pb2.TruncateRequest(session_id=handle.session_id, length=len(ids) + len(tokens)),
+        timeout=30,
+    ).committed_len
     assert length == draft.length == len(ids) + len(tokens)
     stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=30)
 
 
-def test_the_remote_verifier_tells_when_a_verdict_came_without_waiting(target_stub, prompt_ids, references):
+def test_the_remote_verifier_tells_when_a_verdict_came_without_waiting(
+    target_stub, prompt_ids, references
+):
     stub, address = target_stub
     ids = prompt_ids[2]
-    handle = stub.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=ids), timeout=30).handle
-    verifier = RemoteVerifier(stub, address, handle.session_id, GREEDY, first_round=0, deadline=Deadline(60),
-                              stall_timeout_s=30)
+    handle = stub.OpenSession(
+        target_pb2.OpenSessionRequest(prompt_token_ids=ids), timeout=30
+    ).handle
+    verifier = RemoteVerifier(
+        stub,
+        address,
+        handle.session_id,
+        GREEDY,
+        first_round=0,
+        deadline=Deadline(60),
+        stall_timeout_s=30,
+    )
     try:
         assert not verifier.verdict_came()  # nothing sent
         verifier.send(len(ids), references[2][:3], None)
@@ -308,14 +366,17 @@ def exact_last_three(tiny_target, prompt_ids):
     return _exact_last_three(tiny_target, prompt_ids[0])
 
 
-def test_pipelined_sampling_follows_the_target_distribution(tiny_target, tiny_perturbed, prompt_ids, exact_last_three):
+def test_pipelined_sampling_follows_the_target_distribution(
+    tiny_target, tiny_perturbed, prompt_ids, exact_last_three
+):
     samples, survived = _samples(tiny_target, ModelDrafter(tiny_perturbed), prompt_ids[0], NUM_RUNS)
     assert survived > NUM_RUNS // 10, "proposals drafted ahead should often be verified"
     assert _p_value(samples, exact_last_three) > ALPHA
 
 
-def test_the_pipelined_distribution_test_catches_a_biased_rule(tiny_target, tiny_perturbed, prompt_ids,
-                                                                exact_last_three, monkeypatch):
+def test_the_pipelined_distribution_test_catches_a_biased_rule(
+    tiny_target, tiny_perturbed, prompt_ids, exact_last_three, monkeypatch
+):
     """Negative control: always accepting the draft token fails the same test."""
     monkeypatch.setattr(rejection, "acceptance_probability", lambda target_prob, draft_prob: 1.0)
     samples, _ = _samples(tiny_target, ModelDrafter(tiny_perturbed), prompt_ids[0], NUM_RUNS // 3)
@@ -325,5 +386,8 @@ def test_the_pipelined_distribution_test_catches_a_biased_rule(tiny_target, tiny
 def test_a_seed_reproduces_a_pipelined_run(tiny_target, tiny_perturbed, prompt_ids):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=32)
     generator = SpeculativeGenerator(tiny_target, ModelDrafter(tiny_perturbed), pipelined=True)
-    runs = [generator.generate(prompt_ids[7], params.replace(seed=seed), k=3).token_ids for seed in (11, 11, 12)]
+    runs = [
+        generator.generate(prompt_ids[7], params.replace(seed=seed), k=3).token_ids
+        for seed in (11, 11, 12)
+    ]
     assert runs[0] == runs[1] != runs[2]

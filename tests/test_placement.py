@@ -8,7 +8,9 @@ from specdec.v1 import common_pb2
 
 def _target(address: str, **load) -> Worker:
     record = common_pb2.Worker(
-        pool=common_pb2.WORKER_POOL_TARGET, worker_id=address, address=address,
+        pool=common_pb2.WORKER_POOL_TARGET,
+        worker_id=address,
+        address=address,
         load=common_pb2.WorkerLoad(max_sessions=64, **load),
     )
     return Worker(TARGET, record, stub=None)
@@ -24,7 +26,10 @@ def test_a_target_with_a_queue_is_fuller_than_one_with_more_idle_sessions():
 
 def test_calls_placed_by_this_replica_count_before_the_next_heartbeat():
     pool = WorkerPool(discover=lambda: [], refresh_s=60)
-    a, b = _target("a:1", running_calls=3, max_running=4), _target("b:1", running_calls=0, max_running=4)
+    a, b = (
+        _target("a:1", running_calls=3, max_running=4),
+        _target("b:1", running_calls=0, max_running=4),
+    )
     with pool.placed(b), pool.placed(b), pool.placed(b), pool.placed(b):
         assert pool.load(b) == 1.0 > pool.load(a)
         assert pool.least_loaded([a, b]) is a

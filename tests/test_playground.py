@@ -25,8 +25,10 @@ import pytest
 from tests.system import LocalSystem
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                                reason="needs Debian's chromium and chromium-driver: run `make setup`")
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER),
+    reason="needs Debian's chromium and chromium-driver: run `make setup`",
+)
 SOURCES = {"accepted", "recovered", "bonus", "target"}
 MODEL = "tiny-random:1"
 
@@ -38,8 +40,14 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                     "--window-size=1100,1000", "--force-device-scale-factor=1"):
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1100,1000",
+        "--force-device-scale-factor=1",
+    ):
         options.add_argument(argument)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(60)
@@ -54,16 +62,29 @@ def tiny_system():
         yield system
 
 
-def _fill(driver, url: str, prompt: str, k: int, drafter: str, max_tokens: int, temperature: float = 0,
-          seed: str = "") -> None:
+def _fill(
+    driver,
+    url: str,
+    prompt: str,
+    k: int,
+    drafter: str,
+    max_tokens: int,
+    temperature: float = 0,
+    seed: str = "",
+) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     if driver.current_url.rstrip("/") != url.rstrip("/"):
         driver.get(url + "/")
     WebDriverWait(driver, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"))
-    for field, value in (("prompt", prompt), ("k", str(k)), ("max_tokens", str(max_tokens)),
-                         ("temperature", str(temperature)), ("seed", seed)):
+    for field, value in (
+        ("prompt", prompt),
+        ("k", str(k)),
+        ("max_tokens", str(max_tokens)),
+        ("temperature", str(temperature)),
+        ("seed", seed),
+    ):
         element = driver.find_element(By.ID, field)
         element.clear()
         element.send_keys(value)
@@ -76,8 +97,11 @@ def _click(driver, button: str, timeout_s: float) -> str:
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver.find_element(By.ID, button).click()
-    WebDriverWait(driver, timeout_s).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state")
-                                           in ("done", "error"))
+    WebDriverWait(driver, timeout_s).until(
+        lambda d: (
+            d.find_element(By.TAG_NAME, "body").get_attribute("data-state") in ("done", "error")
+        )
+    )
     return driver.find_element(By.TAG_NAME, "body").get_attribute("data-state")
 
 
@@ -86,11 +110,19 @@ def _tokens(driver) -> list[tuple[str, str, str]]:
     from selenium.webdriver.common.by import By
 
     spans = driver.find_elements(By.CSS_SELECTOR, "#output span")
-    return [(span.get_attribute("textContent"), span.get_attribute("data-source"), span.get_attribute("class"))
-            for span in spans]
+    return [
+        (
+            span.get_attribute("textContent"),
+            span.get_attribute("data-source"),
+            span.get_attribute("class"),
+        )
+        for span in spans
+    ]
 
 
-def _generate(driver, url: str, prompt: str, k: int, drafter: str, max_tokens: int, timeout_s: float = 120):
+def _generate(
+    driver, url: str, prompt: str, k: int, drafter: str, max_tokens: int, timeout_s: float = 120
+):
     """Fills the form, clicks Generate, waits for the stream to end; returns the tokens
     shown as (text, source, class)."""
     from selenium.webdriver.common.by import By
@@ -101,8 +133,17 @@ def _generate(driver, url: str, prompt: str, k: int, drafter: str, max_tokens: i
     return _tokens(driver)
 
 
-def _compare(driver, url: str, prompt: str, k: int, drafter: str, max_tokens: int, temperature: float = 0,
-             seed: str = "", timeout_s: float = 120) -> dict[str, str]:
+def _compare(
+    driver,
+    url: str,
+    prompt: str,
+    k: int,
+    drafter: str,
+    max_tokens: int,
+    temperature: float = 0,
+    seed: str = "",
+    timeout_s: float = 120,
+) -> dict[str, str]:
     """Fills the form, clicks Compare, waits for both runs to end; returns the
     comparison's cells (speculative, target, ratio, identical) as shown."""
     from selenium.webdriver.common.by import By
@@ -111,8 +152,10 @@ def _compare(driver, url: str, prompt: str, k: int, drafter: str, max_tokens: in
     assert _click(driver, "compare", timeout_s) == "done", driver.find_element(By.ID, "error").text
     assert driver.find_element(By.ID, "error").text == ""
     assert driver.find_element(By.ID, "comparison").is_displayed()
-    return {name: driver.find_element(By.ID, f"c-{name}").text
-            for name in ("speculative", "target", "ratio", "identical")}
+    return {
+        name: driver.find_element(By.ID, f"c-{name}").text
+        for name in ("speculative", "target", "ratio", "identical")
+    }
 
 
 def _speeds(cells: dict[str, str]) -> tuple[float, float, float]:
@@ -129,9 +172,18 @@ def _speeds(cells: dict[str, str]) -> tuple[float, float, float]:
 
 
 def _api(url: str, prompt: str, k: int, drafter: str, max_tokens: int) -> str:
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens,
-                       "num_speculative_tokens": k, "drafter": drafter}).encode()
-    request = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "num_speculative_tokens": k,
+            "drafter": drafter,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=120) as reply:
         return json.loads(reply.read())["choices"][0]["message"]["content"]
 
@@ -204,8 +256,10 @@ def test_playground_screenshot_with_smollm2(browser, tmp_path):
     target alone: a summary copies from its prompt, so drafts are accepted where it
     does and the target decodes alone where the drafter has nothing to propose."""
     with LocalSystem(target_model="smollm2-135m", draft_model="", http_port=0) as system:
-        prompt = ("Summarize in one sentence: The city council met on Monday to discuss the new park. "
-                  "The council approved the park's budget and chose a site near the river.")
+        prompt = (
+            "Summarize in one sentence: The city council met on Monday to discuss the new park. "
+            "The council approved the park's budget and chose a site near the river."
+        )
         cells = _compare(browser, system.http_url, prompt, 4, "ngram", 96, timeout_s=600)
         _speeds(cells)
         assert cells["identical"] == "identical"

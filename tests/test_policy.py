@@ -11,6 +11,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from foundation.load import StepLoad
 from speculative.drafter_base import DraftSession
 from speculative.drafters import ModelDrafter
 from speculative.estimator import CostEstimator, Estimates, MeasuredCosts
@@ -30,7 +31,6 @@ from speculative.policy import (
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
 from speculative.speculation_loop import speculation_rounds
-from foundation.load import StepLoad
 from speculative.stretch_costs import StretchEstimates
 from speculative.stretch_policy import StretchRules, Turn
 from speculative.target import TargetSession
@@ -46,14 +46,23 @@ def estimates(draw, **fixed) -> Estimates:
     one_token_ms = draw(st.floats(1.0, 500.0))
     overhead_ms = draw(st.floats(0.0, 200.0))
     values = dict(
-        max_k=draw(st.integers(1, 8)), acceptance=draw(st.floats(0.01, 0.99)),
-        proposal_rate=draw(st.floats(0.01, 1.0)), draft_token_ns=draw(st.floats(0.0, 200.0)) * MS,
-        one_token_ns=one_token_ms * MS, per_token_ns=draw(st.floats(0.0, 1.0)) * one_token_ms * MS,
-        overhead_ns=overhead_ms * MS, solo_token_ns=draw(st.floats(0.5, 2.0)) * one_token_ms * MS,
-        solo_measured=draw(st.booleans()), one_token_measured=True,
+        max_k=draw(st.integers(1, 8)),
+        acceptance=draw(st.floats(0.01, 0.99)),
+        proposal_rate=draw(st.floats(0.01, 1.0)),
+        draft_token_ns=draw(st.floats(0.0, 200.0)) * MS,
+        one_token_ns=one_token_ms * MS,
+        per_token_ns=draw(st.floats(0.0, 1.0)) * one_token_ms * MS,
+        overhead_ns=overhead_ms * MS,
+        solo_token_ns=draw(st.floats(0.5, 2.0)) * one_token_ms * MS,
+        solo_measured=draw(st.booleans()),
+        one_token_measured=True,
         start_ns=draw(st.floats(0.0, 4.0)) * (overhead_ms + one_token_ms) * MS,
-        worker_k=8, measure=draw(st.booleans()), after_stretch=False, losing_in_a_row=draw(st.integers(0, 6)),
-        empty_turns_in_a_row=draw(st.integers(1, 10)), rounds_since_ns=draw(st.floats(0.0, 1e4)) * MS,
+        worker_k=8,
+        measure=draw(st.booleans()),
+        after_stretch=False,
+        losing_in_a_row=draw(st.integers(0, 6)),
+        empty_turns_in_a_row=draw(st.integers(1, 10)),
+        rounds_since_ns=draw(st.floats(0.0, 1e4)) * MS,
         overlaps=draw(st.booleans()),
     )
     values.update(fixed)
@@ -65,7 +74,9 @@ STRETCH_FIELDS = {field.name for field in dataclasses.fields(StretchEstimates)}
 
 def flat_estimates(**values) -> Estimates:
     """Estimates from one set of fields, what stretches measured among them."""
-    stretch = StretchEstimates(**{name: values.pop(name) for name in list(values) if name in STRETCH_FIELDS})
+    stretch = StretchEstimates(
+        **{name: values.pop(name) for name in list(values) if name in STRETCH_FIELDS}
+    )
     return Estimates(**values, stretch=stretch)
 
 
@@ -120,15 +131,23 @@ def test_a_slower_link_never_takes_more_rounds(e, faster_ms, slower_ms, remainin
 
 
 @PROPERTY
-@given(estimates(draft_token_ns=0.0), st.one_of(st.none(), st.integers(100, 512)),
-       st.sampled_from([Turn.NOTHING_PROPOSED, Turn.NOTHING_UNTIL_MATCH]))
-def test_a_free_drafter_with_nothing_to_propose_never_costs_a_round_trip_per_token(e, remaining, turn):
+@given(
+    estimates(draft_token_ns=0.0),
+    st.one_of(st.none(), st.integers(100, 512)),
+    st.sampled_from([Turn.NOTHING_PROPOSED, Turn.NOTHING_UNTIL_MATCH]),
+)
+def test_a_free_drafter_with_nothing_to_propose_never_costs_a_round_trip_per_token(
+    e, remaining, turn
+):
     """It almost never proposes (f <= 2%), a round trip costs at least a pass and
     decoding alone at most one: every empty turn gives the target a stretch."""
     e = dataclasses.replace(e, overhead_ns=max(e.overhead_ns, e.one_token_ns))
-    e = with_stretch(e, proposal_rate=min(e.stretch.proposal_rate, 0.02),
-                     solo_token_ns=min(e.stretch.solo_token_ns, e.one_token_ns),
-                     start_ns=min(e.stretch.start_ns, 20 * e.overhead_ns))
+    e = with_stretch(
+        e,
+        proposal_rate=min(e.stretch.proposal_rate, 0.02),
+        solo_token_ns=min(e.stretch.solo_token_ns, e.one_token_ns),
+        start_ns=min(e.stretch.start_ns, 20 * e.overhead_ns),
+    )
     assert decide(e, remaining, turn).stretch > 0
 
 
@@ -146,11 +165,20 @@ def test_where_the_target_runs_lookup_no_round_costs_a_round_trip(e, remaining, 
 
 
 @PROPERTY
-@given(estimates(target_runs_lookup=True), remaining_tokens, st.floats(0.01, 0.99), st.floats(0.01, 0.99))
-def test_where_the_target_runs_lookup_higher_acceptance_never_lowers_its_k(e, remaining, lower, higher):
+@given(
+    estimates(target_runs_lookup=True),
+    remaining_tokens,
+    st.floats(0.01, 0.99),
+    st.floats(0.01, 0.99),
+)
+def test_where_the_target_runs_lookup_higher_acceptance_never_lowers_its_k(
+    e, remaining, lower, higher
+):
     lower, higher = sorted((lower, higher))
-    assert decide(dataclasses.replace(e, acceptance=lower), remaining).lookup_k <= \
-        decide(dataclasses.replace(e, acceptance=higher), remaining).lookup_k
+    assert (
+        decide(dataclasses.replace(e, acceptance=lower), remaining).lookup_k
+        <= decide(dataclasses.replace(e, acceptance=higher), remaining).lookup_k
+    )
 
 
 def test_where_the_target_runs_lookup_stretches_double_and_k_follows_what_they_measured():
@@ -167,19 +195,28 @@ def test_where_the_target_runs_lookup_stretches_double_and_k_follows_what_they_m
         for _ in range(action.stretch // 8):  # what the stretch measured: copies of 8 that go on
             policy.estimator.observe(*streamed(60.0, looked_up=8, accepted=8))
             policy.estimator.observe_shadow(8, 8)
-        policy.estimator.stretches.observe_stretch(action.stretch, action.stretch * 60 * MS, 60 * MS)
-    assert sizes == [rules.first * 2 ** i for i in range(4)] + [rules.longest] * 2
+        policy.estimator.stretches.observe_stretch(
+            action.stretch, action.stretch * 60 * MS, 60 * MS
+        )
+    assert sizes == [rules.first * 2**i for i in range(4)] + [rules.longest] * 2
     assert ks[0] < ks[1] <= ks[-1] == 8
-    assert policy.estimator.measured  # stretches' passes alone: the worker hands them to the next call
+    # stretches' passes alone: the worker hands them to the next call
+    assert policy.estimator.measured
 
 
 @PROPERTY
 @given(estimates(target_runs_lookup=True, worker_k=0), remaining_tokens)
-def test_where_the_target_runs_lookup_and_has_no_room_for_drafts_one_stretch_runs_the_longest(e, remaining):
+def test_where_the_target_runs_lookup_and_has_no_room_for_drafts_one_stretch_runs_the_longest(
+    e, remaining
+):
     """No k to learn: every restart would only cost the session a step it misses."""
     rules = StretchRules()
     action = decide(e, remaining)
-    longest = rules.longest if remaining is None or remaining - rules.longest >= rules.first else remaining
+    longest = (
+        rules.longest
+        if remaining is None or remaining - rules.longest >= rules.first
+        else remaining
+    )
     assert (action.lookup_k, action.stretch) == (0, longest)
 
 
@@ -194,7 +231,11 @@ def test_where_the_target_runs_lookup_a_costly_restart_makes_the_next_stretch_lo
         policy.estimator.observe(*streamed(60.0))
     policy.estimator.stretches.observe_stretch(first, (first * 60 + 300) * MS, 60 * MS)
     assert first == rules.first
-    assert policy.next_action(remaining=None).stretch == math.ceil(300 / (rules.start_share * 60)) > 2 * first
+    assert (
+        policy.next_action(remaining=None).stretch
+        == math.ceil(300 / (rules.start_share * 60))
+        > 2 * first
+    )
 
 
 @PROPERTY
@@ -228,8 +269,14 @@ def test_a_policy_told_the_loop_cannot_stretch_asks_for_rounds_only():
     1 ms its draft adds to the pass)."""
     for overhead_ms, expected_k in ((1.0, 0), (20.0, 1)):
         policy = AdaptiveK(8)
-        settled(policy.estimator, [round_(4, 0, 14.0, overhead_ms=overhead_ms),
-                                   round_(1, 0, 11.0, overhead_ms=overhead_ms), streamed(9.0)])
+        settled(
+            policy.estimator,
+            [
+                round_(4, 0, 14.0, overhead_ms=overhead_ms),
+                round_(1, 0, 11.0, overhead_ms=overhead_ms),
+                streamed(9.0),
+            ],
+        )
         assert policy.next_action().stretch > 0
         without = policy.next_action(stretches=False)
         assert (without.stretch, without.k) == (0, expected_k)
@@ -263,7 +310,9 @@ def test_a_worker_with_no_room_for_drafts_decodes_alone(e, remaining):
 def test_a_loaded_worker_decodes_alone_in_the_longest_stretches_where_they_measure(e, remaining):
     """No probes and no stretch ended early: each restart would cost the session a step."""
     longest = StretchRules().longest
-    expected = longest if remaining is None or remaining >= longest + StretchRules().first else remaining
+    expected = (
+        longest if remaining is None or remaining >= longest + StretchRules().first else remaining
+    )
     assert decide(e, remaining) == Action(stretch=expected)
 
 
@@ -278,7 +327,9 @@ def test_stretches_grow_while_probes_lose(e, remaining):
 
 @PROPERTY
 @given(estimates(), st.integers(1, 8), st.floats(0.01, 0.99), st.floats(0.01, 0.99))
-def test_drafting_ahead_only_grows_with_acceptance_and_is_free_for_a_free_drafter(e, k, lower, higher):
+def test_drafting_ahead_only_grows_with_acceptance_and_is_free_for_a_free_drafter(
+    e, k, lower, higher
+):
     lower, higher = sorted((lower, higher))
     if draft_ahead(dataclasses.replace(e, acceptance=lower), k):
         assert draft_ahead(dataclasses.replace(e, acceptance=higher), k)
@@ -311,14 +362,28 @@ def test_drafting_ahead_prefers_rounds_short_enough_to_survive():
     E = 2.44 tokens per 1.03 s. Drafted ahead, a round of k = 2 survives with
     0.8^3 = 0.51, and then the next follows max(c(3), 3 d) = 0.63 s after it: k = 2 at
     0.83 s a round, 1.25x the rounds that wait (a longer k survives too rarely)."""
-    costs = dict(max_k=4, acceptance=0.8, proposal_rate=1.0, draft_token_ns=198 * MS, one_token_ns=594 * MS,
-                 per_token_ns=20 * MS, overhead_ns=4 * MS, solo_token_ns=594 * MS, solo_measured=True,
-                 one_token_measured=True, start_ns=8 * MS, worker_k=8, measure=False)
+    costs = dict(
+        max_k=4,
+        acceptance=0.8,
+        proposal_rate=1.0,
+        draft_token_ns=198 * MS,
+        one_token_ns=594 * MS,
+        per_token_ns=20 * MS,
+        overhead_ns=4 * MS,
+        solo_token_ns=594 * MS,
+        solo_measured=True,
+        one_token_measured=True,
+        start_ns=8 * MS,
+        worker_k=8,
+        measure=False,
+    )
     waiting, overlapping = flat_estimates(**costs), flat_estimates(**costs, overlaps=True)
     action = decide(overlapping, remaining=64)
     assert (action.k, action.ahead, action.stretch) == (2, True, 0)
     assert overlapping.round_ns(2) == pytest.approx(0.83e9, rel=0.01)
-    assert overlapping.tokens_per_ns(2) / waiting.tokens_per_ns(waiting.best_k()) == pytest.approx(1.25, abs=0.01)
+    assert overlapping.tokens_per_ns(2) / waiting.tokens_per_ns(waiting.best_k()) == pytest.approx(
+        1.25, abs=0.01
+    )
 
 
 def test_one_rejected_first_round_does_not_stop_speculation():
@@ -337,16 +402,24 @@ def test_an_earlier_calls_acceptance_carries_a_first_rejection():
     """Through the services with the Qwen pair (+1 ms): a first round of k = 1 rejected
     after calls that accepted 85%. From the default prior it reads a = 0.32 and the call
     stops speculating; with the earlier 85% as the prior it reads 0.55 and measures on."""
-    calls = [round_(4, 4, 344.0, overhead_ms=7.0, draft_ms=440.0), round_(4, 2, 344.0, overhead_ms=7.0, draft_ms=440.0),
-             round_(0, 0, 265.0, overhead_ms=7.0)]
+    calls = [
+        round_(4, 4, 344.0, overhead_ms=7.0, draft_ms=440.0),
+        round_(4, 2, 344.0, overhead_ms=7.0, draft_ms=440.0),
+        round_(0, 0, 265.0, overhead_ms=7.0),
+    ]
     earlier = AdaptiveK(8)
     settled(earlier.estimator, calls, times=50)
     assert earlier.estimator.acceptances.rate() == pytest.approx(0.85, abs=0.01)
     first_round = round_(1, 0, 292.0, overhead_ms=7.0, draft_ms=110.0)
     seeded = AdaptiveK(8, costs=earlier.estimator.costs())
     seeded.estimator.observe(*first_round)
-    assert seeded.estimator.estimates().acceptance == pytest.approx(0.666, abs=0.01) and _is_round(seeded.next_action())
-    unseeded = AdaptiveK(8, costs=dataclasses.replace(earlier.estimator.costs(), acceptance=None, depth_acceptance=()))
+    assert seeded.estimator.estimates().acceptance == pytest.approx(0.666, abs=0.01) and _is_round(
+        seeded.next_action()
+    )
+    unseeded = AdaptiveK(
+        8,
+        costs=dataclasses.replace(earlier.estimator.costs(), acceptance=None, depth_acceptance=()),
+    )
     unseeded.estimator.observe(*first_round)
     assert unseeded.next_action().stretch > 0
 
@@ -364,7 +437,9 @@ def test_rejected_drafts_hand_over_to_stretches_that_double_while_probes_lose():
     stretches = []
     for _ in range(5):
         stretches.append(policy.next_action().stretch)
-        policy.estimator.stretches.observe_stretch(stretches[-1], stretches[-1] * 10 * MS + MS, 10 * MS)
+        policy.estimator.stretches.observe_stretch(
+            stretches[-1], stretches[-1] * 10 * MS + MS, 10 * MS
+        )
         assert _k(policy.next_action()) == 1  # the probe drafts what is cheapest to re-measure with
         policy.estimator.observe(*round_(1, 0, 11.0))
     assert stretches == [8, 16, 32, 64, 64]
@@ -386,7 +461,9 @@ def _bf16_qwen_rounds() -> AdaptiveK:
     draft 105 ms), 5 of 6 accepted. With one width seen, c(1) is the slope's prior:
     327 ms (it is 213 ms), and k = 1 reads 1.27x faster than decoding alone (0.82x)."""
     policy = AdaptiveK(8)
-    for observed in ([round_(1, 1, 360.0, draft_ms=105.0)] * 5 + [round_(1, 0, 360.0, draft_ms=105.0)]) * 2:
+    for observed in (
+        [round_(1, 1, 360.0, draft_ms=105.0)] * 5 + [round_(1, 0, 360.0, draft_ms=105.0)]
+    ) * 2:
         policy.estimator.observe(*observed)
     e = policy.estimator.estimates()
     assert e.one_token_ns == pytest.approx(327 * MS, rel=0.01)
@@ -429,12 +506,24 @@ def _settled_policy(overhead_ms=5.0) -> AdaptiveK:
     """c(1) = 10 ms, c(5) = 14 ms, R = overhead_ms, solo 10 ms a token, 3 of 4 drafts
     accepted every round (the fourth never): k = 3, E = 4 tokens."""
     policy = AdaptiveK(4)
-    settled(policy.estimator, [round_(4, 3, 14.0, overhead_ms=overhead_ms), streamed(10.0, overhead_ms)], times=30)
+    settled(
+        policy.estimator,
+        [round_(4, 3, 14.0, overhead_ms=overhead_ms), streamed(10.0, overhead_ms)],
+        times=30,
+    )
     return policy
 
 
-def _drafter_turns(policy, pattern, times=30, overhead_ms=5.0, remaining=None, turn=Turn.NOTHING_PROPOSED,
-                   start_ms=None, token_ms=10.0):
+def _drafter_turns(
+    policy,
+    pattern,
+    times=30,
+    overhead_ms=5.0,
+    remaining=None,
+    turn=Turn.NOTHING_PROPOSED,
+    start_ms=None,
+    token_ms=10.0,
+):
     """The drafter's turns, `pattern` over and over: P proposes, E proposes nothing.
     The stretches decided on at the E turns, each observed as decoded whole at token_ms
     a token after a start of start_ms (default 2 R, the prior)."""
@@ -448,8 +537,11 @@ def _drafter_turns(policy, pattern, times=30, overhead_ms=5.0, remaining=None, t
                 continue
             stretches.append(policy.next_action(remaining, turn).stretch)
             if stretches[-1]:
-                policy.estimator.stretches.observe_stretch(stretches[-1], int((stretches[-1] * token_ms + start_ms) * MS),
-                                                 int(token_ms * MS))
+                policy.estimator.stretches.observe_stretch(
+                    stretches[-1],
+                    int((stretches[-1] * token_ms + start_ms) * MS),
+                    int(token_ms * MS),
+                )
     return stretches
 
 
@@ -461,13 +553,20 @@ def test_an_empty_proposal_is_worth_a_round_trip_only_while_proposals_pay_for_it
     after each further empty turn, up to 4 x 8."""
     assert set(_drafter_turns(_settled_policy(), "PE")) == {0}
     assert _drafter_turns(_settled_policy(), "PEEEEEE")[-6:] == [20, 20, 32, 32, 32, 32]
-    assert AdaptiveK(4).next_action(turn=Turn.NOTHING_PROPOSED) == TAKE_ROUND  # nothing measured yet
+    # nothing measured yet
+    assert AdaptiveK(4).next_action(turn=Turn.NOTHING_PROPOSED) == TAKE_ROUND
 
 
 def test_an_empty_turn_near_the_end_of_the_call_decodes_to_the_end():
     rarely = _settled_policy()
     assert _drafter_turns(rarely, "PEEEE")[-1] == 32
-    assert [rarely.next_action(n, Turn.NOTHING_PROPOSED).stretch for n in (100, 40, 39, 33, 5)] == [32, 32, 39, 33, 5]
+    assert [rarely.next_action(n, Turn.NOTHING_PROPOSED).stretch for n in (100, 40, 39, 33, 5)] == [
+        32,
+        32,
+        39,
+        33,
+        5,
+    ]
 
 
 def test_a_lookup_drafters_stretch_runs_until_it_would_propose_again():
@@ -481,7 +580,12 @@ def test_a_lookup_drafters_stretch_runs_until_it_would_propose_again():
     # Empty rounds, and now and then one first-size stretch (20 ms / (5% of 10 ms): 40
     # tokens) re-measuring s, once that risks at most 5% of the rounds' time since.
     assert decided.count(0) >= len(decided) - 2 and set(decided) <= {0, 40}
-    assert _drafter_turns(rarely, "PEEEE", remaining=100, turn=Turn.NOTHING_UNTIL_MATCH, start_ms=20)[-1] == 100
+    assert (
+        _drafter_turns(rarely, "PEEEE", remaining=100, turn=Turn.NOTHING_UNTIL_MATCH, start_ms=20)[
+            -1
+        ]
+        == 100
+    )
 
 
 def test_in_process_an_empty_round_costs_next_to_nothing():
@@ -533,7 +637,8 @@ def test_decoding_alone_costs_what_its_stretches_measured():
     costs the 285 ms measured, and k = 3 at 94% leads it."""
     policy = AdaptiveK(8)
     policy.estimator.observe(*round_(2, 2, 308.0, overhead_ms=5.0, draft_ms=239.0))
-    assert policy.next_action(remaining=61).stretch == 8  # c(1) not measured yet: a stretch measures it
+    # c(1) not measured yet: a stretch measures it
+    assert policy.next_action(remaining=61).stretch == 8
     policy.estimator.stretches.observe_stretch(8, (8 * 285 + 300) * MS, 285 * MS)
     for k, draft_ms, compute_ms in [(2, 216.0, 342.0), (2, 227.0, 304.0), (3, 555.0, 422.0)]:
         assert _is_round(policy.next_action(remaining=50))
@@ -546,7 +651,11 @@ def test_decoding_alone_costs_what_its_stretches_measured():
 def test_a_costly_draft_lowers_k():
     fast, slow = AdaptiveK(8), AdaptiveK(8)
     settled(fast.estimator, [round_(4, 2, 12.0), round_(1, 1, 10.5)], times=30)
-    settled(slow.estimator, [round_(4, 2, 12.0, draft_ms=40.0), round_(1, 1, 10.5, draft_ms=10.0)], times=30)
+    settled(
+        slow.estimator,
+        [round_(4, 2, 12.0, draft_ms=40.0), round_(1, 1, 10.5, draft_ms=10.0)],
+        times=30,
+    )
     assert slow.estimator.estimates().best_k() < fast.estimator.estimates().best_k()
 
 
@@ -554,10 +663,15 @@ def test_rejected_drafts_on_a_crowded_worker_hand_over_to_decoding_alone():
     """Drafts never accepted cost the batch (32 sessions, 40 ms + 0.9 ms a token) and
     yield nothing: the target decodes alone, whatever the session's own rounds favour."""
     stats, elapsed = round_(1, 0, 40.0 + 0.9 * 64)
-    loaded = dataclasses.replace(stats, step=StepLoad(0, stats.target_compute_ns, 64, 32, 32, 40.0 * MS, 0.9 * MS))
+    loaded = dataclasses.replace(
+        stats, step=StepLoad(0, stats.target_compute_ns, 64, 32, 32, 40.0 * MS, 0.9 * MS)
+    )
     policy = AdaptiveK(4)
     settled(policy.estimator, [(loaded, elapsed)])
-    assert policy.estimator.estimates().worker_k == 0 and policy.next_action(remaining=1000).stretch > 0
+    assert (
+        policy.estimator.estimates().worker_k == 0
+        and policy.next_action(remaining=1000).stretch > 0
+    )
 
 
 # --- the loop, driven by policies -------------------------------------------------------
@@ -568,11 +682,16 @@ def test_adaptive_generation_is_still_exact(tiny_target, prompt_ids):
     plain = SpeculativeGenerator(tiny_target)
     adaptive = SpeculativeGenerator(tiny_target, NgramDrafter())
     for ids in prompt_ids[:6]:
-        assert adaptive.generate(ids, params, k=AdaptiveK(8)).token_ids == plain.generate(ids, params, k=0).token_ids
+        assert (
+            adaptive.generate(ids, params, k=AdaptiveK(8)).token_ids
+            == plain.generate(ids, params, k=0).token_ids
+        )
 
 
 @pytest.mark.parametrize("max_k", [1, 3, 8])
-def test_a_lookup_drafters_rounds_run_by_the_target_keep_the_output_exact(tiny_bigram, prompt_ids, max_k):
+def test_a_lookup_drafters_rounds_run_by_the_target_keep_the_output_exact(
+    tiny_bigram, prompt_ids, max_k
+):
     """Where the target runs prompt lookup's rounds (LocalVerifier(runs_lookup=True) in
     process), the call is stretches whose passes verify looked-up tokens: no round of
     the draft's, the target's greedy output token for token."""
@@ -581,10 +700,18 @@ def test_a_lookup_drafters_rounds_run_by_the_target_keep_the_output_exact(tiny_b
     accepted = 0
     for ids in prompt_ids[:6]:
         target = TargetSession(tiny_bigram, ids, params)
-        loop = speculation_rounds(LocalVerifier(target, runs_lookup=True), NgramDrafter(1, 3).open(ids, params),
-                                  len(ids), params, AdaptiveK(max_k), tiny_bigram.context_length)
+        loop = speculation_rounds(
+            LocalVerifier(target, runs_lookup=True),
+            NgramDrafter(1, 3).open(ids, params),
+            len(ids),
+            params,
+            AdaptiveK(max_k),
+            tiny_bigram.context_length,
+        )
         results = list(loop)
-        assert [t for r in results for t in r.token_ids] == plain.generate(ids, params, k=0).token_ids
+        assert [t for r in results for t in r.token_ids] == plain.generate(
+            ids, params, k=0
+        ).token_ids
         assert all(r.stats.streamed and r.stats.num_drafted <= max_k for r in results)
         accepted += sum(r.stats.num_accepted for r in results)
     assert accepted >= 20
@@ -593,8 +720,16 @@ def test_a_lookup_drafters_rounds_run_by_the_target_keep_the_output_exact(tiny_b
 # Rounds that propose win (k = 4 at a = 0.93: 4.6 tokens for 14 + 20 ms, against 10 ms a
 # token alone); an empty round (30 ms) loses to a stretch until text to copy (10 ms a
 # token and 20 ms to start, over the 2 tokens f = 0.5 expects).
-SLOW_LINK = MeasuredCosts(one_token_ns=10 * MS, per_token_ns=1 * MS, overhead_ns=20 * MS, solo_token_ns=10 * MS,
-                          stream_start_ns=20 * MS, draft_token_ns=0.0, acceptance=0.9, one_token_measured=True)
+SLOW_LINK = MeasuredCosts(
+    one_token_ns=10 * MS,
+    per_token_ns=1 * MS,
+    overhead_ns=20 * MS,
+    solo_token_ns=10 * MS,
+    stream_start_ns=20 * MS,
+    draft_token_ns=0.0,
+    acceptance=0.9,
+    one_token_measured=True,
+)
 
 
 class _StretchesToCopies(AdaptiveK):
@@ -617,20 +752,26 @@ class _StretchesToCopies(AdaptiveK):
 
     def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         action = super().next_action(remaining, turn, stretches)
-        assert turn is not Turn.NOTHING_PROPOSED  # an n-gram drafter's stretches end at text to copy
+        # an n-gram drafter's stretches end at text to copy
+        assert turn is not Turn.NOTHING_PROPOSED
         if turn is Turn.NOTHING_UNTIL_MATCH or action.stretch:
             self.asked = action.stretch if turn is Turn.NOTHING_UNTIL_MATCH else 0
         return action
 
 
-def test_in_process_stretches_end_at_text_to_copy_and_the_output_stays_exact(tiny_target, prompt_ids):
+def test_in_process_stretches_end_at_text_to_copy_and_the_output_stays_exact(
+    tiny_target, prompt_ids
+):
     plain = SpeculativeGenerator(tiny_target)
     lookup = SpeculativeGenerator(tiny_target, NgramDrafter(min_ngram=1, max_ngram=2))
     params = SamplingParams(max_new_tokens=24)
     ended_at_copies = 0
     for ids in prompt_ids:
         policy = _StretchesToCopies()
-        assert lookup.generate(ids, params, k=policy).token_ids == plain.generate(ids, params, k=0).token_ids
+        assert (
+            lookup.generate(ids, params, k=policy).token_ids
+            == plain.generate(ids, params, k=0).token_ids
+        )
         ended_at_copies += sum(decoded < asked for asked, decoded in policy.stretches)
     assert ended_at_copies >= 5
 
@@ -642,8 +783,9 @@ class _Alternating(SpeculationPolicy):
         super().__init__(k, CostEstimator(k))
         self.solo, self.drafting = solo, True
         self.stretches = []
-        self.estimator.stretches.observe_stretch = lambda num_tokens, elapsed_ns, token_ns, **_: \
+        self.estimator.stretches.observe_stretch = lambda num_tokens, elapsed_ns, token_ns, **_: (
             self.stretches.append((num_tokens, elapsed_ns, token_ns))
+        )
 
     def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         if turn is not Turn.DRAFT:
@@ -654,7 +796,8 @@ class _Alternating(SpeculationPolicy):
 
 @pytest.mark.parametrize(("k", "solo"), [(1, 1), (3, 2), (4, 5)])
 def test_stretches_of_target_only_decoding_keep_greedy_and_seeded_output_exact(
-        tiny_target, tiny_perturbed, prompt_ids, k, solo):
+    tiny_target, tiny_perturbed, prompt_ids, k, solo
+):
     plain = SpeculativeGenerator(tiny_target)
     mixed = SpeculativeGenerator(tiny_target, ModelDrafter(tiny_perturbed))
     greedy = SamplingParams(max_new_tokens=21)
@@ -667,7 +810,10 @@ def test_stretches_of_target_only_decoding_keep_greedy_and_seeded_output_exact(
     ids = prompt_ids[0]
     reference = plain.generate(ids, greedy, k=0).token_ids
     stop = SamplingParams(max_new_tokens=21, stop_token_ids=(reference[solo],))
-    assert mixed.generate(ids, stop, k=_Alternating(k, solo)).token_ids == plain.generate(ids, stop, k=0).token_ids
+    assert (
+        mixed.generate(ids, stop, k=_Alternating(k, solo)).token_ids
+        == plain.generate(ids, stop, k=0).token_ids
+    )
     # Seeded sampling: the same run twice draws the same tokens.
     seeded = SamplingParams(temperature=0.8, seed=7, max_new_tokens=21)
     first = mixed.generate(ids, seeded, k=_Alternating(k, solo)).token_ids
@@ -703,7 +849,9 @@ class _CallLog(DraftSession):
         self.inner.release()
 
 
-def test_the_draft_catches_up_on_a_stretch_before_drafting_again(tiny_target, tiny_perturbed, prompt_ids):
+def test_the_draft_catches_up_on_a_stretch_before_drafting_again(
+    tiny_target, tiny_perturbed, prompt_ids
+):
     """The draft runs the tokens it did not see at the end of a stretch, which the policy
     learns as the cost of starting one, never within the next proposal."""
     calls = []
@@ -711,11 +859,17 @@ def test_the_draft_catches_up_on_a_stretch_before_drafting_again(tiny_target, ti
     opened = drafter.open
     drafter.open = lambda ids, params: _CallLog(opened(ids, params), calls)
     policy = _Alternating(2, 3)
-    SpeculativeGenerator(tiny_target, drafter).generate(prompt_ids[0], SamplingParams(max_new_tokens=20), k=policy)
+    SpeculativeGenerator(tiny_target, drafter).generate(
+        prompt_ids[0], SamplingParams(max_new_tokens=20), k=policy
+    )
     text = " ".join(calls)
-    assert text.count(" ".join(["append"] * 3 + ["prefill", "propose"])) == len(policy.stretches) >= 3, text
+    assert (
+        text.count(" ".join(["append"] * 3 + ["prefill", "propose"])) == len(policy.stretches) >= 3
+    ), text
     # token_ns: the mean of the n - 1 intervals after the first, all within elapsed.
-    assert all(n == 3 and elapsed >= (n - 1) * token_ns > 0 for n, elapsed, token_ns in policy.stretches)
+    assert all(
+        n == 3 and elapsed >= (n - 1) * token_ns > 0 for n, elapsed, token_ns in policy.stretches
+    )
 
 
 class _Solo(SpeculationPolicy):
@@ -726,14 +880,19 @@ class _Solo(SpeculationPolicy):
         return Action(stretch=remaining)
 
 
-def test_a_call_the_target_decodes_alone_never_runs_the_draft_model(tiny_target, tiny_perturbed, prompt_ids):
+def test_a_call_the_target_decodes_alone_never_runs_the_draft_model(
+    tiny_target, tiny_perturbed, prompt_ids
+):
     passes = []
     hook = tiny_perturbed.model.register_forward_hook(lambda *args: passes.append(1))
     try:
         generator = SpeculativeGenerator(tiny_target, ModelDrafter(tiny_perturbed))
         params = SamplingParams(max_new_tokens=12)
         result = generator.generate(prompt_ids[0], params, k=_Solo())
-        assert result.token_ids == SpeculativeGenerator(tiny_target).generate(prompt_ids[0], params, k=0).token_ids
+        assert (
+            result.token_ids
+            == SpeculativeGenerator(tiny_target).generate(prompt_ids[0], params, k=0).token_ids
+        )
         assert passes == [] and result.stats.num_streamed == 12
         generator.generate(prompt_ids[0], params, k=4)
         assert passes  # a drafting call still runs it
@@ -770,8 +929,9 @@ class _ShadowLog(SpeculationPolicy):
     def __init__(self, k):
         super().__init__(k, CostEstimator(k))
         self.shadows = []
-        self.estimator.observe_shadow = lambda num_drafted, num_accepted: \
-            self.shadows.append((num_drafted, num_accepted))
+        self.estimator.observe_shadow = lambda num_drafted, num_accepted: self.shadows.append(
+            (num_drafted, num_accepted)
+        )
 
     def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         return Action(stretch=remaining)
@@ -781,8 +941,9 @@ class _RoundLog(FixedK):
     def __init__(self, k):
         super().__init__(k)
         self.rounds = []
-        self.estimator.observe = lambda round_stats, elapsed_ns: \
-            self.rounds.append((round_stats.num_drafted, round_stats.num_accepted))
+        self.estimator.observe = lambda round_stats, elapsed_ns: self.rounds.append(
+            (round_stats.num_drafted, round_stats.num_accepted)
+        )
 
 
 class _ScriptedVerifier:
@@ -794,28 +955,70 @@ class _ScriptedVerifier:
     def __init__(self, prompt_len, script):
         self.prompt_len, self.script, self.sent = prompt_len, script, []
 
-    def send(self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None):
+    def send(
+        self, base_len, draft_token_ids, draft_probs, expected_last_token_id=None, parents=None
+    ):
         self.sent.append((base_len, list(draft_token_ids)))
 
     def receive(self):
         base_len, drafts = self.sent.pop(0)
-        ahead = self.script[base_len - self.prompt_len:]
-        accepted = next((i for i, (d, t) in enumerate(zip(drafts, ahead)) if d != t), min(len(drafts), len(ahead) - 1))
+        ahead = self.script[base_len - self.prompt_len :]
+        accepted = next(
+            (i for i, (d, t) in enumerate(zip(drafts, ahead)) if d != t),
+            min(len(drafts), len(ahead) - 1),
+        )
         kind = NextTokenKind.BONUS if accepted == len(drafts) else NextTokenKind.RECOVERED
-        tokens = ahead[:accepted + 1]
-        return VerifyResult(Verdict(accepted, tokens[-1], kind), tokens, base_len + len(tokens), False, 0)
+        tokens = ahead[: accepted + 1]
+        return VerifyResult(
+            Verdict(accepted, tokens[-1], kind), tokens, base_len + len(tokens), False, 0
+        )
 
     def abandon_last(self):
         self.sent.pop()
 
     def decode(self, base_len, max_tokens, until=None, lookup=None):
-        for i, token in enumerate(self.script[base_len - self.prompt_len:][:max_tokens]):
-            yield VerifyResult(Verdict(0, token, NextTokenKind.BONUS), [token], base_len + i + 1, False, 0)
+        for i, token in enumerate(self.script[base_len - self.prompt_len :][:max_tokens]):
+            yield VerifyResult(
+                Verdict(0, token, NextTokenKind.BONUS), [token], base_len + i + 1, False, 0
+            )
 
 
 # Text that repeats with changes: prompt lookup proposes, and is right for a while.
 _PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 9, 4, 5, 6, 10, 8]
-_SCRIPT = [1, 2, 3, 4, 5, 6, 11, 8, 1, 2, 9, 4, 5, 6, 7, 8, 12, 1, 2, 3, 4, 5, 13, 13, 1, 2, 9, 4, 5, 6, 10, 8] * 2
+_SCRIPT = [
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    11,
+    8,
+    1,
+    2,
+    9,
+    4,
+    5,
+    6,
+    7,
+    8,
+    12,
+    1,
+    2,
+    3,
+    4,
+    5,
+    13,
+    13,
+    1,
+    2,
+    9,
+    4,
+    5,
+    6,
+    10,
+    8,
+] * 2
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -826,7 +1029,9 @@ def test_a_stretch_measures_the_rounds_a_lookup_drafter_would_have_run(k):
     logs = []
     for policy in (_ShadowLog(k), _RoundLog(k)):
         draft = NgramDrafter(min_ngram=1, max_ngram=3).open(_PROMPT, params)
-        loop = speculation_rounds(_ScriptedVerifier(len(_PROMPT), _SCRIPT), draft, len(_PROMPT), params, policy, 4096)
+        loop = speculation_rounds(
+            _ScriptedVerifier(len(_PROMPT), _SCRIPT), draft, len(_PROMPT), params, policy, 4096
+        )
         assert [t for result in loop for t in result.token_ids] == _SCRIPT
         logs.append(policy.shadows if isinstance(policy, _ShadowLog) else policy.rounds)
     shadows, rounds = logs
@@ -835,8 +1040,11 @@ def test_a_stretch_measures_the_rounds_a_lookup_drafter_would_have_run(k):
         consumed += accepted + 1
         if consumed <= len(_SCRIPT) - (k + 1):
             ran.append((drafted, accepted))
-    assert shadows[:len(ran)] == ran
-    assert sum(accepted >= 2 for _, accepted in ran) >= (2 if k > 1 else 0) and sum(d > 0 for d, _ in ran) >= 8
+    assert shadows[: len(ran)] == ran
+    assert (
+        sum(accepted >= 2 for _, accepted in ran) >= (2 if k > 1 else 0)
+        and sum(d > 0 for d, _ in ran) >= 8
+    )
 
 
 @given(estimates(after_stretch=True))
@@ -853,7 +1061,9 @@ def test_a_model_drafter_stops_where_its_next_token_earns_less_than_the_round(e)
     else:
         earned = (e.draft_token_ns + e.widening_ns(action.k)) * e.tokens_per_ns(action.k)
         assert action.min_reach == pytest.approx(min(1.0, earned))
-        assert (action.min_reach > 0.0) == (earned > 0.0) and action.min_reach <= 1.0  # 0 only by underflow
+        assert (action.min_reach > 0.0) == (
+            earned > 0.0
+        ) and action.min_reach <= 1.0  # 0 only by underflow
 
 
 def test_draft_tokens_within_a_padded_pass_cost_only_their_drafting():
@@ -862,10 +1072,23 @@ def test_draft_tokens_within_a_padded_pass_cost_only_their_drafting():
     its next token earns less than d alone, and a tree's branches there are free; past
     it they cost again."""
     plain = flat_estimates(
-        max_k=8, acceptance=0.7, proposal_rate=1.0, draft_token_ns=30 * MS, one_token_ns=150 * MS, per_token_ns=10 * MS,
-        overhead_ns=5 * MS, solo_token_ns=200 * MS, solo_measured=True, one_token_measured=True, start_ns=0.0,
-        worker_k=8, measure=False)
-    padded = dataclasses.replace(plain, per_token_ns=150 * MS, step_costs=(200.0,) * 6 + (250.0, 260.0, 270.0))
+        max_k=8,
+        acceptance=0.7,
+        proposal_rate=1.0,
+        draft_token_ns=30 * MS,
+        one_token_ns=150 * MS,
+        per_token_ns=10 * MS,
+        overhead_ns=5 * MS,
+        solo_token_ns=200 * MS,
+        solo_measured=True,
+        one_token_measured=True,
+        start_ns=0.0,
+        worker_k=8,
+        measure=False,
+    )
+    padded = dataclasses.replace(
+        plain, per_token_ns=150 * MS, step_costs=(200.0,) * 6 + (250.0, 260.0, 270.0)
+    )
     assert padded.compute_ns(2) == padded.compute_ns(6) == 150 * MS < padded.compute_ns(7)
     assert (padded.widening_ns(4), plain.widening_ns(4)) == (0.0, 10 * MS)
     assert stop_reach(padded, 4) == pytest.approx(30 * MS * padded.tokens_per_ns(4))

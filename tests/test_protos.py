@@ -15,7 +15,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "protos"
 GENERATOR = REPO_ROOT / "scripts" / "gen_protos.py"
 PROTO_FILES = sorted(PROTO_ROOT.rglob("*.proto"))
-EXPECTED_SERVICES = {"specdec.v1.TargetService", "specdec.v1.DraftService", "specdec.v1.Orchestrator"}
+EXPECTED_SERVICES = {
+    "specdec.v1.TargetService",
+    "specdec.v1.DraftService",
+    "specdec.v1.Orchestrator",
+}
 
 
 def _files_under(root: Path) -> dict[str, bytes]:
@@ -34,14 +38,18 @@ def _module_name(proto: Path) -> str:
 
 def _services(proto_text: str) -> list[str]:
     package = re.search(r"^package\s+([\w.]+)\s*;", proto_text, re.MULTILINE).group(1)
-    return [f"{package}.{name}" for name in re.findall(r"^service\s+(\w+)", proto_text, re.MULTILINE)]
+    return [
+        f"{package}.{name}" for name in re.findall(r"^service\s+(\w+)", proto_text, re.MULTILINE)
+    ]
 
 
 # 1. The committed stubs are exactly what the generator makes from the .proto files.
 
 
 def test_committed_stubs_match_protos(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, str(GENERATOR), "--out", str(tmp_path)], check=True, cwd=REPO_ROOT)
+    subprocess.run(
+        [sys.executable, str(GENERATOR), "--out", str(tmp_path)], check=True, cwd=REPO_ROOT
+    )
     fresh = _files_under(tmp_path)
     committed = _files_under(REPO_ROOT)
     assert fresh, "the generator wrote nothing"
@@ -81,7 +89,9 @@ def test_all_services_are_defined() -> None:
 
 # 3. Every declaration carries a comment (a unit or shape for every field).
 
-_FIELD = re.compile(r"^(optional\s+|repeated\s+)?(map<[^>]+>|[\w.]+)\s+(\w+)\s*=\s*\d+\s*(\[.*\])?\s*;$")
+_FIELD = re.compile(
+    r"^(optional\s+|repeated\s+)?(map<[^>]+>|[\w.]+)\s+(\w+)\s*=\s*\d+\s*(\[.*\])?\s*;$"
+)
 _ENUM_VALUE = re.compile(r"^(\w+)\s*=\s*-?\d+\s*(\[.*\])?\s*;$")
 _BLOCK = re.compile(r"^(message|enum|oneof|service)\s+(\w+)\s*\{")
 _RPC = re.compile(r"^rpc\s+(\w+)\s*\(")

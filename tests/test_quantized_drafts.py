@@ -10,21 +10,31 @@ import pytest
 import torch
 from torch import nn
 
+from foundation.errors import InvalidArgument
 from model_runtime import quantization
 from model_runtime.loading import load_model
 from speculative.drafters import ModelDrafter
-from foundation.errors import InvalidArgument
 from speculative.generator import SpeculativeGenerator
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from tests.test_greedy_equivalence import GREEDY, _check_all
-from tests.test_sampled_generation import NUM_RUNS, _chi_square_p_value, _exact_target_distribution, _sample_runs
+from tests.test_sampled_generation import (
+    NUM_RUNS,
+    _chi_square_p_value,
+    _exact_target_distribution,
+    _sample_runs,
+)
 
 ALPHA = 1e-3
-CPU_SCHEMES = [name for name, scheme in quantization.SCHEMES.items() if scheme.cpu not in (None, "none")]
+CPU_SCHEMES = [
+    name for name, scheme in quantization.SCHEMES.items() if scheme.cpu not in (None, "none")
+]
 
 
-@pytest.fixture(scope="module", params=[(s, keep) for s in CPU_SCHEMES for keep in (False, True)],
-                ids=lambda p: f"{p[0]}{'-keep-output' if p[1] else ''}")
+@pytest.fixture(
+    scope="module",
+    params=[(s, keep) for s in CPU_SCHEMES for keep in (False, True)],
+    ids=lambda p: f"{p[0]}{'-keep-output' if p[1] else ''}",
+)
 def self_draft(request):
     """The target's own weights (tiny-random:1), quantized: the `self` drafter."""
     scheme, keep_output = request.param
@@ -48,14 +58,18 @@ def test_every_linear_is_quantized_unless_the_output_layer_is_kept(self_draft):
     assert any("quantized" in type(m).__module__ for m in self_draft.model.modules())
 
 
-def test_a_quantized_self_draft_equals_target_only_greedy(tiny_target, self_draft, prompt_ids, references):
+def test_a_quantized_self_draft_equals_target_only_greedy(
+    tiny_target, self_draft, prompt_ids, references
+):
     drafter = ModelDrafter(self_draft)
     _check_all(tiny_target, prompt_ids, references, lambda ids, ref: drafter)
     stats = SpeculativeGenerator(tiny_target, drafter).generate(prompt_ids[0], GREEDY, k=4).stats
     assert 0.2 < stats.acceptance_rate < 1.0  # right in part: both paths of the rule run
 
 
-def test_lookup_then_quantized_model_equals_target_only_greedy(tiny_target, self_draft, prompt_ids, references):
+def test_lookup_then_quantized_model_equals_target_only_greedy(
+    tiny_target, self_draft, prompt_ids, references
+):
     drafter = LookupThenModelDrafter(ModelDrafter(self_draft), NgramDrafter())
     _check_all(tiny_target, prompt_ids[:8], references[:8], lambda ids, ref: drafter)
 
@@ -72,8 +86,12 @@ def test_quantization_changes_the_draft_not_only_its_speed(tiny_target, prompt_i
 def test_sampling_with_a_quantized_draft_follows_the_target_distribution(tiny_target, prompt_ids):
     draft = load_model("tiny-random:1", quantize="int8-dynamic")
     samples, acceptance = _sample_runs(tiny_target, ModelDrafter(draft), prompt_ids[0], 2, NUM_RUNS)
-    assert 0.2 < acceptance < 1.0, f"a quantized copy should be partly right, acceptance {acceptance:.3f}"
-    assert _chi_square_p_value(samples, _exact_target_distribution(tiny_target, prompt_ids[0])) > ALPHA
+    assert 0.2 < acceptance < 1.0, (
+        f"a quantized copy should be partly right, acceptance {acceptance:.3f}"
+    )
+    assert (
+        _chi_square_p_value(samples, _exact_target_distribution(tiny_target, prompt_ids[0])) > ALPHA
+    )
 
 
 @pytest.mark.parametrize("scheme", ["int8-weight-only", "int4-weight-only", "fp8"])
@@ -97,7 +115,10 @@ def test_the_per_tensor_scheme_is_cpu_only():
         quantization.check_scheme("int8-dynamic-per-tensor", "cuda")
 
 
-@pytest.mark.parametrize("scheme", [name for name, entry in quantization.SCHEMES.items() if entry.cuda not in (None, "none")])
+@pytest.mark.parametrize(
+    "scheme",
+    [name for name, entry in quantization.SCHEMES.items() if entry.cuda not in (None, "none")],
+)
 def test_every_cuda_scheme_builds_its_torchao_config(scheme):
     """Where torchao is installed (`.[gpu]`): each CUDA scheme's config is one torchao
     accepts; int4 asks for the tiled layout, which torch's own kernel runs."""

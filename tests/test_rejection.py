@@ -22,8 +22,8 @@ import pytest
 import scipy.stats
 import torch
 
-from speculative import rejection
 from foundation.errors import InvalidArgument
+from speculative import rejection
 from speculative.rejection import (
     NextTokenKind,
     Verdict,
@@ -149,13 +149,19 @@ def test_draft_identical_to_target_accepts_everything():
 
 def test_draft_token_with_draft_prob_zero_raises():
     target_probs = _random_target_probs(3, 6, seed=2)
-    draft_probs = [SparseProbs(torch.tensor([1, 2]), torch.tensor([0.5, 0.5])), SparseProbs.one_hot(3)]
+    draft_probs = [
+        SparseProbs(torch.tensor([1, 2]), torch.tensor([0.5, 0.5])),
+        SparseProbs.one_hot(3),
+    ]
     with pytest.raises(InvalidArgument) as error:
         verify_sampled([4, 3], draft_probs, target_probs, make_generator(0))
     assert "position 0" in str(error.value)
     # At position 1, behind a draft token the target surely accepts (it agrees with the
     # one-hot draft there).
-    draft_probs = [SparseProbs.one_hot(3), SparseProbs(torch.tensor([1, 2]), torch.tensor([0.5, 0.5]))]
+    draft_probs = [
+        SparseProbs.one_hot(3),
+        SparseProbs(torch.tensor([1, 2]), torch.tensor([0.5, 0.5])),
+    ]
     target_probs[0] = SparseProbs.one_hot(3).to_dense(6)
     with pytest.raises(InvalidArgument) as error:
         verify_sampled([3, 4], draft_probs, target_probs, make_generator(0))
@@ -202,7 +208,9 @@ def test_seeds_reproduce_a_sequence_of_verdicts():
 
     def run(seed: int) -> list[Verdict]:
         generator, draft_generator = make_generator(seed), make_generator(seed + 10_000)
-        return [_round(world, (), k, generator, draft_generator, verify_sampled)[1] for _ in range(60)]
+        return [
+            _round(world, (), k, generator, draft_generator, verify_sampled)[1] for _ in range(60)
+        ]
 
     first = run(7)
     assert run(7) == first
@@ -259,7 +267,9 @@ class _World:
         draft = self.draft(context)
         return draft.token_ids.tolist(), list(itertools.accumulate(draft.probs.double().tolist()))
 
-    def _stacked_target(self, context: tuple[int, ...], draft_token_ids: tuple[int, ...]) -> torch.Tensor:
+    def _stacked_target(
+        self, context: tuple[int, ...], draft_token_ids: tuple[int, ...]
+    ) -> torch.Tensor:
         """[k + 1, vocab_size]: row i scores the position of draft token i."""
         rows = [self.target(context + draft_token_ids[:i]) for i in range(len(draft_token_ids) + 1)]
         return torch.stack(rows)
@@ -319,11 +329,14 @@ def _enumerate_generation(
 ) -> dict[tuple[int, ...], float]:
     """Exact probability of each sequence of `length` emitted tokens when rounds of k draft
     tokens run from an empty prefix until `length` tokens are out."""
-    return _enumerate_rounds(lambda context: _round_outcomes(world, context, k, accept, recover), length)
+    return _enumerate_rounds(
+        lambda context: _round_outcomes(world, context, k, accept, recover), length
+    )
 
 
-def _enumerate_rounds(round_outcomes: Callable[[tuple[int, ...]], dict[tuple[int, ...], float]],
-                      length: int) -> dict[tuple[int, ...], float]:
+def _enumerate_rounds(
+    round_outcomes: Callable[[tuple[int, ...]], dict[tuple[int, ...], float]], length: int
+) -> dict[tuple[int, ...], float]:
     """Exact probability of each sequence of `length` emitted tokens when rounds, each
     committing what round_outcomes(context) gives with its probability, run from an empty
     prefix (the last round's extra tokens cut off). A dynamic programme over the
@@ -386,9 +399,13 @@ def test_exact_enumeration_rejects_a_wrong_rule(wrong_rule, k):
     """Negative control: the enumeration is sharp enough to see a plausible mistake."""
     world = _World(0, ENUMERATION_VOCAB_SIZE, ENUMERATION_DRAFT_SUPPORT)
     if wrong_rule == "recover_from_target":
-        enumerated = _enumerate_generation(world, k, ENUMERATION_LENGTH, recover=_recover_from_target)
+        enumerated = _enumerate_generation(
+            world, k, ENUMERATION_LENGTH, recover=_recover_from_target
+        )
     else:
-        enumerated = _enumerate_generation(world, k, ENUMERATION_LENGTH, accept=_accept_with_target_prob)
+        enumerated = _enumerate_generation(
+            world, k, ENUMERATION_LENGTH, accept=_accept_with_target_prob
+        )
     assert sum(enumerated.values()) == pytest.approx(1.0, abs=1e-9)  # still a distribution
     assert _max_error(world, enumerated, ENUMERATION_LENGTH) > 1e-3
 
@@ -416,7 +433,9 @@ def _round(
         token_ids, cdf = world.draft_cdf(context + tuple(draft_token_ids))
         # The draft's own inverse-CDF draw, in plain Python (the draft's sampler is not under
         # test here, and this keeps the many rounds below fast).
-        draft_token_ids.append(token_ids[min(bisect.bisect_right(cdf, uniform * cdf[-1]), len(cdf) - 1)])
+        draft_token_ids.append(
+            token_ids[min(bisect.bisect_right(cdf, uniform * cdf[-1]), len(cdf) - 1)]
+        )
         draft_probs.append(probs)
     target_probs = world.stacked_target(context, tuple(draft_token_ids))
     return draft_token_ids, verify(draft_token_ids, draft_probs, target_probs, generator)
@@ -444,7 +463,9 @@ def _chisquare_pvalue(observed: Counter, expected_probs: dict) -> float:
     if any(expected_probs.get(cell, 0.0) == 0.0 for cell in observed):
         return 0.0
     norm = sum(expected_probs.values())
-    cells = sorted((total * p / norm, observed[cell]) for cell, p in expected_probs.items() if p > 0)
+    cells = sorted(
+        (total * p / norm, observed[cell]) for cell, p in expected_probs.items() if p > 0
+    )
     pooled_expected, pooled_observed = 0.0, 0
     while cells and (cells[0][0] < 5 or 0 < pooled_expected < 5):
         expected, count = cells.pop(0)
@@ -475,7 +496,8 @@ def _first_and_pair_pvalues(verify: Verifier, num_runs: int = STAT_NUM_RUNS) -> 
     # The pair against target(a | ()) * target(b | (a,)): the second token follows the target
     # given the first, whether it came in the same round (accepted first token) or the next.
     pair = _chisquare_pvalue(
-        Counter(sequences), {(a, b): world.autoregressive_prob((a, b)) for a in vocab for b in vocab}
+        Counter(sequences),
+        {(a, b): world.autoregressive_prob((a, b)) for a in vocab for b in vocab},
     )
     return first, pair
 

@@ -40,10 +40,16 @@ class ScriptedTarget(target_pb2_grpc.TargetServiceServicer):
                 yield from self._stretch(proposal)
                 continue
             yield target_pb2.Verdict(
-                session_id=proposal.session_id, round=proposal.round, base_len=proposal.base_len,
-                decision=target_pb2.Decision(num_accepted=0, next_token_id=7,
-                                             next_token_kind=common_pb2.NEXT_TOKEN_KIND_RECOVERED,
-                                             committed_len=proposal.base_len + 1, target_compute_ns=1000),
+                session_id=proposal.session_id,
+                round=proposal.round,
+                base_len=proposal.base_len,
+                decision=target_pb2.Decision(
+                    num_accepted=0,
+                    next_token_id=7,
+                    next_token_kind=common_pb2.NEXT_TOKEN_KIND_RECOVERED,
+                    committed_len=proposal.base_len + 1,
+                    target_compute_ns=1000,
+                ),
             )
         self.half_closed.set()
         self.release.wait(WAIT_S)
@@ -52,12 +58,19 @@ class ScriptedTarget(target_pb2_grpc.TargetServiceServicer):
     def _stretch(self, proposal):
         for offset in range(proposal.stretch.max_tokens):
             base_len = proposal.base_len + offset
-            decision = target_pb2.Decision(next_token_id=7 + offset, next_token_kind=common_pb2.NEXT_TOKEN_KIND_BONUS,
-                                           committed_len=base_len + 1, target_compute_ns=1000)
+            decision = target_pb2.Decision(
+                next_token_id=7 + offset,
+                next_token_kind=common_pb2.NEXT_TOKEN_KIND_BONUS,
+                committed_len=base_len + 1,
+                target_compute_ns=1000,
+            )
             yield target_pb2.Verdict(
-                session_id=proposal.session_id, round=proposal.round, base_len=base_len,
-                stretch_pass=target_pb2.StretchPass(decision=decision,
-                                                    ended=offset == proposal.stretch.max_tokens - 1),
+                session_id=proposal.session_id,
+                round=proposal.round,
+                base_len=base_len,
+                stretch_pass=target_pb2.StretchPass(
+                    decision=decision, ended=offset == proposal.stretch.max_tokens - 1
+                ),
             )
 
 
@@ -76,8 +89,15 @@ def scripted_target():
 
 
 def _verifier(stub, address: str) -> RemoteVerifier:
-    return RemoteVerifier(stub, address, "session-1", SamplingParams(), first_round=0,
-                          deadline=Deadline(WAIT_S), stall_timeout_s=WAIT_S)
+    return RemoteVerifier(
+        stub,
+        address,
+        "session-1",
+        SamplingParams(),
+        first_round=0,
+        deadline=Deadline(WAIT_S),
+        stall_timeout_s=WAIT_S,
+    )
 
 
 def _verify(verifier: RemoteVerifier, base_len: int, token_ids: list[int], probs):

@@ -14,15 +14,15 @@ import pytest
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters
 from draft_service.server import create_server as create_draft_server
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from foundation.errors import InvalidArgument
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import FixedK
 from speculative.replay_drafter import Replay, ReplayDrafter, write_replay
 from speculative.sampling import SamplingParams
 from target_service.config import TargetConfig
 from target_service.server import create_server as create_target_server
-from tests.test_draft_service import TIMEOUT_S, Pair, expect_error, tokens_of
+from tests.test_draft_service import Pair, expect_error, tokens_of
 
 MAX_NEW_TOKENS = 40
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
@@ -36,8 +36,9 @@ def recorded(tiny_target, prompt_ids) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("acceptance", [0.0, 0.6, 0.9, 1.0])
-def test_proposals_agree_with_the_target_at_the_set_rate(tiny_target, tiny_unrelated, prompt_ids, recorded,
-                                                         tmp_path, acceptance):
+def test_proposals_agree_with_the_target_at_the_set_rate(
+    tiny_target, tiny_unrelated, prompt_ids, recorded, tmp_path, acceptance
+):
     path = str(tmp_path / "replay.json")
     write_replay(path, acceptance, recorded)
     drafter = ReplayDrafter(tiny_unrelated, path)  # its own logits never matter
@@ -55,7 +56,8 @@ def test_proposals_agree_with_the_target_at_the_set_rate(tiny_target, tiny_unrel
             session.truncate_to(base)  # each position proposed once: independent draws
             session.append(sequence[base : base + len(proposal)])
     share = agree / proposed
-    bound = 3 * (acceptance * (1 - acceptance) / proposed) ** 0.5  # three standard deviations: about 0.06 at 0.8
+    # three standard deviations: about 0.06 at 0.8
+    bound = 3 * (acceptance * (1 - acceptance) / proposed) ** 0.5
     assert abs(share - acceptance) <= bound, (share, acceptance, proposed)
 
 
@@ -66,7 +68,7 @@ def test_speculation_with_it_equals_target_only(tiny_target, prompt_ids, recorde
     drafted = accepted = 0
     for ids, sequence in zip(prompt_ids, recorded):
         result = generator.generate(ids, GREEDY, FixedK(4))
-        assert result.token_ids == sequence[len(ids):]
+        assert result.token_ids == sequence[len(ids) :]
         drafted += result.stats.num_drafted
         accepted += result.stats.num_accepted
     assert 0.4 < accepted / drafted < 0.95  # a chain stops at its first replaced token
@@ -81,15 +83,21 @@ def test_a_bad_replay_file_is_refused_with_what_is_wrong(tmp_path):
         Replay.read(str(tmp_path / "missing.json"))
 
 
-def test_a_draft_worker_offers_it_only_when_asked_and_greedy_only(tiny_target, prompt_ids, recorded, tmp_path):
+def test_a_draft_worker_offers_it_only_when_asked_and_greedy_only(
+    tiny_target, prompt_ids, recorded, tmp_path
+):
     with pytest.raises(InvalidArgument, match="needs a --model"):
         Drafters(None, "ngram", 2, 4, replay_file="x.json")
     path = str(tmp_path / "replay.json")
     write_replay(path, 0.8, recorded)
     target = create_target_server(TargetConfig(address="127.0.0.1:0"), loaded_model=tiny_target)
-    plain = create_draft_server(DraftConfig(address="127.0.0.1:0", default_drafter="model"), loaded_model=tiny_target)
-    replaying = create_draft_server(DraftConfig(address="127.0.0.1:0", default_drafter="model", replay_file=path),
-                                    loaded_model=tiny_target)
+    plain = create_draft_server(
+        DraftConfig(address="127.0.0.1:0", default_drafter="model"), loaded_model=tiny_target
+    )
+    replaying = create_draft_server(
+        DraftConfig(address="127.0.0.1:0", default_drafter="model", replay_file=path),
+        loaded_model=tiny_target,
+    )
     services = (target, plain, replaying)
     for service in services:
         service.start()
@@ -97,13 +105,16 @@ def test_a_draft_worker_offers_it_only_when_asked_and_greedy_only(tiny_target, p
     try:
         target_stub = target_pb2_grpc.TargetServiceStub(channels[0])
         address = f"127.0.0.1:{target.port}"
-        expect_error(grpc.StatusCode.INVALID_ARGUMENT, draft_pb2_grpc.DraftServiceStub(channels[1]).OpenSession,
-                     draft_pb2.DraftOpenSessionRequest(prompt_token_ids=prompt_ids[0], drafter="replay"),
-                     match="offered only by a draft worker started with --replay-file")
+        expect_error(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            draft_pb2_grpc.DraftServiceStub(channels[1]).OpenSession,
+            draft_pb2.DraftOpenSessionRequest(prompt_token_ids=prompt_ids[0], drafter="replay"),
+            match="offered only by a draft worker started with --replay-file",
+        )
         stub = draft_pb2_grpc.DraftServiceStub(channels[2])
         pair = Pair(stub, target_stub, address, prompt_ids[0], drafter="replay")
         updates = pair.speculate(num_speculative_tokens=4)
-        assert tokens_of(updates)[:16] == recorded[0][len(prompt_ids[0]):][:16]
+        assert tokens_of(updates)[:16] == recorded[0][len(prompt_ids[0]) :][:16]
         assert sum(u.round.num_accepted for u in updates) > 0
         sampled = pair.request(sampling=SAMPLED, num_speculative_tokens=4)
         expect_error(grpc.StatusCode.INVALID_ARGUMENT, stub.Speculate, sampled, match="greedy only")

@@ -13,7 +13,10 @@ PASS_S = [0.5 + 0.02 * w for w in range(MAX_K + 1)]
 def _drafts(right: bool) -> list[list[int]]:
     """At each position, the path's continuation (a draft that is always right) or
     tokens the path never has."""
-    return [[PATH[i + j] if right and i + j < len(PATH) else 0 for j in range(MAX_K)] for i in range(len(PATH))]
+    return [
+        [PATH[i + j] if right and i + j < len(PATH) else 0 for j in range(MAX_K)]
+        for i in range(len(PATH))
+    ]
 
 
 def test_a_draft_that_is_always_right_gains_from_pipelining():
@@ -25,7 +28,9 @@ def test_a_draft_that_is_never_right_gains_nothing_and_loses_at_most_its_guess()
     run = Replay(PATH, _drafts(right=False), 0.15, PASS_S, 0.004)
     for k in (1, 3):
         assert run.synchronous(k) >= run.pipelined(k) >= run.synchronous(k) * 0.75
-        assert run.synchronous(k) == pytest.approx(len(PATH) / (len(PATH) * (k * 0.15 + PASS_S[k] + 0.004)), rel=0.05)
+        assert run.synchronous(k) == pytest.approx(
+            len(PATH) / (len(PATH) * (k * 0.15 + PASS_S[k] + 0.004)), rel=0.05
+        )
 
 
 def test_the_pass_costs_are_read_as_a_line():
@@ -35,7 +40,10 @@ def test_the_pass_costs_are_read_as_a_line():
 def test_a_second_guess_keeps_the_proposals_ahead_that_the_first_loses():
     """Proposals of 3 always right, the draft's next-token guess always wrong but its
     second likeliest token right: only two guesses keep proposals ahead alive."""
-    drafts = [[PATH[i + j] if j < 3 and i + j < len(PATH) else 0 for j in range(MAX_K)] for i in range(len(PATH))]
+    drafts = [
+        [PATH[i + j] if j < 3 and i + j < len(PATH) else 0 for j in range(MAX_K)]
+        for i in range(len(PATH))
+    ]
     top = [[0, token] for token in PATH]
     run = Replay(PATH, drafts, 0.15, PASS_S, 0.004, top)
     assert run.pipelined(3, guesses=2) > 1.2 * run.pipelined(3)

@@ -28,8 +28,10 @@ FLAT = Costs((10.0,) * 12, draft_ms=1.0, round_trip_ms=0.0)  # every pass 10 ms
 
 def _trace(right_for: int) -> dict:
     """A draft right for its first `right_for` tokens at every position, then wrong."""
-    drafts = [[PATH[i + j] if j < right_for and i + j < len(PATH) else 0 for j in range(MAX_K)]
-              for i in range(len(PATH))]
+    drafts = [
+        [PATH[i + j] if j < right_for and i + j < len(PATH) else 0 for j in range(MAX_K)]
+        for i in range(len(PATH))
+    ]
     return {"prompt": PROMPT, "path": PATH, "stop_ids": [], "drafts": drafts}
 
 
@@ -40,9 +42,13 @@ def test_a_fixed_k_costs_its_drafting_and_one_pass_a_round():
 
 
 def test_a_draft_wrong_from_its_third_token_makes_k2_the_best_fixed_k():
-    rates = {k: replay_call(_trace(right_for=2), "model", k, FLAT, Clock(0.0, 0))[0] for k in (1, 2, 3, 4)}
+    rates = {
+        k: replay_call(_trace(right_for=2), "model", k, FLAT, Clock(0.0, 0))[0]
+        for k in (1, 2, 3, 4)
+    }
     assert max(rates, key=rates.get) == 2
-    assert rates[4] == pytest.approx(3 / 0.014, rel=0.03)  # 4 drafted, 2 accepted and the target's token
+    # 4 drafted, 2 accepted and the target's token
+    assert rates[4] == pytest.approx(3 / 0.014, rel=0.03)
 
 
 def _random_trace(acceptance: float, seed: int) -> dict:
@@ -61,8 +67,16 @@ def test_adaptive_is_within_5_percent_of_the_best_fixed_k_on_average():
     """Over 20 drafts of one acceptance (one call's best k in hindsight is mostly luck:
     the mean over calls is the fair bar), a draft token a fifth of a pass."""
     costs = Costs((10.0,) * 12, draft_ms=2.0, round_trip_ms=0.5)
-    table = replay({seed: _random_trace(0.8, 100 + seed) for seed in range(20)}, "model", costs, jitter=0.0, repeats=1)
-    means = {method: statistics.fmean(rates[method] for rates in table.values()) for method in table[0]}
+    table = replay(
+        {seed: _random_trace(0.8, 100 + seed) for seed in range(20)},
+        "model",
+        costs,
+        jitter=0.0,
+        repeats=1,
+    )
+    means = {
+        method: statistics.fmean(rates[method] for rates in table.values()) for method in table[0]
+    }
     best = max(rate for method, rate in means.items() if method != "adaptive")
     assert means["adaptive"] >= 0.95 * best
 
@@ -85,7 +99,9 @@ def test_a_shifted_call_starts_later_on_the_same_path():
 def test_the_shifts_report_finds_the_fixed_k_every_shifted_call_prefers():
     """A draft right for 2 tokens everywhere: k=2 is the best fixed k in every shifted call,
     so a hindsight pick per call gains nothing over it."""
-    report = shifts_report("qwen", {"right2": _trace(right_for=2)}, FLAT, jitter=0.0, repeats=1, shifts=3)
+    report = shifts_report(
+        "qwen", {"right2": _trace(right_for=2)}, FLAT, jitter=0.0, repeats=1, shifts=3
+    )
     row = next(line for line in report.splitlines() if line.startswith("| right2"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[1] == "k=2" and cells[4] == "1.000"
@@ -106,5 +122,11 @@ def test_the_kinds_report_picks_one_fixed_k_for_all_prompts_of_a_kind():
 def test_the_more_prompt_set_names_six_prompts_of_each_kind_and_all_adds_the_suites():
     texts = prompt_texts(("chat", "explain"), "more")
     assert len(texts) == 12 and "chat/1" in texts and "explain/6" in texts
-    assert prompt_texts(("chat",), "") == {"chat": PROMPTS["chat"]} and PROMPTS["chat"] not in texts.values()
-    assert prompt_texts(("chat", "explain"), "all") == {"chat/0": PROMPTS["chat"], "explain/0": PROMPTS["explain"]} | texts
+    assert (
+        prompt_texts(("chat",), "") == {"chat": PROMPTS["chat"]}
+        and PROMPTS["chat"] not in texts.values()
+    )
+    assert (
+        prompt_texts(("chat", "explain"), "all")
+        == {"chat/0": PROMPTS["chat"], "explain/0": PROMPTS["explain"]} | texts
+    )

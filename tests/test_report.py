@@ -21,7 +21,8 @@ ACCEPTED = [4, 4, 2, 0, 1, 4, 3, 0, 2, 4]
 # Each round: 4 ms drafting (1 ms per draft token), 12 ms target compute in a 14 ms round
 # trip (2 ms network), nothing else: 18 ms.
 DRAFT_NS, COMPUTE_NS, VERIFY_NS, ROUND_NS = 4 * MS, 12 * MS, 14 * MS, 18 * MS
-HOST_NS = 1 * MS  # of the 2 ms beside the target's pass, the target's own host work; the rest the transport
+# of the 2 ms beside the target's pass, the target's own host work; the rest the transport
+HOST_NS = 1 * MS
 # Target-only decoding: 10 ms per token, of which 8 ms is the one-token forward pass.
 DECODE_NS, DECODE_COMPUTE_NS = 10 * MS, 8 * MS
 
@@ -38,27 +39,67 @@ BREAK_EVEN_MS = 17.616
 
 def _span(name, trace, index, start_ns, duration_ns, attributes, service, parent=None):
     return {
-        "name": name, "kind": "INTERNAL", "trace_id": trace * 32, "span_id": f"{index:016x}",
-        "parent_span_id": parent, "start_ns": start_ns, "end_ns": start_ns + duration_ns,
-        "status": "UNSET", "attributes": attributes, "resource": {"service.name": service},
+        "name": name,
+        "kind": "INTERNAL",
+        "trace_id": trace * 32,
+        "span_id": f"{index:016x}",
+        "parent_span_id": parent,
+        "start_ns": start_ns,
+        "end_ns": start_ns + duration_ns,
+        "status": "UNSET",
+        "attributes": attributes,
+        "resource": {"service.name": service},
     }
 
 
 def synthetic_spans() -> list[dict]:
     spans = [_span("/specdec.v1.DraftService/Speculate", "a", 1, 0, 200 * MS, {}, "draft")]
     for i, accepted in enumerate(ACCEPTED):
-        spans.append(_span("specdec.round", "a", 100 + i, i * ROUND_NS, ROUND_NS, {
-            "specdec.round": i, "specdec.k": 4, "specdec.accepted": accepted, "specdec.committed": accepted + 1,
-            "specdec.draft_ns": DRAFT_NS, "specdec.verify_ns": VERIFY_NS, "specdec.target_compute_ns": COMPUTE_NS,
-            "specdec.network_ns": VERIFY_NS - COMPUTE_NS - HOST_NS, "specdec.target_handled_ns": COMPUTE_NS + HOST_NS,
-            "specdec.target_host_ns": HOST_NS,
-        }, "draft", parent=f"{1:016x}"))
-    spans.append(_span("specdec.rollback", "a", 3, 0, 1 * MS, {"specdec.cut_tokens": 2}, "orchestrator"))
-    spans.append(_span("specdec.failover", "a", 4, 0, 1 * MS, {"specdec.lost": ["target:t1"]}, "orchestrator"))
+        spans.append(
+            _span(
+                "specdec.round",
+                "a",
+                100 + i,
+                i * ROUND_NS,
+                ROUND_NS,
+                {
+                    "specdec.round": i,
+                    "specdec.k": 4,
+                    "specdec.accepted": accepted,
+                    "specdec.committed": accepted + 1,
+                    "specdec.draft_ns": DRAFT_NS,
+                    "specdec.verify_ns": VERIFY_NS,
+                    "specdec.target_compute_ns": COMPUTE_NS,
+                    "specdec.network_ns": VERIFY_NS - COMPUTE_NS - HOST_NS,
+                    "specdec.target_handled_ns": COMPUTE_NS + HOST_NS,
+                    "specdec.target_host_ns": HOST_NS,
+                },
+                "draft",
+                parent=f"{1:016x}",
+            )
+        )
+    spans.append(
+        _span("specdec.rollback", "a", 3, 0, 1 * MS, {"specdec.cut_tokens": 2}, "orchestrator")
+    )
+    spans.append(
+        _span(
+            "specdec.failover", "a", 4, 0, 1 * MS, {"specdec.lost": ["target:t1"]}, "orchestrator"
+        )
+    )
     spans.append(_span("/specdec.v1.TargetService/Decode", "b", 2, 0, 200 * MS, {}, "target"))
     for i in range(20):
-        spans.append(_span("specdec.decode", "b", 200 + i, i * DECODE_NS, DECODE_NS,
-                           {"specdec.target_compute_ns": DECODE_COMPUTE_NS}, "target", parent=f"{2:016x}"))
+        spans.append(
+            _span(
+                "specdec.decode",
+                "b",
+                200 + i,
+                i * DECODE_NS,
+                DECODE_NS,
+                {"specdec.target_compute_ns": DECODE_COMPUTE_NS},
+                "target",
+                parent=f"{2:016x}",
+            )
+        )
     return spans
 
 
@@ -73,8 +114,13 @@ def test_the_model_by_hand():
     assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
-    model = CostModel(alpha=0.8, target_step_ns=10 * MS, draft_step_ns=1 * MS, verify_base_ns=8 * MS,
-                      verify_per_token_ns=1 * MS)
+    model = CostModel(
+        alpha=0.8,
+        target_step_ns=10 * MS,
+        draft_step_ns=1 * MS,
+        verify_base_ns=8 * MS,
+        verify_per_token_ns=1 * MS,
+    )
     assert model.break_even_delay_ns(4) == pytest.approx(BREAK_EVEN_MS * MS)
     assert model.speedup(4, BREAK_EVEN_MS * MS) == pytest.approx(1.0)
     assert model.speedup(4, 2 * MS) == pytest.approx(33.616 / 18)
@@ -104,8 +150,15 @@ def test_report_numbers_from_a_trace(trace_file):
     assert report.mean_accepted_length == pytest.approx(2.4)
     assert report.acceptance_by_position == [(8, 10), (7, 10), (5, 10), (4, 10)]
     assert report.mean_split_ns() == pytest.approx(
-        {"draft": 4 * MS, "target compute": 12 * MS, "target host": 1 * MS, "network": 1 * MS, "other": 0,
-         "total": 18 * MS})
+        {
+            "draft": 4 * MS,
+            "target compute": 12 * MS,
+            "target host": 1 * MS,
+            "network": 1 * MS,
+            "other": 0,
+            "total": 18 * MS,
+        }
+    )
     assert report.target_step_source == "measured" and report.target_step_ns == 10 * MS
     assert report.measured_speedup == pytest.approx(10 / (180 / 34))
     model = report.model
@@ -124,12 +177,17 @@ def test_cli_prints_the_numbers_and_writes_plots(trace_file, tmp_path, capsys):
     assert "acceptance rate: 60.0% of drafted tokens" in out
     assert "mean accepted length: 2.40 tokens per drafting round" in out
     assert "acceptance by position: 1:80%(10) 2:70%(10) 3:50%(10) 4:40%(10)" in out
-    assert ("draft 4.00 ms (22%), target compute 12.00 ms (67%), target host 1.00 ms (6%), network 1.00 ms (6%), "
-            "other 0.00 ms (0%)") in out
+    assert (
+        "draft 4.00 ms (22%), target compute 12.00 ms (67%), target host 1.00 ms (6%), network 1.00 ms (6%), "
+        "other 0.00 ms (0%)"
+    ) in out
     assert "target-only decoding: 10.00 ms per token (measured" in out
     assert "measured speedup 1.89x" in out
     assert "alpha 0.800" in out
-    assert f"at k=4: predicted speedup 1.87x; break-even round-trip delay R = {BREAK_EVEN_MS:.2f} ms" in out
+    assert (
+        f"at k=4: predicted speedup 1.87x; break-even round-trip delay R = {BREAK_EVEN_MS:.2f} ms"
+        in out
+    )
     assert f"stops paying at {(BREAK_EVEN_MS - 2) / 2:.2f} ms added one-way delay" in out
     assert "best k at the measured R: k=4 (1.87x)" in out
     assert "best k at R = 0: k=3 (2.11x)" in out
@@ -140,13 +198,20 @@ def test_cli_prints_the_numbers_and_writes_plots(trace_file, tmp_path, capsys):
 
 def test_target_step_given_or_estimated(trace_file, tmp_path):
     given = analyse(read_spans([trace_file]), target_step_ns=20 * MS)
-    assert given.target_step_source == "given" and given.measured_speedup == pytest.approx(20 / (180 / 34))
+    assert given.target_step_source == "given" and given.measured_speedup == pytest.approx(
+        20 / (180 / 34)
+    )
     # Without target-only spans: the fitted one-token verification, flat at 12 ms here
     # (one width only), and the report says it is an estimate.
     only_rounds = tmp_path / "rounds.jsonl"
-    only_rounds.write_text("".join(json.dumps(s) + "\n" for s in synthetic_spans() if s["trace_id"][0] == "a"))
+    only_rounds.write_text(
+        "".join(json.dumps(s) + "\n" for s in synthetic_spans() if s["trace_id"][0] == "a")
+    )
     estimated = analyse(read_spans([only_rounds]))
-    assert estimated.target_step_source == "estimated" and estimated.target_step_ns == pytest.approx(12 * MS)
+    assert (
+        estimated.target_step_source == "estimated"
+        and estimated.target_step_ns == pytest.approx(12 * MS)
+    )
 
 
 def test_no_rounds_is_said_plainly(tmp_path, capsys):
@@ -162,10 +227,17 @@ def test_live_metrics_text():
         "specdec_rounds_total": [({}, 10.0)],
         "specdec_drafts_total": [({}, 10.0)],
         "specdec_draft_tokens_total": [({"position": str(i)}, 10.0) for i in range(4)],
-        "specdec_accepted_tokens_total": [({"position": str(i)}, float(n)) for i, n in enumerate((8, 7, 5, 4))],
-        "specdec_round_duration_seconds_sum": [({"phase": "draft"}, 0.04), ({"phase": "verify_compute"}, 0.12),
-                                               ({"phase": "network"}, 0.02)],
-        "specdec_round_duration_seconds_count": [({"phase": p}, 10.0) for p in ("draft", "verify_compute", "network")],
+        "specdec_accepted_tokens_total": [
+            ({"position": str(i)}, float(n)) for i, n in enumerate((8, 7, 5, 4))
+        ],
+        "specdec_round_duration_seconds_sum": [
+            ({"phase": "draft"}, 0.04),
+            ({"phase": "verify_compute"}, 0.12),
+            ({"phase": "network"}, 0.02),
+        ],
+        "specdec_round_duration_seconds_count": [
+            ({"phase": p}, 10.0) for p in ("draft", "verify_compute", "network")
+        ],
     }
     out = render_live(samples, target_step_ns=10 * MS)
     assert "acceptance rate: 60.0%" in out and "1:80% 2:70% 3:50% 4:40%" in out

@@ -25,7 +25,9 @@ MS = 1_000_000
 DEADLINE_S = 30
 
 
-def _waiting(token_ids: list[int], num_logits: int, fill: bool = False, resumes: bool = False) -> _Job:
+def _waiting(
+    token_ids: list[int], num_logits: int, fill: bool = False, resumes: bool = False
+) -> _Job:
     job = _Job(iter(()), resumes=resumes)
     job.segment = Segment(None, 0, token_ids, num_logits, fill)
     return job
@@ -63,7 +65,9 @@ def target(tiny_target):
         yield stub
 
 
-def test_the_target_runs_a_prefill_marked_as_resuming_a_stream_as_such(target, tiny_target, monkeypatch):
+def test_the_target_runs_a_prefill_marked_as_resuming_a_stream_as_such(
+    target, tiny_target, monkeypatch
+):
     """OpenSession and Extend with resumes_stream submit resumed prefills, without it new
     ones; the resumed session then decodes exactly as target-only."""
     seen = []
@@ -75,17 +79,38 @@ def test_the_target_runs_a_prefill_marked_as_resuming_a_stream_as_such(target, t
 
     monkeypatch.setattr(StepScheduler, "submit", recording_submit)
     prompt = list(b"The failed-over session resumes here")
-    new = target.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=prompt[:4]), timeout=DEADLINE_S)
-    handle = target.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=prompt[:10], resumes_stream=True),
-                                timeout=DEADLINE_S).handle
-    target.Extend(common_pb2.ExtendRequest(session_id=handle.session_id, base_len=10, token_ids=prompt[10:],
-                                           resumes_stream=True), timeout=DEADLINE_S)
+    new = target.OpenSession(
+        target_pb2.OpenSessionRequest(prompt_token_ids=prompt[:4]), timeout=DEADLINE_S
+    )
+    handle = target.OpenSession(
+        target_pb2.OpenSessionRequest(prompt_token_ids=prompt[:10], resumes_stream=True),
+        timeout=DEADLINE_S,
+    ).handle
+    target.Extend(
+        common_pb2.ExtendRequest(
+            session_id=handle.session_id, base_len=10, token_ids=prompt[10:], resumes_stream=True
+        ),
+        timeout=DEADLINE_S,
+    )
     assert seen == [False, True, True]
-    tokens = [t.token_id for t in target.Decode(target_pb2.DecodeRequest(
-        session_id=handle.session_id, base_len=len(prompt), max_tokens=12), timeout=DEADLINE_S)]
-    expected = SpeculativeGenerator(tiny_target).generate(prompt, SamplingParams(max_new_tokens=12), k=0).token_ids
+    tokens = [
+        t.token_id
+        for t in target.Decode(
+            target_pb2.DecodeRequest(
+                session_id=handle.session_id, base_len=len(prompt), max_tokens=12
+            ),
+            timeout=DEADLINE_S,
+        )
+    ]
+    expected = (
+        SpeculativeGenerator(tiny_target)
+        .generate(prompt, SamplingParams(max_new_tokens=12), k=0)
+        .token_ids
+    )
     assert tokens == expected
-    target.CloseSession(common_pb2.CloseSessionRequest(session_id=new.handle.session_id), timeout=DEADLINE_S)
+    target.CloseSession(
+        common_pb2.CloseSessionRequest(session_id=new.handle.session_id), timeout=DEADLINE_S
+    )
 
 
 class Lost(grpc.RpcError):
@@ -119,12 +144,26 @@ def test_only_the_failover_re_sync_marks_the_targets_prefill(monkeypatch):
     after a lost stream the re-sync resumes the client's stream: its target Extend
     carries resumes_stream, the draft's not."""
     target, draft = Worker_(TARGET), Worker_(DRAFT)
-    generation = Generation(OrchestratorConfig(), WorkerPool(lambda: [], refresh_s=60), None, None,
-                            orchestrator_pb2.GenerateRequest(), _Active())
-    generation.placement.target = Worker(TARGET, common_pb2.Worker(worker_id=TARGET, address="t:1"), target)
-    generation.placement.draft = Worker(DRAFT, common_pb2.Worker(worker_id=DRAFT, address="d:1"), draft)
-    record = SessionRecord("s", [1, 2, 3], target=WorkerHandle(TARGET, "t:1", "ts", 3),
-                           draft=WorkerHandle(DRAFT, "d:1", "ds", 3, ""))
+    generation = Generation(
+        OrchestratorConfig(),
+        WorkerPool(lambda: [], refresh_s=60),
+        None,
+        None,
+        orchestrator_pb2.GenerateRequest(),
+        _Active(),
+    )
+    generation.placement.target = Worker(
+        TARGET, common_pb2.Worker(worker_id=TARGET, address="t:1"), target
+    )
+    generation.placement.draft = Worker(
+        DRAFT, common_pb2.Worker(worker_id=DRAFT, address="d:1"), draft
+    )
+    record = SessionRecord(
+        "s",
+        [1, 2, 3],
+        target=WorkerHandle(TARGET, "t:1", "ts", 3),
+        draft=WorkerHandle(DRAFT, "d:1", "ds", 3, ""),
+    )
     plan = Plan(record, [1, 2, 3, 4, 5], 3, SamplingParams(max_new_tokens=8), 4, "", False)
     generation.failover.sync(plan, 3)
     assert ("Extend", False) in target.calls and ("Extend", False) in draft.calls
@@ -136,6 +175,7 @@ def test_only_the_failover_re_sync_marks_the_targets_prefill(monkeypatch):
             generation.generated.token_ids.extend([6, 7])
             raise Lost()
         yield [8], 1
+
     rounds.lost = False
     monkeypatch.setattr(generation.streams, "rounds", rounds)
     assert list(generation.failover.rounds(plan)) == [([8], 1)]

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from foundation.errors import InvalidArgument
 from model_runtime import row_invariance as ri
 from model_runtime.batched_forward import Segment, SequenceKV, forward_segments
 from model_runtime.loading import _describe, load_model
@@ -21,7 +22,6 @@ from model_runtime.model_session import ModelSession
 from model_runtime.step_scheduler import StepScheduler
 from model_runtime.tiny import byte_tokenizer, near_tied_llama
 from speculative.drafters import ModelDrafter
-from foundation.errors import InvalidArgument
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import FixedK
 from speculative.prompt_lookup import NgramDrafter
@@ -29,7 +29,13 @@ from speculative.sampling import SamplingParams
 from speculative.target import TargetSession
 from tests.scripted_drafter import ScriptedDrafter
 from tests.test_batching import _run_threads
-from tests.test_sampled_generation import ALPHA, NUM_RUNS, _chi_square_p_value, _exact_target_distribution, _sample_runs
+from tests.test_sampled_generation import (
+    ALPHA,
+    NUM_RUNS,
+    _chi_square_p_value,
+    _exact_target_distribution,
+    _sample_runs,
+)
 
 MAX_NEW_TOKENS = 24
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
@@ -38,7 +44,9 @@ GREEDY = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
 @pytest.fixture(autouse=True)
 def kernel_cache(tmp_path_factory, monkeypatch):
     """Choices measured once per test session, in a cache of its own."""
-    monkeypatch.setenv("SPECULATIVE_KERNEL_CACHE", str(tmp_path_factory.getbasetemp() / "kernels.json"))
+    monkeypatch.setenv(
+        "SPECULATIVE_KERNEL_CACHE", str(tmp_path_factory.getbasetemp() / "kernels.json")
+    )
 
 
 def near_tied(dtype: torch.dtype, invariant: bool, seed: int = 0):
@@ -113,7 +121,9 @@ def test_auto_is_on_for_half_precision_on_a_cpu():
 # --- rows: a wide pass against narrow ones, through the workers' own path -------------------
 
 
-def _rows_wide_and_narrow(model, prefix: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_wide_and_narrow(
+    model, prefix: list[int], new: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of `new` after `prefix`: one pass over all of them, and one pass each."""
     wide = ModelSession(model, 1024)
     wide.append(prefix)
@@ -166,9 +176,17 @@ def test_a_row_is_the_same_alone_and_batched_with_other_sessions(bf16_invariant)
         forward_segments(model, [Segment(kv, 0, ids[:length], 0)])
         return Segment(kv, length, ids[length:], 1 if fill else new, fill=fill)
 
-    segments = [segment(30, 1), segment(12, 5), segment(40, 9), segment(3, 60, fill=True), segment(25, 2)]
-    alone = [forward_segments(model, [Segment(s.kv, s.start, list(s.token_ids), s.num_logits)])[0]
-             for s in segments]
+    segments = [
+        segment(30, 1),
+        segment(12, 5),
+        segment(40, 9),
+        segment(3, 60, fill=True),
+        segment(25, 2),
+    ]
+    alone = [
+        forward_segments(model, [Segment(s.kv, s.start, list(s.token_ids), s.num_logits)])[0]
+        for s in segments
+    ]
     batched = forward_segments(model, segments[::-1])[::-1]
     for one, other in zip(alone, batched):
         assert torch.equal(one, other)
@@ -208,14 +226,18 @@ def _mismatches(target, prompts, drafters, k_values=(1, 2, 3, 5, 8), widths=(1,)
         for k in k_values:
             for width in widths:
                 for index, (ids, reference) in enumerate(zip(prompts, references)):
-                    result = SpeculativeGenerator(target, make(ids, reference)).generate(ids, GREEDY, FixedK(k, width))
+                    result = SpeculativeGenerator(target, make(ids, reference)).generate(
+                        ids, GREEDY, FixedK(k, width)
+                    )
                     if result.token_ids != reference:
                         mismatches.append((name, k, width, index))
     return mismatches
 
 
 def _drafters(target):
-    draft = near_tied(torch.bfloat16, False, seed=0)  # the target's weights, not invariant: a draft need not be
+    draft = near_tied(
+        torch.bfloat16, False, seed=0
+    )  # the target's weights, not invariant: a draft need not be
     model = ModelDrafter(draft)
     ngram = NgramDrafter()
     return {
@@ -237,7 +259,9 @@ def test_greedy_token_trees_equal_target_only_in_bf16(bf16_invariant, prompts):
 
 def test_the_equality_test_catches_bf16_without_invariance(bf16_plain, prompts):
     """Negative control: the same test, invariance off, finds outputs that differ."""
-    drafters = {name: make for name, make in _drafters(bf16_plain).items() if name != "scripted"}  # it asserts no drift
+    drafters = {
+        name: make for name, make in _drafters(bf16_plain).items() if name != "scripted"
+    }  # it asserts no drift
     assert _mismatches(bf16_plain, prompts, drafters, k_values=(3, 8)) != []
 
 
@@ -254,7 +278,10 @@ def _batched_outputs(target, prompts, sessions: int) -> list[list[int]]:
         out: list[int] = []
         while len(out) < MAX_NEW_TOKENS:
             size = 1 + (len(out) + index) % 5
-            draft = [t if (i + index) % 4 else (t + 1) % 256 for i, t in enumerate(reference[len(out):][:size])]
+            draft = [
+                t if (i + index) % 4 else (t + 1) % 256
+                for i, t in enumerate(reference[len(out) :][:size])
+            ]
             out += scheduler.submit(session.verify_steps(session.length, draft))[0].token_ids
         return out[:MAX_NEW_TOKENS]
 
@@ -265,7 +292,9 @@ def _batched_outputs(target, prompts, sessions: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("sessions", [1, 4, 8])
-def test_concurrent_sessions_equal_single_session_target_only_in_bf16(bf16_invariant, prompts, sessions):
+def test_concurrent_sessions_equal_single_session_target_only_in_bf16(
+    bf16_invariant, prompts, sessions
+):
     assert _batched_outputs(bf16_invariant, prompts, sessions)
 
 
@@ -284,6 +313,8 @@ def test_bf16_speculative_sampling_follows_the_target_distribution(tiny_perturbe
     target (a biased rule fails it there: test_the_distribution_test_catches_a_biased_rule)."""
     target = load_model("tiny-random:1", dtype="bfloat16", row_invariant="on")
     exact = _exact_target_distribution(target, prompt_ids[0])
-    samples, acceptance = _sample_runs(target, ModelDrafter(tiny_perturbed), prompt_ids[0], 2, NUM_RUNS)
+    samples, acceptance = _sample_runs(
+        target, ModelDrafter(tiny_perturbed), prompt_ids[0], 2, NUM_RUNS
+    )
     assert 0.2 < acceptance < 0.9, f"the draft should be partly right, acceptance {acceptance:.2f}"
     assert _chi_square_p_value(samples, exact) > ALPHA

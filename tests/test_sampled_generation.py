@@ -32,9 +32,12 @@ NUM_RUNS = 1500
 ALPHA = 1e-3
 
 
-def _exact_target_distribution(loaded, prompt: list[int], params: SamplingParams = PARAMS) -> dict[tuple[int, ...], float]:
+def _exact_target_distribution(
+    loaded, prompt: list[int], params: SamplingParams = PARAMS
+) -> dict[tuple[int, ...], float]:
     """P(y1, ..., yn) = prod p(y_i | prompt, y_<i) for n = max_new_tokens, enumerated
     with the target model."""
+
     def next_probs(prefix):
         with torch.inference_mode():
             logits = loaded.model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1:]
@@ -86,31 +89,44 @@ def exact(tiny_target, prompt_ids):
     return _exact_target_distribution(tiny_target, prompt_ids[0])
 
 
-def test_speculative_sampling_follows_the_target_distribution(tiny_target, tiny_perturbed, prompt_ids, exact):
-    samples, acceptance = _sample_runs(tiny_target, ModelDrafter(tiny_perturbed), prompt_ids[0], 2, NUM_RUNS)
+def test_speculative_sampling_follows_the_target_distribution(
+    tiny_target, tiny_perturbed, prompt_ids, exact
+):
+    samples, acceptance = _sample_runs(
+        tiny_target, ModelDrafter(tiny_perturbed), prompt_ids[0], 2, NUM_RUNS
+    )
     assert 0.2 < acceptance < 0.9, f"the draft should be partly right, acceptance {acceptance:.2f}"
     assert _chi_square_p_value(samples, exact) > ALPHA
 
 
-def test_lookup_then_model_sampling_follows_the_target_distribution(tiny_target, tiny_perturbed, prompt_ids):
+def test_lookup_then_model_sampling_follows_the_target_distribution(
+    tiny_target, tiny_perturbed, prompt_ids
+):
     """Looked-up tokens are proposed with certainty, the model's drawn from its
     distribution; the mix must still sample the target's. The prompt ends with its own
     first two tokens, so lookup proposes at the first turn (and wherever the draws go on
     copying), the model at the others."""
     prompt = prompt_ids[0] + prompt_ids[0][:2]
-    lookup, model = counting_proposals(NgramDrafter()), counting_proposals(ModelDrafter(tiny_perturbed))
-    samples, acceptance = _sample_runs(tiny_target, LookupThenModelDrafter(model, lookup), prompt, 2, NUM_RUNS)
+    lookup = counting_proposals(NgramDrafter())
+    model = counting_proposals(ModelDrafter(tiny_perturbed))
+    samples, acceptance = _sample_runs(
+        tiny_target, LookupThenModelDrafter(model, lookup), prompt, 2, NUM_RUNS
+    )
     assert lookup.proposals > 100 and model.proposals > 100
     assert 0.1 < acceptance < 0.9, f"the drafts should be partly right, acceptance {acceptance:.2f}"
     assert _chi_square_p_value(samples, _exact_target_distribution(tiny_target, prompt)) > ALPHA
 
 
-def test_a_stretch_that_verifies_prompt_lookup_samples_the_target_distribution(tiny_bigram, prompt_ids):
+def test_a_stretch_that_verifies_prompt_lookup_samples_the_target_distribution(
+    tiny_bigram, prompt_ids
+):
     """The target running a prompt-lookup drafter's rounds inside a stretch judges each
     looked-up token as proposed with certainty: its tokens follow its own distribution.
     The prompt ends with the target's own greedy text, which repeats, so lookup proposes
     at the first pass, often the token the target draws."""
-    greedy = SpeculativeGenerator(tiny_bigram).generate(prompt_ids[0], SamplingParams(max_new_tokens=16), k=0)
+    greedy = SpeculativeGenerator(tiny_bigram).generate(
+        prompt_ids[0], SamplingParams(max_new_tokens=16), k=0
+    )
     prompt = prompt_ids[0] + greedy.token_ids
     lookup = LookupRounds(LookupStop(1, 2), 2)
     samples, drafted, accepted = Counter(), 0, 0
@@ -124,15 +140,21 @@ def test_a_stretch_that_verifies_prompt_lookup_samples_the_target_distribution(t
     assert _chi_square_p_value(samples, _exact_target_distribution(tiny_bigram, prompt)) > ALPHA
 
 
-def test_the_distribution_test_catches_a_biased_rule(tiny_target, tiny_perturbed, prompt_ids, exact, monkeypatch):
+def test_the_distribution_test_catches_a_biased_rule(
+    tiny_target, tiny_perturbed, prompt_ids, exact, monkeypatch
+):
     """Negative control: always accepting the draft token must fail the same test."""
     monkeypatch.setattr(rejection, "acceptance_probability", lambda target_prob, draft_prob: 1.0)
-    samples, _ = _sample_runs(tiny_target, ModelDrafter(tiny_perturbed), prompt_ids[0], 2, NUM_RUNS // 3)
+    samples, _ = _sample_runs(
+        tiny_target, ModelDrafter(tiny_perturbed), prompt_ids[0], 2, NUM_RUNS // 3
+    )
     assert _chi_square_p_value(samples, exact) < ALPHA
 
 
 @pytest.mark.parametrize("drafter_name", ["perturbed", "unrelated", "ngram"])
-def test_a_seed_reproduces_a_run_bit_for_bit(tiny_target, tiny_perturbed, tiny_unrelated, prompt_ids, drafter_name):
+def test_a_seed_reproduces_a_run_bit_for_bit(
+    tiny_target, tiny_perturbed, tiny_unrelated, prompt_ids, drafter_name
+):
     drafter = {
         "perturbed": ModelDrafter(tiny_perturbed),
         "unrelated": ModelDrafter(tiny_unrelated),
@@ -140,7 +162,10 @@ def test_a_seed_reproduces_a_run_bit_for_bit(tiny_target, tiny_perturbed, tiny_u
     }[drafter_name]
     generator = SpeculativeGenerator(tiny_target, drafter)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=32)
-    runs = [generator.generate(prompt_ids[7], params.replace(seed=seed), k=3).token_ids for seed in (11, 11, 12)]
+    runs = [
+        generator.generate(prompt_ids[7], params.replace(seed=seed), k=3).token_ids
+        for seed in (11, 11, 12)
+    ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
@@ -160,11 +185,15 @@ class _BatchedVerifier(LocalVerifier):
         self.scheduler = scheduler
 
     def _verify(self, base_len, draft_token_ids, draft_probs):
-        result, step = self.scheduler.submit(self.target.verify_steps(base_len, draft_token_ids, draft_probs))
+        result, step = self.scheduler.submit(
+            self.target.verify_steps(base_len, draft_token_ids, draft_probs)
+        )
         return dataclasses.replace(result, step=step)
 
 
-def test_batched_speculative_sampling_follows_the_target_distribution(tiny_target, tiny_perturbed, prompt_ids, exact):
+def test_batched_speculative_sampling_follows_the_target_distribution(
+    tiny_target, tiny_perturbed, prompt_ids, exact
+):
     """The same chi-square test with 12 sessions at a time sharing the target's steps;
     and each seeded run equals the same seed's run alone, token for token."""
     prompt, drafter = prompt_ids[0], ModelDrafter(tiny_perturbed)
@@ -176,8 +205,14 @@ def test_batched_speculative_sampling_follows_the_target_distribution(tiny_targe
         target = TargetSession(tiny_target, prompt, params, prefill=False)
         scheduler.submit(target.prefill_steps())
         tokens = []
-        for result in speculation_rounds(_BatchedVerifier(scheduler, target), drafter.open(prompt, params),
-                                         len(prompt), params, FixedK(2), tiny_target.context_length):
+        for result in speculation_rounds(
+            _BatchedVerifier(scheduler, target),
+            drafter.open(prompt, params),
+            len(prompt),
+            params,
+            FixedK(2),
+            tiny_target.context_length,
+        ):
             tokens += result.token_ids
             batch_sizes.append(result.stats.step.batch_sessions)
         return tuple(tokens)
@@ -191,4 +226,7 @@ def test_batched_speculative_sampling_follows_the_target_distribution(tiny_targe
     assert _chi_square_p_value(Counter(runs), exact) > ALPHA
     generator = SpeculativeGenerator(tiny_target, drafter)
     for seed in range(40):
-        assert tuple(generator.generate(prompt, PARAMS.replace(seed=seed), k=2).token_ids) == runs[seed]
+        assert (
+            tuple(generator.generate(prompt, PARAMS.replace(seed=seed), k=2).token_ids)
+            == runs[seed]
+        )

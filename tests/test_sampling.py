@@ -259,7 +259,9 @@ def test_sample_from_never_picks_a_zero_probability_token():
 def test_sample_from_float32_rows_that_do_not_sum_to_one():
     # A float32 row from a softmax sums to 1 only up to rounding; the last nonzero token is
     # still chosen for a uniform just below 1, and a one-hot row always gives its token.
-    row = logits_to_probs(_random_logits(1, 11, seed=8), SamplingParams(temperature=1.0, top_k=4))[0]
+    row = logits_to_probs(_random_logits(1, 11, seed=8), SamplingParams(temperature=1.0, top_k=4))[
+        0
+    ]
     last_nonzero = int(torch.nonzero(row).max())
     assert sample_from(row, _JUST_BELOW_ONE) == last_nonzero
     one_hot = torch.zeros(11)
@@ -347,7 +349,9 @@ def test_same_seed_same_draws():
         draws = torch.rand(5, generator=first, dtype=torch.float64)
         assert torch.equal(draws, torch.rand(5, generator=second, dtype=torch.float64))
     other = make_generator(1235)
-    assert not torch.equal(torch.rand(5, generator=make_generator(1234)), torch.rand(5, generator=other))
+    assert not torch.equal(
+        torch.rand(5, generator=make_generator(1234)), torch.rand(5, generator=other)
+    )
 
 
 def test_no_seed_gives_a_random_seed():

@@ -32,7 +32,10 @@ def smollm2():
 
 def _chat(tokenizer, text: str) -> list[int]:
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
     )
 
 
@@ -83,6 +86,9 @@ def test_bf16_row_invariant_speculation_equals_target_only_greedy(tmp_path, monk
         for text in PROMPTS[:2]:
             ids = _chat(loaded.tokenizer, text)
             reference = SpeculativeGenerator(loaded).generate(ids, params, k=0).token_ids
-            assert SpeculativeGenerator(loaded, NgramDrafter()).generate(ids, params, k=4).token_ids == reference
+            assert (
+                SpeculativeGenerator(loaded, NgramDrafter()).generate(ids, params, k=4).token_ids
+                == reference
+            )
     finally:
         torch.set_num_threads(1)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from foundation.errors import InvalidArgument, SpeculativeError
 from model_runtime import static_passes
 from model_runtime.batched_forward import Segment, SequenceKV, SlotKV, forward_segments
 from model_runtime.loading import load_model
 from model_runtime.model_session import ModelSession
 from model_runtime.step_scheduler import StepScheduler
 from speculative.drafters import ModelDrafter
-from foundation.errors import InvalidArgument, SpeculativeError
 from speculative.generator import SpeculativeGenerator
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
@@ -28,7 +28,9 @@ GREEDY = SamplingParams(max_new_tokens=24)
 
 def static_target(slots: int = 4, capacity: int = 256, compile_mode: str | None = None):
     loaded = load_model("tiny-random:1")
-    passes = static_passes.StaticPasses(loaded.model, static_passes.KVPool(loaded.model, slots, capacity), compile_mode)
+    passes = static_passes.StaticPasses(
+        loaded.model, static_passes.KVPool(loaded.model, slots, capacity), compile_mode
+    )
     setattr(loaded.model, static_passes.STATIC_ATTR, passes)
     return loaded, passes
 
@@ -38,15 +40,21 @@ def static():
     return static_target()
 
 
-def test_speculation_through_static_passes_equals_target_only(static, tiny_target, tiny_perturbed, prompt_ids):
+def test_speculation_through_static_passes_equals_target_only(
+    static, tiny_target, tiny_perturbed, prompt_ids
+):
     loaded, passes = static
     drafters = {"perturbed": ModelDrafter(tiny_perturbed), "ngram": NgramDrafter()}
     for ids in prompt_ids[:8]:
-        reference = SpeculativeGenerator(tiny_target).generate(ids, GREEDY, k=0).token_ids  # the eager path
+        # the eager path
+        reference = SpeculativeGenerator(tiny_target).generate(ids, GREEDY, k=0).token_ids
         assert SpeculativeGenerator(loaded).generate(ids, GREEDY, k=0).token_ids == reference
         for drafter in drafters.values():
             for k in (1, 4, 8):
-                assert SpeculativeGenerator(loaded, drafter).generate(ids, GREEDY, k=k).token_ids == reference
+                assert (
+                    SpeculativeGenerator(loaded, drafter).generate(ids, GREEDY, k=k).token_ids
+                    == reference
+                )
     assert passes.num_static > 100 and passes.failure is None
 
 
@@ -55,8 +63,10 @@ def test_sessions_sharing_static_steps_equal_target_only(static, tiny_target, pr
     """Steps of 1..6 sessions, rows 1..5 each, bucketed and padded (6 sessions > 4 slots:
     two run with caches of their own, so their steps run eager)."""
     loaded, passes = static
-    references = [SpeculativeGenerator(tiny_target).generate(ids, GREEDY, k=0).token_ids
-                  for ids in prompt_ids[:sessions]]
+    references = [
+        SpeculativeGenerator(tiny_target).generate(ids, GREEDY, k=0).token_ids
+        for ids in prompt_ids[:sessions]
+    ]
     scheduler = StepScheduler(loaded.model, max_batch_tokens=64)
 
     def run(index: int) -> list[int]:
@@ -65,7 +75,10 @@ def test_sessions_sharing_static_steps_equal_target_only(static, tiny_target, pr
         out: list[int] = []
         while len(out) < GREEDY.max_new_tokens:
             size = 1 + (len(out) + index) % 5
-            draft = [t if (i + index) % 3 else (t + 1) % 256 for i, t in enumerate(references[index][len(out):][:size])]
+            draft = [
+                t if (i + index) % 3 else (t + 1) % 256
+                for i, t in enumerate(references[index][len(out) :][:size])
+            ]
             out += scheduler.submit(session.verify_steps(session.length, draft))[0].token_ids
         session.release()
         return out[: GREEDY.max_new_tokens]
@@ -110,7 +123,10 @@ def test_a_failing_compile_runs_eager_with_the_error_kept(tiny_target, prompt_id
 
     passes._step = broken
     reference = SpeculativeGenerator(tiny_target).generate(prompt_ids[0], GREEDY, k=0).token_ids
-    assert SpeculativeGenerator(loaded, NgramDrafter()).generate(prompt_ids[0], GREEDY, k=4).token_ids == reference
+    assert (
+        SpeculativeGenerator(loaded, NgramDrafter()).generate(prompt_ids[0], GREEDY, k=4).token_ids
+        == reference
+    )
     assert passes.failure == "RuntimeError: capture failed: an unsupported operation"
     assert passes._step == passes._eager_step and passes.num_static > 0
 
@@ -120,7 +136,9 @@ def test_compiled_passes_equal_target_only(tiny_target, tiny_perturbed, prompt_i
     loaded, passes = static_target(compile_mode="inductor")
     for ids in prompt_ids[:2]:
         reference = SpeculativeGenerator(tiny_target).generate(ids, GREEDY, k=0).token_ids
-        result = SpeculativeGenerator(loaded, ModelDrafter(tiny_perturbed)).generate(ids, GREEDY, k=3)
+        result = SpeculativeGenerator(loaded, ModelDrafter(tiny_perturbed)).generate(
+            ids, GREEDY, k=3
+        )
         assert result.token_ids == reference
     assert passes.failure is None and passes.num_static > 10
 
@@ -130,13 +148,21 @@ def test_the_setting():
     with pytest.raises(InvalidArgument, match="auto, on, off"):
         static_passes.install(model, "always", 2, 64)
     assert static_passes.install(model, "auto", 2, 64) is None  # a CPU: the eager path
-    assert static_passes.install(model, "on", 2, 64).compile_mode is None  # a CPU: eager static passes
+    # a CPU: eager static passes
+    assert static_passes.install(model, "on", 2, 64).compile_mode is None
 
 
 def test_a_target_refuses_static_passes_with_row_invariance():
     with pytest.raises(SpeculativeError, match="does not run with row invariance"):
-        create_server(TargetConfig(address="127.0.0.1:0", model="tiny-random:1", row_invariant="on",
-                                   static_passes="on", calibrate_widths=False))
+        create_server(
+            TargetConfig(
+                address="127.0.0.1:0",
+                model="tiny-random:1",
+                row_invariant="on",
+                static_passes="on",
+                calibrate_widths=False,
+            )
+        )
 
 
 @pytest.mark.parametrize("name", ["tiny-random:1", "random:qwen2-tiny:0"])
@@ -145,17 +171,23 @@ def test_the_fixed_shape_step_is_one_graph_with_no_read_back(name):
     branch on a value fails it): what a CUDA graph capture needs, checked on the CPU
     for a Llama and a Qwen2 model."""
     loaded = load_model(name)
-    passes = static_passes.StaticPasses(loaded.model, static_passes.KVPool(loaded.model, 2, 64), None)
+    passes = static_passes.StaticPasses(
+        loaded.model, static_passes.KVPool(loaded.model, 2, 64), None
+    )
     setattr(loaded.model, static_passes.STATIC_ATTR, passes)
     passes._step = torch.compile(passes._eager_step, fullgraph=True, dynamic=False)
     kv = passes.pool.new_kv()
-    eager = forward_segments(loaded.model, [Segment(kv, 0, list(range(1, 11)), 1)])  # takes the slot
+    eager = forward_segments(
+        loaded.model, [Segment(kv, 0, list(range(1, 11)), 1)]
+    )  # takes the slot
     assert passes.num_static == 0 and kv.slot is not None and eager[0].shape[0] == 1
     forward_segments(loaded.model, [Segment(kv, 10, [3, 4, 5], 3)])
     assert passes.num_static == 1 and passes.failure is None
 
 
-def test_a_greedy_draft_chain_on_the_device_proposes_what_single_passes_propose(tiny_target, tiny_perturbed, prompt_ids):
+def test_a_greedy_draft_chain_on_the_device_proposes_what_single_passes_propose(
+    tiny_target, tiny_perturbed, prompt_ids
+):
     """The draft's k passes back to back with one read back (on a GPU, CUDA graphs fed on
     the device): the same proposals, the same cache after, as k single passes; and the
     speculative output stays target-only's."""
@@ -171,16 +203,25 @@ def test_a_greedy_draft_chain_on_the_device_proposes_what_single_passes_propose(
             base = plain_session.length
             one, other = plain_session.propose(k), chain_session.propose(k)
             assert one.token_ids == other.token_ids
-            for session in (plain_session, chain_session):  # a verdict: keep some, append a correction
+            # a verdict: keep some, append a correction
+            for session in (
+                plain_session,
+                chain_session,
+            ):
                 session.truncate_to(base + keep)
                 session.append([7])
         assert chain_session.session.cached_length == plain_session.session.cached_length
     assert passes.num_static > 20
     reference = SpeculativeGenerator(tiny_target).generate(prompt_ids[0], GREEDY, k=0).token_ids
-    assert SpeculativeGenerator(tiny_target, chained).generate(prompt_ids[0], GREEDY, k=5).token_ids == reference
+    assert (
+        SpeculativeGenerator(tiny_target, chained).generate(prompt_ids[0], GREEDY, k=5).token_ids
+        == reference
+    )
 
 
-def test_workers_with_static_passes_serve_exact_output_through_the_services(tiny_target, prompt_ids):
+def test_workers_with_static_passes_serve_exact_output_through_the_services(
+    tiny_target, prompt_ids
+):
     """Real processes: target and draft workers with `--static-passes on` (eager fixed
     shapes on a CPU, the code a GPU replays), four sessions at once, every drafter and k:
     each output equals target-only in process."""
@@ -192,19 +233,31 @@ def test_workers_with_static_passes_serve_exact_output_through_the_services(tiny
     system = LocalSystem("tiny-random:1", "tiny-random:1")
     for role in system.roles:
         if role.pool in ("target", "draft"):
-            role.args += ["--static-passes", "on", "--static-slots", "8", "--static-capacity", "256"]
+            role.args += [
+                "--static-passes",
+                "on",
+                "--static-slots",
+                "8",
+                "--static-capacity",
+                "256",
+            ]
 
     def generate(ids, k: int, drafter: str) -> list[int]:
         request = orchestrator_pb2.GenerateRequest()
         request.token_ids.ids.extend(ids)
         request.sampling.max_new_tokens = GREEDY.max_new_tokens
-        request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter=drafter))
+        request.speculation.CopyFrom(
+            common_pb2.SpeculationParams(num_speculative_tokens=k, drafter=drafter)
+        )
         return list(system.stub.Generate(request, timeout=120).token_ids)
 
     prompts = prompt_ids[:4]
-    references = [SpeculativeGenerator(tiny_target).generate(ids, GREEDY, k=0).token_ids for ids in prompts]
+    references = [
+        SpeculativeGenerator(tiny_target).generate(ids, GREEDY, k=0).token_ids for ids in prompts
+    ]
     with system, concurrent.futures.ThreadPoolExecutor(4) as pool:
         for k, drafter in ((0, "model"), (4, "model"), (3, "ngram"), (5, "ngram+model")):
             outputs = list(pool.map(lambda ids, k=k, d=drafter: generate(ids, k, d), prompts))
             assert outputs == references, (k, drafter)
-        assert system.logs().count("static passes: 8 slots of 256 tokens") == 2  # both workers ran them
+        # both workers ran them
+        assert system.logs().count("static passes: 8 slots of 256 tokens") == 2

@@ -20,7 +20,9 @@ def system():
 def _request(drafter: str) -> orchestrator_pb2.GenerateRequest:
     request = orchestrator_pb2.GenerateRequest(text="hello hello hello")
     request.sampling.max_new_tokens = 8
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=4, drafter=drafter))
+    request.speculation.CopyFrom(
+        common_pb2.SpeculationParams(num_speculative_tokens=4, drafter=drafter)
+    )
     return request
 
 

@@ -44,7 +44,8 @@ def greedy(tiny_target):
 
 def _generate(stub, ids: list[int], k: int, session_id: str = ""):
     request = orchestrator_pb2.GenerateRequest(
-        token_ids=orchestrator_pb2.TokenIds(ids=ids), session_id=session_id,
+        token_ids=orchestrator_pb2.TokenIds(ids=ids),
+        session_id=session_id,
         sampling=common_pb2.SamplingParams(max_new_tokens=NUM_TOKENS),
         speculation=common_pb2.SpeculationParams(num_speculative_tokens=k),
     )

@@ -37,8 +37,12 @@ def greedy(tiny_target):
 def _generate_by_verify(stub, ids: list[int], drafts: list[int]) -> list[int]:
     """Opens a session and runs NUM_TOKENS tokens through one Verify stream, proposing
     `drafts` (a wrong guess) each round: a speculating session, one round at a time."""
-    handle = stub.OpenSession(target_pb2.OpenSessionRequest(
-        prompt_token_ids=ids, sampling=common_pb2.SamplingParams(max_new_tokens=64)), timeout=DEADLINE_S).handle
+    handle = stub.OpenSession(
+        target_pb2.OpenSessionRequest(
+            prompt_token_ids=ids, sampling=common_pb2.SamplingParams(max_new_tokens=64)
+        ),
+        timeout=DEADLINE_S,
+    ).handle
     requests: list = []
     ready = threading.Condition()
     output: list[int] = []
@@ -46,8 +50,12 @@ def _generate_by_verify(stub, ids: list[int], drafts: list[int]) -> list[int]:
     def proposals():
         base_len = len(ids)
         while len(output) < NUM_TOKENS:
-            yield target_pb2.Proposal(session_id=handle.session_id, round=len(requests), base_len=base_len,
-                                      draft=target_pb2.Draft(token_ids=drafts))
+            yield target_pb2.Proposal(
+                session_id=handle.session_id,
+                round=len(requests),
+                base_len=base_len,
+                draft=target_pb2.Draft(token_ids=drafts),
+            )
             requests.append(base_len)
             with ready:
                 ready.wait_for(lambda: len(requests) == len(verdicts))
@@ -58,13 +66,17 @@ def _generate_by_verify(stub, ids: list[int], drafts: list[int]) -> list[int]:
         for verdict in stub.Verify(proposals(), timeout=DEADLINE_S):
             decision = verdict.decision
             assert verdict.WhichOneof("kind") == "decision"
-            assert decision.step.batch_sessions >= 1 and decision.step.batch_tokens >= len(drafts) + 1
+            assert (
+                decision.step.batch_sessions >= 1 and decision.step.batch_tokens >= len(drafts) + 1
+            )
             output.extend([*drafts[: decision.num_accepted], decision.next_token_id])
             with ready:
                 verdicts.append(verdict)
                 ready.notify_all()
     finally:
-        stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=DEADLINE_S)
+        stub.CloseSession(
+            common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=DEADLINE_S
+        )
     return output[:NUM_TOKENS]
 
 
@@ -116,7 +128,9 @@ def _queued_behind_a_held_slot(stub, queued_call) -> None:
     thread, waits until the worker reports it queued, then frees the slot and waits for
     the call to finish."""
     first = _ids(PROMPTS[0])
-    holder = stub.OpenSession(target_pb2.OpenSessionRequest(prompt_token_ids=first), timeout=DEADLINE_S).handle
+    holder = stub.OpenSession(
+        target_pb2.OpenSessionRequest(prompt_token_ids=first), timeout=DEADLINE_S
+    ).handle
     release = threading.Event()
 
     def held_stream():
@@ -142,7 +156,9 @@ def test_a_queued_call_waits_for_the_running_one_then_runs_exactly(tiny_target, 
     second = _ids(PROMPTS[1])
     result: dict = {}
     with serving_target(tiny_target, "target-load", max_running=1, max_queued=4) as stub:
-        _queued_behind_a_held_slot(stub, lambda: result.update(output=_generate_by_verify(stub, second, [])))
+        _queued_behind_a_held_slot(
+            stub, lambda: result.update(output=_generate_by_verify(stub, second, []))
+        )
     assert result["output"] == greedy(second, NUM_TOKENS)
 
 
@@ -152,6 +168,12 @@ def test_a_queued_call_without_a_deadline_waits_for_its_slot(tiny_target):
     second = _ids(PROMPTS[1])
     opened: dict = {}
     with serving_target(tiny_target, "target-load", max_running=1, max_queued=1) as stub:
-        _queued_behind_a_held_slot(stub, lambda: opened.update(handle=stub.OpenSession(
-            target_pb2.OpenSessionRequest(prompt_token_ids=second)).handle))  # no deadline
+        _queued_behind_a_held_slot(
+            stub,
+            lambda: opened.update(
+                handle=stub.OpenSession(
+                    target_pb2.OpenSessionRequest(prompt_token_ids=second)
+                ).handle
+            ),
+        )  # no deadline
     assert opened["handle"].committed_len == len(second)

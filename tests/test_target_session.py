@@ -34,7 +34,9 @@ def test_stale_or_duplicate_proposal_is_refused_and_changes_nothing(tiny_target,
     ids = prompt_ids[1]
     target = TargetSession(tiny_target, ids, GREEDY)
     first = target.verify(len(ids), [1, 2])
-    with pytest.raises(StaleProposal, match=f"extends length {len(ids)} but the session has {first.committed_len}"):
+    with pytest.raises(
+        StaleProposal, match=f"extends length {len(ids)} but the session has {first.committed_len}"
+    ):
         target.verify(len(ids), [1, 2])  # the same proposal again
     assert target.length == first.committed_len
 
@@ -47,7 +49,9 @@ def test_stale_or_duplicate_proposal_is_refused_and_changes_nothing(tiny_target,
         ([1], [SparseProbs.one_hot(2)], "has probability 0"),
     ],
 )
-def test_bad_proposals_are_refused_before_anything_changes(tiny_target, prompt_ids, draft_token_ids, draft_probs, message):
+def test_bad_proposals_are_refused_before_anything_changes(
+    tiny_target, prompt_ids, draft_token_ids, draft_probs, message
+):
     ids = prompt_ids[2]
     target = TargetSession(tiny_target, ids, SamplingParams(temperature=1.0, seed=0))
     with pytest.raises(InvalidArgument, match=message):
@@ -70,7 +74,11 @@ def test_decoding_alone_ends_where_prompt_lookup_finds_text_to_copy(tiny_target,
     ended_early = 0
     for ids in prompt_ids[:8]:
         reference = SpeculativeGenerator(tiny_target).generate(ids, params, k=0).token_ids
-        copyable = [n for n in range(1, len(reference)) if lookup_continuation([*ids, *reference[:n]], 1, *sizes)]
+        copyable = [
+            n
+            for n in range(1, len(reference))
+            if lookup_continuation([*ids, *reference[:n]], 1, *sizes)
+        ]
         expected = reference[: copyable[0]] if copyable else reference
         target = TargetSession(tiny_target, ids, params)
         tokens = [r.token_ids[0] for r in target.decode(len(ids), 32, until=LookupStop(*sizes))]
@@ -81,7 +89,8 @@ def test_decoding_alone_ends_where_prompt_lookup_finds_text_to_copy(tiny_target,
 
 @pytest.mark.parametrize(("sizes", "max_draft_tokens"), [((1, 1), 1), ((1, 3), 4), ((2, 4), 16)])
 def test_a_stretch_that_verifies_prompt_lookup_decodes_what_the_target_alone_does(
-        tiny_bigram, prompt_ids, sizes, max_draft_tokens):
+    tiny_bigram, prompt_ids, sizes, max_draft_tokens
+):
     """A prompt-lookup drafter's rounds run by the target inside a stretch: each pass
     verifies what lookup finds to copy (at most max_draft_tokens, never past the
     stretch's tokens), and the tokens are exactly the target's own greedy ones (a
@@ -95,12 +104,15 @@ def test_a_stretch_that_verifies_prompt_lookup_decodes_what_the_target_alone_doe
             target = TargetSession(tiny_bigram, ids, params)
             results = list(target.decode(len(ids), max_tokens, lookup=lookup))
             assert [t for r in results for t in r.token_ids] == reference[:max_tokens]
-            assert all(r.num_drafted <= max_draft_tokens and len(r.token_ids) == r.verdict.num_accepted + 1
-                       for r in results)
+            assert all(
+                r.num_drafted <= max_draft_tokens and len(r.token_ids) == r.verdict.num_accepted + 1
+                for r in results
+            )
             assert target.length == len(ids) + max_tokens
             verified += sum(r.num_drafted for r in results)
             accepted += sum(r.verdict.num_accepted for r in results)
-    assert accepted >= 10 and verified > accepted  # passes verified, accepted and rejected looked-up tokens
+    # passes verified, accepted and rejected looked-up tokens
+    assert accepted >= 10 and verified > accepted
 
 
 def test_a_stretch_size_does_not_cut_a_looked_up_copy_short(tiny_bigram, prompt_ids):
@@ -113,11 +125,16 @@ def test_a_stretch_size_does_not_cut_a_looked_up_copy_short(tiny_bigram, prompt_
         reference = SpeculativeGenerator(tiny_bigram).generate(ids, params, k=0).token_ids
         for size, room in ((3, 20), (5, 9)):
             target = TargetSession(tiny_bigram, ids, params)
-            list(target.decode(len(ids), 12))  # the bigram's text repeats from here: lookup finds copies
-            results = list(target.decode(len(ids) + 12, size, lookup=LookupRounds(LookupStop(1, 3), 8, room)))
+            list(
+                target.decode(len(ids), 12)
+            )  # the bigram's text repeats from here: lookup finds copies
+            results = list(
+                target.decode(len(ids) + 12, size, lookup=LookupRounds(LookupStop(1, 3), 8, room))
+            )
             tokens = [t for r in results for t in r.token_ids]
             assert tokens == reference[12 : 12 + len(tokens)] and size <= len(tokens) <= room
-            assert len(tokens) - len(results[-1].token_ids) < size  # it ended after the pass that crossed
+            # it ended after the pass that crossed
+            assert len(tokens) - len(results[-1].token_ids) < size
             crossed += len(tokens) > size
     assert crossed >= 3  # passes really went past the size
 

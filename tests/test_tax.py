@@ -34,10 +34,16 @@ def test_the_first_logits_after_a_prefill_need_no_pass(tiny_target, prompt_ids):
     passes = session.num_forward_passes
     logits = session.logits(1)
     assert session.num_forward_passes == passes and session.cached_length == len(ids)
-    torch.testing.assert_close(logits[0], _full_logits(tiny_target, ids)[-1], rtol=LOGIT_TOLERANCE, atol=LOGIT_TOLERANCE)
+    torch.testing.assert_close(
+        logits[0], _full_logits(tiny_target, ids)[-1], rtol=LOGIT_TOLERANCE, atol=LOGIT_TOLERANCE
+    )
     session.append([7])
-    torch.testing.assert_close(session.logits(1)[0], _full_logits(tiny_target, [*ids, 7])[-1],
-                               rtol=LOGIT_TOLERANCE, atol=LOGIT_TOLERANCE)  # the kept keys and values serve on
+    torch.testing.assert_close(
+        session.logits(1)[0],
+        _full_logits(tiny_target, [*ids, 7])[-1],
+        rtol=LOGIT_TOLERANCE,
+        atol=LOGIT_TOLERANCE,
+    )  # the kept keys and values serve on
 
 
 @pytest.mark.parametrize("change", ["replace the last token", "draft two tokens", "release"])
@@ -57,7 +63,9 @@ def test_kept_logits_never_outlive_their_token(tiny_target, prompt_ids, change):
         session.release()
         expected, positions = _full_logits(tiny_target, ids)[-1:], 1
     passes = session.num_forward_passes
-    torch.testing.assert_close(session.logits(positions), expected, rtol=LOGIT_TOLERANCE, atol=LOGIT_TOLERANCE)
+    torch.testing.assert_close(
+        session.logits(positions), expected, rtol=LOGIT_TOLERANCE, atol=LOGIT_TOLERANCE
+    )
     assert session.num_forward_passes == passes + 1
     if change == "draft two tokens":  # the pass re-ran the last prompt token: nothing kept after it
         session.truncate_to(len(ids))
@@ -93,7 +101,9 @@ def test_a_prefill_cut_into_chunks_keeps_the_last_chunks_logits(tiny_target, pro
             batched.append(scheduler.submit(target.verify_steps(target.length, []))[0].token_ids[0])
     finally:
         scheduler.stop()
-    unchunked = TargetSession(tiny_target, ids, SamplingParams(max_new_tokens=8))  # prefilled in one pass
+    unchunked = TargetSession(
+        tiny_target, ids, SamplingParams(max_new_tokens=8)
+    )  # prefilled in one pass
     assert batched == [r.token_ids[0] for r in unchunked.decode(len(ids), 8)]
 
 

@@ -30,12 +30,12 @@ from draft_service.drafting import Drafters
 from draft_service.servicer import DraftServicer
 from draft_service.sessions import SessionCache as DraftSessions
 from draft_service.target_connections import TargetConnections
+from foundation.errors import InvalidArgument
 from service_common import server as common_server
 from service_common import telemetry
 from service_common.convert import model_info
 from service_common.options import TelemetryConfig
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from foundation.errors import InvalidArgument
 from speculative.rejection import NextTokenKind
 from speculative.stats import RoundStats
 from target_service import servicer as target_servicer_module
@@ -57,7 +57,9 @@ def _free_port() -> int:
 def traced(tmp_path_factory):
     """Telemetry with the JSON-lines exporter and a /metrics endpoint, for this module."""
     trace_file = tmp_path_factory.mktemp("traces") / "spans.jsonl"
-    config = TelemetryConfig(trace_exporter="jsonl", trace_file=str(trace_file), metrics_port=_free_port())
+    config = TelemetryConfig(
+        trace_exporter="jsonl", trace_file=str(trace_file), metrics_port=_free_port()
+    )
     installed = telemetry.setup("test", config)
     yield installed, trace_file
     installed.shutdown()
@@ -67,7 +69,12 @@ def traced(tmp_path_factory):
     metrics._internal._METER_PROVIDER_SET_ONCE = Once()
     metrics._internal._METER_PROVIDER = None
     telemetry._current = telemetry.Telemetry()
-    for module in (speculation, draft_servicer_module, target_servicer_module):  # they cached the provider
+    # they cached the provider
+    for module in (
+        speculation,
+        draft_servicer_module,
+        target_servicer_module,
+    ):
         module.tracer = trace.get_tracer(module.__name__)
 
 
@@ -83,7 +90,9 @@ def _spans_with(installed, trace_file: Path, trace_id: str, name: str, kind: str
     deadline = time.monotonic() + DEADLINE_S
     while True:
         spans = _spans(installed, trace_file)
-        if any(s["trace_id"] == trace_id and s["name"] == name and s["kind"] == kind for s in spans):
+        if any(
+            s["trace_id"] == trace_id and s["name"] == name and s["kind"] == kind for s in spans
+        ):
             return spans
         assert time.monotonic() < deadline, f"no {kind} span {name} in trace {trace_id}"
         time.sleep(0.05)
@@ -94,35 +103,61 @@ def workers(traced, tiny_target):
     """A target and a draft worker in process, both behind the tracing interceptors; the
     draft reaches the target through service_common.server.channel(), traced too."""
     installed, _ = traced
-    target = TargetServicer(TargetSessions(tiny_target, 8, 100_000), "target-t", model_info(tiny_target, "cpu"), 64)
+    target = TargetServicer(
+        TargetSessions(tiny_target, 8, 100_000), "target-t", model_info(tiny_target, "cpu"), 64
+    )
     target_server, target_port, _ = common_server.create_server(
-        "127.0.0.1:0", lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(target, s),
-        ["specdec.v1.TargetService"], interceptors=installed.server_interceptors())
+        "127.0.0.1:0",
+        lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(target, s),
+        ["specdec.v1.TargetService"],
+        interceptors=installed.server_interceptors(),
+    )
     config = DraftConfig(address="127.0.0.1:0", worker_id="draft-t")
-    draft = DraftServicer(config, Drafters(None, "ngram", 2, 4), DraftSessions(8, 100_000), TargetConnections())
+    draft = DraftServicer(
+        config, Drafters(None, "ngram", 2, 4), DraftSessions(8, 100_000), TargetConnections()
+    )
     draft_server, draft_port, _ = common_server.create_server(
-        "127.0.0.1:0", lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, s),
-        ["specdec.v1.DraftService"], interceptors=installed.server_interceptors())
+        "127.0.0.1:0",
+        lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, s),
+        ["specdec.v1.DraftService"],
+        interceptors=installed.server_interceptors(),
+    )
     target_server.start()
     draft_server.start()
-    yield SimpleNamespace(target=f"127.0.0.1:{target_port}", draft=f"127.0.0.1:{draft_port}", target_servicer=target)
+    yield SimpleNamespace(
+        target=f"127.0.0.1:{target_port}", draft=f"127.0.0.1:{draft_port}", target_servicer=target
+    )
     draft_server.stop(None)
     target_server.stop(None)
 
 
 def _open_both(installed, workers, prompt: list[int], max_new_tokens: int):
-    target_stub = target_pb2_grpc.TargetServiceStub(installed.intercept_channel(grpc.insecure_channel(workers.target)))
-    draft_stub = draft_pb2_grpc.DraftServiceStub(installed.intercept_channel(grpc.insecure_channel(workers.draft)))
+    target_stub = target_pb2_grpc.TargetServiceStub(
+        installed.intercept_channel(grpc.insecure_channel(workers.target))
+    )
+    draft_stub = draft_pb2_grpc.DraftServiceStub(
+        installed.intercept_channel(grpc.insecure_channel(workers.draft))
+    )
     sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens)
     target_handle = target_stub.OpenSession(
-        target_pb2.OpenSessionRequest(prompt_token_ids=prompt, sampling=sampling), timeout=DEADLINE_S).handle
+        target_pb2.OpenSessionRequest(prompt_token_ids=prompt, sampling=sampling),
+        timeout=DEADLINE_S,
+    ).handle
     draft_handle = draft_stub.OpenSession(
-        draft_pb2.DraftOpenSessionRequest(prompt_token_ids=prompt), timeout=DEADLINE_S).handle
+        draft_pb2.DraftOpenSessionRequest(prompt_token_ids=prompt), timeout=DEADLINE_S
+    ).handle
     request = draft_pb2.SpeculateRequest(
-        session_id=draft_handle.session_id, base_len=len(prompt),
-        target=common_pb2.KvHandle(worker_id=target_handle.worker_id, worker_address=workers.target,
-                                   session_id=target_handle.session_id, committed_len=len(prompt)),
-        sampling=sampling, speculation=common_pb2.SpeculationParams(num_speculative_tokens=4))
+        session_id=draft_handle.session_id,
+        base_len=len(prompt),
+        target=common_pb2.KvHandle(
+            worker_id=target_handle.worker_id,
+            worker_address=workers.target,
+            session_id=target_handle.session_id,
+            committed_len=len(prompt),
+        ),
+        sampling=sampling,
+        speculation=common_pb2.SpeculationParams(num_speculative_tokens=4),
+    )
     return target_stub, draft_stub, request
 
 
@@ -137,7 +172,9 @@ def _tree(spans: list[dict], trace_id: str) -> tuple[dict[str, dict], dict[str, 
 
 def _only_child(children, parent: dict, name: str) -> dict:
     matches = [s for s in children.get(parent["span_id"], []) if s["name"] == name]
-    assert len(matches) == 1, f"{name} under {parent['name']}: {[s['name'] for s in children.get(parent['span_id'], [])]}"
+    assert len(matches) == 1, (
+        f"{name} under {parent['name']}: {[s['name'] for s in children.get(parent['span_id'], [])]}"
+    )
     return matches[0]
 
 
@@ -148,7 +185,9 @@ def test_a_speculation_is_one_trace_from_client_to_target(traced, workers, promp
     with trace.get_tracer("test").start_as_current_span("test.request") as root:
         updates = list(draft_stub.Speculate(request, timeout=DEADLINE_S))
     trace_id = f"{root.get_span_context().trace_id:032x}"
-    spans = _spans_with(installed, trace_file, trace_id, "/specdec.v1.TargetService/Verify", "CLIENT")
+    spans = _spans_with(
+        installed, trace_file, trace_id, "/specdec.v1.TargetService/Verify", "CLIENT"
+    )
     by_id, children = _tree(spans, trace_id)
     root_span = by_id[f"{root.get_span_context().span_id:016x}"]
 
@@ -157,14 +196,21 @@ def test_a_speculation_is_one_trace_from_client_to_target(traced, workers, promp
     assert client["kind"] == "CLIENT"
     server = _only_child(children, client, "/specdec.v1.DraftService/Speculate")
     assert server["kind"] == "SERVER"
-    rounds = sorted((s for s in children[server["span_id"]] if s["name"] == "specdec.round"),
-                    key=lambda s: s["attributes"]["specdec.round"])
+    rounds = sorted(
+        (s for s in children[server["span_id"]] if s["name"] == "specdec.round"),
+        key=lambda s: s["attributes"]["specdec.round"],
+    )
     verify_client = _only_child(children, server, "/specdec.v1.TargetService/Verify")
     verify_server = _only_child(children, verify_client, "/specdec.v1.TargetService/Verify")
     # Proposals drafted ahead on a context that turned out wrong were discarded: no round.
-    verifies = sorted((s for s in children[verify_server["span_id"]]
-                       if s["name"] == "specdec.verify" and not s["attributes"]["specdec.discarded"]),
-                      key=lambda s: s["attributes"]["specdec.round"])
+    verifies = sorted(
+        (
+            s
+            for s in children[verify_server["span_id"]]
+            if s["name"] == "specdec.verify" and not s["attributes"]["specdec.discarded"]
+        ),
+        key=lambda s: s["attributes"]["specdec.round"],
+    )
 
     # One round span per update, with the update's numbers; the target saw the same rounds.
     assert len(rounds) == len(updates) == len(verifies) > 1
@@ -173,19 +219,35 @@ def test_a_speculation_is_one_trace_from_client_to_target(traced, workers, promp
         assert a["specdec.round"] == update.round.round == verify["attributes"]["specdec.round"]
         assert a["specdec.k"] == update.round.num_drafted == verify["attributes"]["specdec.k"]
         assert a["specdec.max_k"] == 4 and a["specdec.adaptive"] is False
-        assert a["specdec.accepted"] == update.round.num_accepted == verify["attributes"]["specdec.accepted"]
+        assert (
+            a["specdec.accepted"]
+            == update.round.num_accepted
+            == verify["attributes"]["specdec.accepted"]
+        )
         assert a["specdec.committed"] == len(update.token_ids)
         assert a["specdec.verify_ns"] == update.round.verify_rtt_ns
-        assert a["specdec.target_compute_ns"] == update.round.target_compute_ns == \
-            verify["attributes"]["specdec.target_compute_ns"]
+        assert (
+            a["specdec.target_compute_ns"]
+            == update.round.target_compute_ns
+            == verify["attributes"]["specdec.target_compute_ns"]
+        )
         # The target reports its whole time on the proposal: the round trip less it is the transport.
-        assert a["specdec.target_handled_ns"] >= a["specdec.target_compute_ns"] + a["specdec.target_host_ns"]
-        assert a["specdec.network_ns"] == max(0, a["specdec.verify_ns"] - a["specdec.target_handled_ns"])
+        assert (
+            a["specdec.target_handled_ns"]
+            >= a["specdec.target_compute_ns"] + a["specdec.target_host_ns"]
+        )
+        assert a["specdec.network_ns"] == max(
+            0, a["specdec.verify_ns"] - a["specdec.target_handled_ns"]
+        )
         assert a["specdec.proposal_bytes"] == update.round.proposal_bytes > 0
         assert a["specdec.verdict_bytes"] == update.round.verdict_bytes > 0
         assert server["start_ns"] <= span["start_ns"] <= span["end_ns"] <= server["end_ns"]
         assert span["resource"]["service.name"] == "test"
-    assert sum(a["attributes"]["specdec.committed"] for a in rounds) == sum(len(u.token_ids) for u in updates) == 24
+    assert (
+        sum(a["attributes"]["specdec.committed"] for a in rounds)
+        == sum(len(u.token_ids) for u in updates)
+        == 24
+    )
     assert any(s["attributes"]["specdec.k"] > 0 for s in rounds)
     assert rounds[-1]["attributes"]["specdec.finish_reason"] == "length"
 
@@ -209,12 +271,19 @@ def test_a_traced_stream_can_still_be_cancelled(traced, workers, prompt_ids):
     """opentelemetry-python-contrib #2014: the library's client interceptor returns a
     generator for server streams; ours keeps the call object."""
     installed, trace_file = traced
-    target_stub = target_pb2_grpc.TargetServiceStub(installed.intercept_channel(grpc.insecure_channel(workers.target)))
-    handle = target_stub.OpenSession(target_pb2.OpenSessionRequest(
-        prompt_token_ids=prompt_ids[1], sampling=common_pb2.SamplingParams(max_new_tokens=60)),
-        timeout=DEADLINE_S).handle
-    call = target_stub.Decode(target_pb2.DecodeRequest(session_id=handle.session_id, base_len=len(prompt_ids[1])),
-                              timeout=DEADLINE_S)
+    target_stub = target_pb2_grpc.TargetServiceStub(
+        installed.intercept_channel(grpc.insecure_channel(workers.target))
+    )
+    handle = target_stub.OpenSession(
+        target_pb2.OpenSessionRequest(
+            prompt_token_ids=prompt_ids[1], sampling=common_pb2.SamplingParams(max_new_tokens=60)
+        ),
+        timeout=DEADLINE_S,
+    ).handle
+    call = target_stub.Decode(
+        target_pb2.DecodeRequest(session_id=handle.session_id, base_len=len(prompt_ids[1])),
+        timeout=DEADLINE_S,
+    )
     next(call)
     call.cancel()
     with pytest.raises(grpc.RpcError) as error:
@@ -222,12 +291,18 @@ def test_a_traced_stream_can_still_be_cancelled(traced, workers, prompt_ids):
     assert error.value.code() == grpc.StatusCode.CANCELLED
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        clients = [s for s in _spans(installed, trace_file)
-                   if s["name"] == "/specdec.v1.TargetService/Decode" and s["kind"] == "CLIENT"]
+        clients = [
+            s
+            for s in _spans(installed, trace_file)
+            if s["name"] == "/specdec.v1.TargetService/Decode" and s["kind"] == "CLIENT"
+        ]
         if clients:
             break
         time.sleep(0.05)
-    assert len(clients) == 1 and clients[0]["attributes"]["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert (
+        len(clients) == 1
+        and clients[0]["attributes"]["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    )
 
 
 def test_health_checks_and_info_are_not_traced(traced, workers):
@@ -257,20 +332,28 @@ def _sample(text: str, name: str, **labels) -> float:
 def test_prometheus_names_of_the_hpa_contract(traced):
     """The HPA reads specdec_worker_sessions_active and specdec_worker_load: exact names."""
     installed, _ = traced
-    load = telemetry.WorkerLoad(active_sessions=3, max_sessions=12, cached_tokens=500, max_cached_tokens=1000)
+    load = telemetry.WorkerLoad(
+        active_sessions=3, max_sessions=12, cached_tokens=500, max_cached_tokens=1000
+    )
     installed.register_load_gauges(lambda: load, {"specdec.worker.id": "gauge-test"})
     text = _scrape(installed.metrics_port)
     assert _sample(text, "specdec_worker_sessions_active", specdec_worker_id="gauge-test") == 3
-    assert _sample(text, "specdec_worker_load", specdec_worker_id="gauge-test") == 0.5  # tokens: the fuller budget
+    # tokens: the fuller budget
+    assert _sample(text, "specdec_worker_load", specdec_worker_id="gauge-test") == 0.5
     assert _sample(text, "specdec_worker_cached_tokens", specdec_worker_id="gauge-test") == 500
     assert "# TYPE specdec_worker_sessions_active gauge" in text
     assert "# TYPE specdec_worker_load gauge" in text
 
 
 # The gauges of admission and batching, exported by a worker with admission (the target).
-ADMISSION_GAUGES = ("specdec_worker_calls_running", "specdec_worker_calls_queued", "specdec_worker_calls_max_running",
-                    "specdec_worker_calls_utilization", "specdec_worker_batch_mean_tokens",
-                    "specdec_worker_batch_max_tokens")
+ADMISSION_GAUGES = (
+    "specdec_worker_calls_running",
+    "specdec_worker_calls_queued",
+    "specdec_worker_calls_max_running",
+    "specdec_worker_calls_utilization",
+    "specdec_worker_batch_mean_tokens",
+    "specdec_worker_batch_max_tokens",
+)
 
 
 def test_prometheus_names_of_the_admission_gauges(traced):
@@ -278,15 +361,26 @@ def test_prometheus_names_of_the_admission_gauges(traced):
     running slot, above 1 when calls queue. A worker without admission (the draft)
     exports none of these gauges, only the session ones."""
     installed, _ = traced
-    load = telemetry.WorkerLoad(active_sessions=5, max_sessions=32, cached_tokens=100, max_cached_tokens=1000,
-                                running_calls=4, queued_calls=2, max_running=4, mean_batch_tokens=17.5,
-                                max_batch_tokens=512)
+    load = telemetry.WorkerLoad(
+        active_sessions=5,
+        max_sessions=32,
+        cached_tokens=100,
+        max_cached_tokens=1000,
+        running_calls=4,
+        queued_calls=2,
+        max_running=4,
+        mean_batch_tokens=17.5,
+        max_batch_tokens=512,
+    )
     installed.register_load_gauges(lambda: load, {"specdec.worker.id": "admission-test"})
-    no_admission = telemetry.WorkerLoad(active_sessions=1, max_sessions=8, cached_tokens=10, max_cached_tokens=100)
+    no_admission = telemetry.WorkerLoad(
+        active_sessions=1, max_sessions=8, cached_tokens=10, max_cached_tokens=100
+    )
     installed.register_load_gauges(lambda: no_admission, {"specdec.worker.id": "no-admission-test"})
     text = _scrape(installed.metrics_port)
     labels = {"specdec_worker_id": "admission-test"}
-    assert _sample(text, "specdec_worker_calls_utilization", **labels) == 1.5  # (4 + 2) / 4: queueing
+    # (4 + 2) / 4: queueing
+    assert _sample(text, "specdec_worker_calls_utilization", **labels) == 1.5
     assert _sample(text, "specdec_worker_calls_running", **labels) == 4
     assert _sample(text, "specdec_worker_calls_queued", **labels) == 2
     assert _sample(text, "specdec_worker_calls_max_running", **labels) == 4
@@ -297,7 +391,9 @@ def test_prometheus_names_of_the_admission_gauges(traced):
         assert f"# TYPE {name} gauge" in text
         with pytest.raises(AssertionError, match="no sample"):
             _sample(text, name, specdec_worker_id="no-admission-test")
-    assert _sample(text, "specdec_worker_sessions_active", specdec_worker_id="no-admission-test") == 1
+    assert (
+        _sample(text, "specdec_worker_sessions_active", specdec_worker_id="no-admission-test") == 1
+    )
 
 
 def _wait_for(condition, what: str) -> None:
@@ -314,21 +410,37 @@ def test_target_exports_its_batched_steps_and_admission(traced, workers, prompt_
     target = workers.target_servicer
     stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(workers.target))
     prompt = prompt_ids[0]
-    handle = stub.OpenSession(target_pb2.OpenSessionRequest(
-        prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=8)), timeout=DEADLINE_S).handle
-    tokens = list(stub.Decode(target_pb2.DecodeRequest(session_id=handle.session_id, base_len=len(prompt)),
-                              timeout=DEADLINE_S))
+    handle = stub.OpenSession(
+        target_pb2.OpenSessionRequest(
+            prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=8)
+        ),
+        timeout=DEADLINE_S,
+    ).handle
+    tokens = list(
+        stub.Decode(
+            target_pb2.DecodeRequest(session_id=handle.session_id, base_len=len(prompt)),
+            timeout=DEADLINE_S,
+        )
+    )
     assert tokens
     _wait_for(lambda: target.admission.load().running == 0, "the Decode call kept its slot")
     text = _scrape(installed.metrics_port)
     info = stub.Info(common_pb2.InfoRequest(), timeout=DEADLINE_S).load
     labels = {"specdec_worker_id": "target-t"}
-    assert _sample(text, "specdec_worker_calls_max_running", **labels) == target.admission.max_running == \
-        info.max_running > 0
-    assert _sample(text, "specdec_worker_batch_max_tokens", **labels) == info.max_batch_tokens == \
-        target.sessions.compute.max_batch_tokens
+    assert (
+        _sample(text, "specdec_worker_calls_max_running", **labels)
+        == target.admission.max_running
+        == info.max_running
+        > 0
+    )
+    assert (
+        _sample(text, "specdec_worker_batch_max_tokens", **labels)
+        == info.max_batch_tokens
+        == target.sessions.compute.max_batch_tokens
+    )
     mean = _sample(text, "specdec_worker_batch_mean_tokens", **labels)
-    assert mean > 0 and mean == pytest.approx(info.mean_batch_tokens)  # the prefill and decode steps ran
+    # the prefill and decode steps ran
+    assert mean > 0 and mean == pytest.approx(info.mean_batch_tokens)
     assert _sample(text, "specdec_worker_calls_running", **labels) == info.running_calls == 0
     assert _sample(text, "specdec_worker_calls_queued", **labels) == info.queued_calls == 0
     assert _sample(text, "specdec_worker_calls_utilization", **labels) == 0
@@ -337,7 +449,9 @@ def test_target_exports_its_batched_steps_and_admission(traced, workers, prompt_
         with pytest.raises(AssertionError, match="no sample"):
             _sample(text, name, specdec_worker_id="draft-t")
     assert _sample(text, "specdec_worker_sessions_active", specdec_worker_id="draft-t") >= 0
-    stub.CloseSession(common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=DEADLINE_S)
+    stub.CloseSession(
+        common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=DEADLINE_S
+    )
 
 
 def test_target_gauges_show_running_and_queued_calls(traced, tiny_target):
@@ -345,13 +459,20 @@ def test_target_gauges_show_running_and_queued_calls(traced, tiny_target):
     2 calls per slot: the HPA's metric grows with the queue."""
     installed, _ = traced
     sessions = TargetSessions(tiny_target, 4, 10_000)
-    target = TargetServicer(sessions, "target-queue", model_info(tiny_target, "cpu"), 8,
-                            admission=Admission(max_running=1, max_queued=2))
+    target = TargetServicer(
+        sessions,
+        "target-queue",
+        model_info(tiny_target, "cpu"),
+        8,
+        admission=Admission(max_running=1, max_queued=2),
+    )
     labels = {"specdec_worker_id": "target-queue"}
     queued_waited: list[int] = []
     try:
         assert target.admission.acquire(None) == 0  # the one running slot
-        waiter = threading.Thread(target=lambda: queued_waited.append(target.admission.acquire(DEADLINE_S)))
+        waiter = threading.Thread(
+            target=lambda: queued_waited.append(target.admission.acquire(DEADLINE_S))
+        )
         waiter.start()
         _wait_for(lambda: target.admission.load().queued == 1, "the second call did not queue")
         text = _scrape(installed.metrics_port)
@@ -366,7 +487,10 @@ def test_target_gauges_show_running_and_queued_calls(traced, tiny_target):
         assert _sample(text, "specdec_worker_calls_queued", **labels) == 0
         assert _sample(text, "specdec_worker_calls_utilization", **labels) == 1.0
         target.admission.release()
-        assert _sample(_scrape(installed.metrics_port), "specdec_worker_calls_utilization", **labels) == 0
+        assert (
+            _sample(_scrape(installed.metrics_port), "specdec_worker_calls_utilization", **labels)
+            == 0
+        )
     finally:
         sessions.compute.stop()
 
@@ -382,26 +506,42 @@ def test_round_counters_and_histograms(traced):
             return 0.0
 
     instruments = telemetry.instruments()
-    stats = RoundStats(index=0, base_len=10, num_drafted=3, num_accepted=2, num_committed=3,
-                       next_token_kind=NextTokenKind.RECOVERED, draft_ns=1_000_000, verify_ns=5_000_000,
-                       target_compute_ns=4_000_000)
+    stats = RoundStats(
+        index=0,
+        base_len=10,
+        num_drafted=3,
+        num_accepted=2,
+        num_committed=3,
+        next_token_kind=NextTokenKind.RECOVERED,
+        draft_ns=1_000_000,
+        verify_ns=5_000_000,
+        target_compute_ns=4_000_000,
+    )
     instruments.record_round(stats)
     instruments.fallbacks.add(1)
     instruments.failovers.add(1, {"pool": "target"})
     instruments.time_per_output_token.record(0.05)
     after = _scrape(installed.metrics_port)
     for name, labels, delta in (
-        ("specdec_rounds_total", {}, 1), ("specdec_drafts_total", {}, 1),
-        ("specdec_draft_tokens_total", {"position": 2}, 1), ("specdec_accepted_tokens_total", {"position": 1}, 1),
-        ("specdec_fallbacks_total", {}, 1), ("specdec_failovers_total", {"pool": "target"}, 1),
+        ("specdec_rounds_total", {}, 1),
+        ("specdec_drafts_total", {}, 1),
+        ("specdec_draft_tokens_total", {"position": 2}, 1),
+        ("specdec_accepted_tokens_total", {"position": 1}, 1),
+        ("specdec_fallbacks_total", {}, 1),
+        ("specdec_failovers_total", {"pool": "target"}, 1),
         ("specdec_round_duration_seconds_count", {"phase": "network"}, 1),
         ("gen_ai_server_time_per_output_token_seconds_count", {}, 1),
     ):
         assert value(after, name, **labels) - value(before, name, **labels) == delta, name
-    assert value(after, "specdec_accepted_tokens_total", position=2) == value(before, "specdec_accepted_tokens_total", position=2)
+    assert value(after, "specdec_accepted_tokens_total", position=2) == value(
+        before, "specdec_accepted_tokens_total", position=2
+    )
     # network = verify - target compute = 1 ms: in the (0.0005, 0.001] bucket.
-    assert value(after, "specdec_round_duration_seconds_bucket", phase="network", le="0.001") - \
-        value(before, "specdec_round_duration_seconds_bucket", phase="network", le="0.001") == 1
+    assert (
+        value(after, "specdec_round_duration_seconds_bucket", phase="network", le="0.001")
+        - value(before, "specdec_round_duration_seconds_bucket", phase="network", le="0.001")
+        == 1
+    )
 
 
 def test_bad_settings_are_refused():
@@ -471,5 +611,7 @@ per_round_us = (time.perf_counter() - start) / n * 1e6
 print(per_round_us)
 assert per_round_us < 200, per_round_us
 """
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr

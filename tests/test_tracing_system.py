@@ -25,7 +25,9 @@ def _request(ids, k: int) -> orchestrator_pb2.GenerateRequest:
     request = orchestrator_pb2.GenerateRequest(include_stats=True)
     request.token_ids.ids.extend(ids)
     request.sampling.CopyFrom(common_pb2.SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
-    request.speculation.CopyFrom(common_pb2.SpeculationParams(num_speculative_tokens=k, drafter="ngram"))
+    request.speculation.CopyFrom(
+        common_pb2.SpeculationParams(num_speculative_tokens=k, drafter="ngram")
+    )
     return request
 
 
@@ -75,24 +77,39 @@ def test_one_generation_is_one_trace_across_the_three_processes(traced_run):
             yield span
 
     # orchestrator -> draft: the Speculate server span's parent is the orchestrator's client span.
-    (speculate,) = [s for s in in_trace if s["name"] == "/specdec.v1.DraftService/Speculate" and s["kind"] == "SERVER"]
+    (speculate,) = [
+        s
+        for s in in_trace
+        if s["name"] == "/specdec.v1.DraftService/Speculate" and s["kind"] == "SERVER"
+    ]
     assert service(speculate) == "draft"
     speculate_client = by_id[speculate["parent_span_id"]]
     assert service(speculate_client) == "orchestrator" and speculate_client["kind"] == "CLIENT"
     assert roots[0] in list(ancestors(speculate))
     # draft -> target: the Verify server span's parent is the draft's Verify client span,
     # a child of the Speculate server span.
-    (verify,) = [s for s in in_trace if s["name"] == "/specdec.v1.TargetService/Verify" and s["kind"] == "SERVER"]
+    (verify,) = [
+        s
+        for s in in_trace
+        if s["name"] == "/specdec.v1.TargetService/Verify" and s["kind"] == "SERVER"
+    ]
     assert service(verify) == "target"
     verify_client = by_id[verify["parent_span_id"]]
-    assert service(verify_client) == "draft" and verify_client["parent_span_id"] == speculate["span_id"]
+    assert (
+        service(verify_client) == "draft"
+        and verify_client["parent_span_id"] == speculate["span_id"]
+    )
     # Prefill on both workers, under their OpenSession server spans, in this trace.
     prefills = [s for s in in_trace if s["name"] == "specdec.prefill"]
     assert {service(s) for s in prefills} == {"target", "draft"}
-    assert all(by_id[s["parent_span_id"]]["name"].endswith(("/OpenSession", "/Extend")) for s in prefills)
+    assert all(
+        by_id[s["parent_span_id"]]["name"].endswith(("/OpenSession", "/Extend")) for s in prefills
+    )
 
     # One round span per round, children of Speculate; the target verified each round.
-    assert all(s["parent_span_id"] == speculate["span_id"] and service(s) == "draft" for s in rounds)
+    assert all(
+        s["parent_span_id"] == speculate["span_id"] and service(s) == "draft" for s in rounds
+    )
     rounds.sort(key=lambda s: s["attributes"]["specdec.round"])
     stats = response.stats
     assert len(rounds) == stats.num_rounds
@@ -107,13 +124,22 @@ def test_one_generation_is_one_trace_across_the_three_processes(traced_run):
         assert a["specdec.committed"] == a["specdec.accepted"] + 1
     last = attributes[-1]
     assert 1 <= last["specdec.committed"] <= last["specdec.accepted"] + 1
-    assert sum(a["specdec.committed"] for a in attributes) == len(response.token_ids) == stats.num_generated_tokens
+    assert (
+        sum(a["specdec.committed"] for a in attributes)
+        == len(response.token_ids)
+        == stats.num_generated_tokens
+    )
     assert sum(a["specdec.accepted"] for a in attributes) == stats.num_accepted
     assert sum(a["specdec.k"] for a in attributes) == stats.num_drafted
     for a in attributes:
         # The target reports its whole time on the proposal: the round trip less it is the transport.
-        assert a["specdec.target_handled_ns"] >= a["specdec.target_compute_ns"] + a["specdec.target_host_ns"]
-        assert a["specdec.network_ns"] == max(0, a["specdec.verify_ns"] - a["specdec.target_handled_ns"])
+        assert (
+            a["specdec.target_handled_ns"]
+            >= a["specdec.target_compute_ns"] + a["specdec.target_host_ns"]
+        )
+        assert a["specdec.network_ns"] == max(
+            0, a["specdec.verify_ns"] - a["specdec.target_handled_ns"]
+        )
         assert a["specdec.proposal_bytes"] > 0 and a["specdec.verdict_bytes"] > 0
 
 
@@ -129,9 +155,17 @@ def test_report_on_the_trace(traced_run, tmp_path, capsys):
     _, _, files = traced_run
     assert report_main([*map(str, files.values()), "--plots", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for expected in ("acceptance rate:", "mean accepted length:", "acceptance by position:", "time per round (mean):",
-                     "target-only decoding:", "(measured: ", "measured speedup", "break-even round-trip delay R",
-                     "best k at the measured R"):
+    for expected in (
+        "acceptance rate:",
+        "mean accepted length:",
+        "acceptance by position:",
+        "time per round (mean):",
+        "target-only decoding:",
+        "(measured: ",
+        "measured speedup",
+        "break-even round-trip delay R",
+        "best k at the measured R",
+    ):
         assert expected in out, out
     assert (tmp_path / "speedup_vs_k.png").stat().st_size > 10_000
     assert (tmp_path / "speedup_vs_delay.png").stat().st_size > 10_000

@@ -38,7 +38,7 @@ def test_only_the_history_family_searches_the_other_calls():
 
 def test_a_walk_counts_a_pass_per_round_and_prices_its_width():
     def right(k):  # always the path's next k tokens
-        return lambda context: prefixes([PATH[len(context) - len(PROMPT):][:k]])
+        return lambda context: prefixes([PATH[len(context) - len(PROMPT) :][:k]])
 
     result = walk(PROMPT, PATH, right(3), FLAT, tokens=64)
     assert (result.passes, result.nodes) == (16, 48)  # 4 tokens a pass
@@ -47,7 +47,10 @@ def test_a_walk_counts_a_pass_per_round_and_prices_its_width():
 
 
 def test_the_report_compares_each_tree_with_its_own_familys_chain():
-    traces = {"chat/0": {"prompt": PROMPT, "path": PATH}, "summary/0": {"prompt": PROMPT, "path": PATH}}
+    traces = {
+        "chat/0": {"prompt": PROMPT, "path": PATH},
+        "summary/0": {"prompt": PROMPT, "path": PATH},
+    }
     walks = ceiling(traces, FLAT, k=3, width=4, min_ngram=2, max_ngram=3)
     text = report(walks)
     assert "| chat |" in text and "| summary |" in text and "| all |" in text

@@ -17,7 +17,13 @@ from speculative.sampling import SamplingParams
 
 def test_a_step_runs_at_the_cheapest_width_at_least_as_wide():
     plan = WidthPlan.from_costs({1: 230.0, 2: 290.0, 3: 190.0, 4: 200.0, 5: 180.0})
-    assert [plan.width(rows) for rows in range(1, 6)] == [3, 3, 3, 4, 5]  # 5 saves 10% on 4 only at the margin
+    assert [plan.width(rows) for rows in range(1, 6)] == [
+        3,
+        3,
+        3,
+        4,
+        5,
+    ]  # 5 saves 10% on 4 only at the margin
     assert plan.costs_ms == (190.0, 190.0, 190.0, 200.0, 180.0)  # what each runs at costs
     assert plan.width(9) == 9  # beyond the calibrated widths: as it is
     assert padded_rows(1, plan) == 3 and padded_rows(1) == 1 and padded_rows(82, plan) == 88
@@ -50,11 +56,20 @@ def test_padded_steps_change_no_output(padded_and_plain, prompt_ids, k):
     padded, plain = padded_and_plain
     draft = load_model("tiny-random:2")
     widths = []  # the rows each pass of the padded target ran
-    hook = padded.model.get_input_embeddings().register_forward_pre_hook(lambda _, args: widths.append(args[0].shape[1]))
-    for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)):
+    hook = padded.model.get_input_embeddings().register_forward_pre_hook(
+        lambda _, args: widths.append(args[0].shape[1])
+    )
+    for sampling in (
+        SamplingParams(max_new_tokens=24),
+        SamplingParams(max_new_tokens=24, temperature=1.0, seed=5),
+    ):
         for prompt in prompt_ids[:4]:
-            outputs = [SpeculativeGenerator(target, ModelDrafter(draft)).generate(prompt, sampling, k=k).token_ids
-                       for target in (padded, plain)]
+            outputs = [
+                SpeculativeGenerator(target, ModelDrafter(draft))
+                .generate(prompt, sampling, k=k)
+                .token_ids
+                for target in (padded, plain)
+            ]
             assert outputs[0] == outputs[1], (k, prompt, sampling.temperature)
     hook.remove()
     assert widths and min(widths) >= 12  # every small step ran padded

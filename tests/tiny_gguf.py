@@ -11,11 +11,21 @@ import numpy as np
 from model_runtime import tiny
 
 # Hugging Face parameter names -> GGUF tensor names (llama.cpp's convert script).
-GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+GLOBAL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
 LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 
 
@@ -38,7 +48,9 @@ def write_tiny_gguf(path: Path, seed: int = 1) -> Path:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocab)
-    writer.add_token_types([gguf.TokenType.CONTROL if t == tiny.END_OF_TEXT else gguf.TokenType.NORMAL for t in vocab])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t == tiny.END_OF_TEXT else gguf.TokenType.NORMAL for t in vocab]
+    )
     writer.add_token_scores([0.0] * len(vocab))
     writer.add_token_merges([])
     writer.add_eos_token_id(tokenizer.eos_token_id)
@@ -46,8 +58,11 @@ def write_tiny_gguf(path: Path, seed: int = 1) -> Path:
     for name, tensor in model.state_dict().items():
         writer_name, data = _gguf_tensor(name, tensor.numpy(), config)
         if data.ndim == 2:  # quantized, so that loading it de-quantizes like a real file
-            writer.add_tensor(writer_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(
+                writer_name,
+                gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             writer.add_tensor(writer_name, data.astype(np.float32))
     writer.write_header_to_file()
@@ -72,4 +87,8 @@ def _gguf_tensor(name: str, data: np.ndarray, config) -> tuple[str, np.ndarray]:
 
 def _interleave_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     head_half = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, 2, head_half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, 2, head_half, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
