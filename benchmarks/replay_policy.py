@@ -263,10 +263,10 @@ def replay_call(
     }[drafter_name]()
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=tuple(trace["stop_ids"]))
     policy = FixedK(k) if k is not None else AdaptiveK(MAX_K)
-    if seed_from is not None:
-        policy.estimator.seed(seed_from.estimator.costs())
-    if widths_known and costs.pad:
-        policy.estimator.passes.step_costs = costs.plan.costs_ms
+    policy.start_call(
+        costs.plan.costs_ms if widths_known and costs.pad else (),
+        seed_from.end_call() if seed_from is not None else None,
+    )
     target = ReplayTarget(prompt + path, set(trace["stop_ids"]), clock, costs)
     start, out = clock.now_ns, []
     with virtual_time(clock):

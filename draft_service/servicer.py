@@ -13,19 +13,17 @@ import grpc
 from opentelemetry import trace
 
 from draft_service.config import DraftConfig
-from draft_service.drafting import Drafters, apply_settings, prefill
-from draft_service.remote_verifier import RemoteVerifier
+from draft_service.drafting import Drafters, prefill
 from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
-from draft_service.speculation import SpeculatePlan, check_start, plan_call, run_rounds
+from draft_service.speculation import SpeculateCall
 from draft_service.target_connections import TargetConnections
 from foundation.errors import InvalidArgument, StaleProposal
 from model_runtime.fingerprint import ANY_VOCABULARY
 from service_common import telemetry
 from service_common.convert import model_info
 from service_common.deadlines import Deadline, bounded, time_remaining
-from service_common.status import Unavailable, rpc_errors
+from service_common.status import rpc_errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from speculative.policy import AdaptiveK
 from speculative.types import MODEL
 
 log = logging.getLogger(__name__)
@@ -130,73 +128,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Speculate(self, request, context):
         cancelled = threading.Event()
         context.add_callback(cancelled.set)  # the caller cancelled, or its deadline passed
-        plan = plan_call(request, self.config)
+        call = SpeculateCall(request, self.config, self.drafters, self.targets)
         with self._locked(request.session_id, context) as entry:
-            # One answer from the target: within the stall timeout and the caller's deadline.
-            info_timeout_s = bounded(time_remaining(context), self.config.verdict_stall_timeout_s)
-            target = self.targets.info(plan.target_address, info_timeout_s)
-            context_length = check_start(entry, request, plan, self.drafters, target)
-            apply_settings(entry.draft, plan.settings)
-            adaptive = self._adaptive_policy(entry, plan)
-            # its passes priced by its own timing
-            plan.policy.estimator.passes.step_costs = target.step_ms
-            # The rounds run as long as the caller waits for them (no cap on the whole
-            # call: under load, a long generation is slow, not hung).
-            verifier = RemoteVerifier(
-                self.targets.stub(plan.target_address),
-                plan.target_address,
-                plan.target_session_id,
-                plan.settings.params,
-                entry.next_round,
+            yield from call.run(
+                entry,
                 Deadline.of_caller(context),
-                self.config.verdict_stall_timeout_s,
-                overlaps=self.config.pipeline,
+                cancelled=lambda: cancelled.is_set() or not context.is_active(),
             )
-            try:
-                yield from run_rounds(
-                    entry,
-                    verifier,
-                    plan,
-                    request.base_len,
-                    context_length,
-                    cancelled=lambda: cancelled.is_set() or not context.is_active(),
-                )
-            except Unavailable:  # it may come back with another model: ask it again
-                self.targets.forget(plan.target_address)
-                raise
-            finally:
-                log.debug(
-                    "speculate ended",
-                    extra={
-                        "fields": {
-                            "session_id": entry.session_id,
-                            "target": plan.target_address,
-                            "rounds": verifier.round - entry.next_round,
-                            "committed_len": entry.length,
-                        }
-                    },
-                )
-                entry.next_round = verifier.round
-                verifier.close()
-                if adaptive is not None and adaptive.estimator.measured:
-                    self.targets.remember_costs(
-                        plan.target_address, entry.drafter, adaptive.estimator.costs()
-                    )
 
     # --- helpers ----------------------------------------------------------------------
-
-    def _adaptive_policy(self, entry: SessionEntry, plan: SpeculatePlan) -> AdaptiveK | None:
-        """The call's adaptive policy: the session's own when it has one for the same
-        k (the next turn goes on with what it measured), else a new one seeded with what
-        earlier calls measured between this drafter and this target."""
-        if not isinstance(plan.policy, AdaptiveK):
-            return None
-        if entry.policy is not None and entry.policy.max_k == plan.policy.max_k:
-            plan.policy = entry.policy
-        elif costs := self.targets.costs(plan.target_address, entry.drafter):
-            plan.policy.estimator.seed(costs)
-        entry.policy = plan.policy
-        return plan.policy
 
     def _load(self) -> telemetry.WorkerLoad:
         return telemetry.WorkerLoad(

@@ -1,7 +1,8 @@
-"""One Speculate call: the request checked and turned into core types, then the core's
-speculation loop (speculative.speculation_loop.speculation_rounds) run against a remote
-target, one SpeculateUpdate per round (and per token of a stretch the target decodes
-alone).
+"""One Speculate call (`SpeculateCall`): the request checked and turned into core types,
+then the core's speculation loop (speculative.speculation_loop.speculation_rounds) run
+against a remote target, one SpeculateUpdate per round (and per token of a stretch the
+target decodes alone). The servicer only locks the session and hands the call its
+deadline.
 
 The loop is the core's, unchanged: this module only adapts its inputs (a policy, a
 drafter set up for the call, a RemoteVerifier) and its outputs (updates with the wire
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,20 +25,24 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from draft_service.config import DraftConfig
-from draft_service.drafting import Drafters, DraftSettings
+from draft_service.drafting import Drafters, DraftSettings, apply_settings
 from draft_service.remote_verifier import RemoteVerifier
 from draft_service.sessions import SessionEntry
-from draft_service.target_connections import TargetInfo
+from draft_service.target_connections import TargetConnections, TargetInfo
 from foundation.errors import InvalidArgument, ResourceExhausted, StaleProposal
 from foundation.limits import validate_num_speculative_tokens
 from model_runtime.fingerprint import check_compatible
 from service_common import telemetry
 from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
+from service_common.deadlines import Deadline, bounded
+from service_common.status import Unavailable
 from specdec.v1 import draft_pb2
+from speculative.estimator import MeasuredCosts
 from speculative.policy import AdaptiveK, FixedK, SpeculationPolicy
 from speculative.prompt_lookup import LookupStop
 from speculative.speculation_loop import Features, RoundResult, speculation_rounds
 
+log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 
@@ -127,6 +133,90 @@ def check_start(
             f"session holds {request.base_len} tokens: the context length of {context_length} tokens is full"
         )
     return context_length
+
+
+class SpeculateCall:
+    """A Speculate request, checked before its session is locked, then run on it: the
+    target asked about its model, the call's policy chosen and started, the rounds run
+    over a RemoteVerifier, what the policy measured handed on to the next call."""
+
+    def __init__(
+        self,
+        request: draft_pb2.SpeculateRequest,
+        config: DraftConfig,
+        drafters: Drafters,
+        targets: TargetConnections,
+    ):
+        self.request, self.config = request, config
+        self.drafters, self.targets = drafters, targets
+        self.plan = plan_call(request, config)  # raises InvalidArgument naming the bad field
+
+    def run(
+        self, entry: SessionEntry, deadline: Deadline, cancelled: Callable[[], bool]
+    ) -> Iterator[draft_pb2.SpeculateUpdate]:
+        """The rounds on the locked session `entry`, as long as the caller waits for them
+        (`deadline`; no cap on the whole call: under load a long generation is slow, not
+        hung); `cancelled` is asked after each round."""
+        plan, config = self.plan, self.config
+        # One answer from the target: within the stall timeout and the caller's deadline.
+        target = self.targets.info(
+            plan.target_address, bounded(deadline.remaining(), config.verdict_stall_timeout_s)
+        )
+        context_length = check_start(entry, self.request, plan, self.drafters, target)
+        apply_settings(entry.draft, plan.settings)
+        earlier = self._choose_policy(entry)
+        plan.policy.start_call(target.step_ms, earlier)  # priced by the target's own timing
+        verifier = RemoteVerifier(
+            self.targets.stub(plan.target_address),
+            plan.target_address,
+            plan.target_session_id,
+            plan.settings.params,
+            entry.next_round,
+            deadline,
+            config.verdict_stall_timeout_s,
+            overlaps=config.pipeline,
+        )
+        try:
+            yield from run_rounds(
+                entry, verifier, plan, self.request.base_len, context_length, cancelled
+            )
+        except Unavailable:  # it may come back with another model: ask it again
+            self.targets.forget(plan.target_address)
+            raise
+        finally:
+            self._end(entry, verifier)
+
+    def _choose_policy(self, entry: SessionEntry) -> MeasuredCosts | None:
+        """An adaptive call goes on with its session's policy where that has the same k
+        (the next turn keeps what it measured); else its new policy is seeded with what
+        earlier calls measured between this drafter and this target (returned)."""
+        if not isinstance(self.plan.policy, AdaptiveK):
+            return None
+        earlier = None
+        if entry.policy is not None and entry.policy.max_k == self.plan.policy.max_k:
+            self.plan.policy = entry.policy
+        else:
+            earlier = self.targets.costs(self.plan.target_address, entry.drafter)
+        entry.policy = self.plan.policy
+        return earlier
+
+    def _end(self, entry: SessionEntry, verifier: RemoteVerifier) -> None:
+        plan = self.plan
+        log.debug(
+            "speculate ended",
+            extra={
+                "fields": {
+                    "session_id": entry.session_id,
+                    "target": plan.target_address,
+                    "rounds": verifier.round - entry.next_round,
+                    "committed_len": entry.length,
+                }
+            },
+        )
+        entry.next_round = verifier.round
+        verifier.close()
+        if costs := plan.policy.end_call():
+            self.targets.remember_costs(plan.target_address, entry.drafter, costs)
 
 
 def run_rounds(

@@ -131,12 +131,9 @@ class SpeculativeGenerator:
         policy = (
             k if isinstance(k, SpeculationPolicy) else FixedK(validate_num_speculative_tokens(k))
         )
-        adaptive = isinstance(policy, AdaptiveK)
-        if adaptive and not policy.estimator.measured and self.measured_costs is not None:
-            policy.estimator.seed(self.measured_costs)
-        policy.estimator.passes.step_costs = step_costs(
-            self.target.model
-        )  # where it timed its passes
+        # priced by the target's own timing; seeded with what the call before measured
+        earlier = self.measured_costs if isinstance(policy, AdaptiveK) else None
+        policy.start_call(step_costs(self.target.model), earlier)
         target = TargetSession(self.target, prompt_token_ids, params)
         draft = self._open_draft(prompt_token_ids, params, policy)
         stats = GenerationStats(prefill_ns=time.perf_counter_ns() - start)
@@ -159,8 +156,7 @@ class SpeculativeGenerator:
             target.release()
             if draft is not None:
                 draft.release()
-            if adaptive and policy.estimator.measured:
-                self.measured_costs = policy.estimator.costs()
+            self.measured_costs = policy.end_call() or self.measured_costs
         stats.total_ns = time.perf_counter_ns() - start
         return GenerationResult(token_ids, finish_reason, stats)
 

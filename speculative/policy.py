@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speculative.estimator import CostEstimator, Estimates, MeasuredCosts
+from speculative.stats import RoundStats
 from speculative.stretch_policy import StretchRules, Turn, hand_off
 
 
@@ -95,17 +96,83 @@ def draft_ahead(e: Estimates, k: int) -> bool:
 
 
 class SpeculationPolicy:
-    """The loop asks `next_action`, and tells `estimator` what each round and stretch
-    measured (a fixed k is measured too: its costs are reported and handed on)."""
+    """The loop asks `next_action`, and tells the policy what each round and stretch
+    measured (a fixed k is measured too: its costs are reported). The policy is the one
+    owner of its estimator: callers start and end a call on it and hand on what it
+    returns, never reading or setting what it measured."""
 
-    def __init__(self, max_k: int, estimator: CostEstimator):
-        self.max_k, self.estimator = max_k, estimator  # max_k: the largest k it will ask for
+    def __init__(self, max_k: int, estimator: CostEstimator | None = None):
+        self.max_k = max_k  # the largest k it will ask for
+        self._estimator = estimator or CostEstimator(max_k)
 
     def next_action(
         self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True
     ) -> Action:
         """stretches: whether the loop can run a stretch (else only rounds are asked for)."""
         raise NotImplementedError
+
+    # A call's start and end.
+
+    def start_call(
+        self, step_costs: tuple[float, ...] = (), earlier: MeasuredCosts | None = None
+    ) -> None:
+        """A call begins: its target prices its passes by `step_costs` (ms by width, as it
+        timed them; empty: not told); `earlier`, what an earlier call between the same
+        draft and target handed on, seeds a policy that has measured nothing yet."""
+        if earlier is not None and not self._estimator.measured:
+            self._estimator.seed(earlier)
+        self._estimator.passes.step_costs = step_costs
+
+    def end_call(self) -> MeasuredCosts | None:
+        """What this call measured, for the next call between the same draft and target
+        (None: nothing to hand on)."""
+        return None
+
+    @property
+    def measured(self) -> bool:
+        """The target's passes were measured (rounds, a stretch's passes, or an earlier call)."""
+        return self._estimator.measured
+
+    def estimates(self) -> Estimates:
+        """What the policy decides on, now (read-only: reports, tests)."""
+        return self._estimator.estimates()
+
+    # Observations, from the loop and its stretches.
+
+    def observe_round(self, stats: RoundStats, elapsed_ns: int) -> None:
+        """A finished round (or one token of a stretch), elapsed_ns from its decision to
+        its result passed on."""
+        self._estimator.observe(stats, elapsed_ns)
+
+    def observe_turn(self, proposed: bool) -> None:
+        """The drafter's turn proposed something, or nothing."""
+        self._estimator.stretches.observe_turn(proposed=proposed)
+
+    def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
+        """During a stretch, what a free drafter would have proposed and how much of it
+        the target's tokens then matched (CostEstimator.observe_shadow)."""
+        self._estimator.observe_shadow(num_drafted, num_accepted)
+
+    def observe_stretch(
+        self,
+        num_tokens: int,
+        elapsed_ns: int,
+        token_ns: int,
+        empty_turns: int = 0,
+        passes_ns: int | None = None,
+    ) -> None:
+        """A finished stretch (StretchCosts.observe_stretch)."""
+        self._estimator.stretches.observe_stretch(
+            num_tokens, elapsed_ns, token_ns, empty_turns, passes_ns
+        )
+
+    def observe_solo_tokens(self, num_tokens: int, token_ns: int) -> None:
+        """Tokens a stretch decoded alone when the call ended inside it."""
+        self._estimator.stretches.observe_solo_tokens(num_tokens, token_ns)
+
+    def lookup_runs_on_target(self) -> None:
+        """In stretches, the target runs the drafter's prompt lookup itself."""
+        self._estimator.stretches.target_runs_lookup = True
 
 
 class FixedK(SpeculationPolicy):
@@ -114,7 +181,7 @@ class FixedK(SpeculationPolicy):
     nothing takes the plain step."""
 
     def __init__(self, k: int, width: int = 1):
-        super().__init__(k, CostEstimator(k))
+        super().__init__(k)
         self.width = width
 
     def next_action(
@@ -148,5 +215,8 @@ class AdaptiveK(SpeculationPolicy):
         self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True
     ) -> Action:
         return decide(
-            self.estimator.estimates(), remaining, turn, self.rules if stretches else None
+            self._estimator.estimates(), remaining, turn, self.rules if stretches else None
         )
+
+    def end_call(self) -> MeasuredCosts | None:
+        return self._estimator.costs() if self._estimator.measured else None

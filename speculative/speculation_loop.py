@@ -78,7 +78,7 @@ def speculation_rounds(
             action = dataclasses.replace(action, width=1)
         sent = proposer.propose(call.base_len, k, action, features.draft_stop)
         if k > 0 and not sent.ahead:
-            policy.estimator.stretches.observe_turn(proposed=bool(sent.proposal.token_ids))
+            policy.observe_turn(proposed=bool(sent.proposal.token_ids))
             if not sent.proposal.token_ids and stretches is not None:  # a round trip for one token?
                 stretch = stretches.after_empty_turn(call.room)
                 if stretch:  # a lookup drafter's stretch ends where it would propose again
@@ -136,5 +136,5 @@ class Call:
         )
         yield RoundResult(result.token_ids, stats, self.finish_reason)
         # Measured after the caller is done with the result: a round's (a token's) cost includes passing it on.
-        self.policy.estimator.observe(stats, time.perf_counter_ns() - self.start_ns)
+        self.policy.observe_round(stats, time.perf_counter_ns() - self.start_ns)
         self.start_ns = time.perf_counter_ns()

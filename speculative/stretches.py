@@ -33,7 +33,7 @@ class Stretches:
         free_lookup = target_lookup and self.free_draft and verifier.runs_lookup
         self.lookup_sizes = self.draft.lookup_stop() if free_lookup else None
         if self.lookup_sizes is not None:
-            policy.estimator.stretches.target_runs_lookup = True
+            policy.lookup_runs_on_target()
 
     def after_empty_turn(self, room: int) -> int:
         """Tokens of the stretch the policy prefers to a round with nothing to verify (0: none)."""
@@ -69,16 +69,14 @@ class Stretches:
             yield from call.commit(result, stats)
             if call.finished:
                 if solo:  # what its tokens cost seeds the next call
-                    self.policy.estimator.stretches.observe_solo_tokens(
-                        len(solo), sum(solo) // len(solo)
-                    )
+                    self.policy.observe_solo_tokens(len(solo), sum(solo) // len(solo))
                 return
         self.proposer.next_index += 1
         if intervals:
             self.proposer.catch_up()
             token_ns = sum(solo) // len(solo) if solo else intervals[0]
             passes_ns = token_ns + sum(intervals[1:])  # its passes, the first as long as a solo one
-            self.policy.estimator.stretches.observe_stretch(
+            self.policy.observe_stretch(
                 len(solo) + 1,
                 time.perf_counter_ns() - stretch_start,
                 token_ns,
@@ -138,10 +136,10 @@ class ShadowRounds:
             self.proposal, self.matched = self.draft.peek(self.policy.max_k), 0
             if not self.proposal:  # an empty turn: the token is a plain step
                 self.proposal = None
-                self.policy.estimator.observe_shadow(0, 0)
+                self.policy.observe_shadow(0, 0)
                 return
         if self.matched < len(self.proposal) and token_id == self.proposal[self.matched]:
             self.matched += 1
             return
-        self.policy.estimator.observe_shadow(len(self.proposal), self.matched)
+        self.policy.observe_shadow(len(self.proposal), self.matched)
         self.proposal = None

@@ -14,7 +14,6 @@ import pytest
 
 from specdec.v1 import common_pb2, orchestrator_pb2
 from speculative.drafters import ModelDrafter
-from speculative.estimator import CostEstimator
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import Action, SpeculationPolicy
 from speculative.sampling import SamplingParams
@@ -88,7 +87,7 @@ class ReplayedDecisions(SpeculationPolicy):
     and the length of each stretch."""
 
     def __init__(self, actions: list[Action]):
-        super().__init__(max(a.k for a in actions), CostEstimator(max(a.k for a in actions)))
+        super().__init__(max(a.k for a in actions))
         self.actions = list(actions)
 
     def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True) -> Action:

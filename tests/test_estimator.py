@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from foundation.load import StepLoad
 from speculative.estimator import HOPE, PRIOR_TRIALS, CostEstimator, expected_tokens
 from speculative.pass_costs import SLOW_PASS_CLIP, pass_x
+from speculative.policy import SpeculationPolicy
 from speculative.rejection import NextTokenKind
 from speculative.stats import RoundStats
 from speculative.stretch_costs import SOLO_TOKEN_WEIGHT
@@ -54,12 +55,16 @@ def streamed(compute_ms, overhead_ms=0.0, looked_up=0, accepted=0):
     return stats, elapsed
 
 
-def settled(estimator, rounds, times=100):
-    """Observes the rounds `times` over: the decayed averages forget the priors."""
+def settled(observer, rounds, times=100):
+    """A policy or an estimator observes the rounds `times` over: the decayed averages
+    forget the priors."""
+    observe = (
+        observer.observe_round if isinstance(observer, SpeculationPolicy) else observer.observe
+    )
     for _ in range(times):
         for observed in rounds:
-            estimator.observe(*observed)
-    return estimator
+            observe(*observed)
+    return observer
 
 
 def test_acceptance_counts_accepted_tokens_and_the_first_rejection():

@@ -12,7 +12,6 @@ import pytest
 
 from specdec.v1 import common_pb2, orchestrator_pb2
 from speculative.drafters import ModelDrafter
-from speculative.estimator import CostEstimator
 from speculative.generator import LocalVerifier, SpeculativeGenerator
 from speculative.policy import Action, SpeculationPolicy
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
@@ -32,7 +31,7 @@ class EverythingPolicy(SpeculationPolicy):
     that stops early proposes one token a round."""
 
     def __init__(self):
-        super().__init__(3, CostEstimator(3))
+        super().__init__(3)
         self.turns = 0
 
     def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True) -> Action:

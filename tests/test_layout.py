@@ -87,6 +87,46 @@ def test_import_rule_check_catches_a_violation(tmp_path: Path) -> None:
     assert "specdec.v1.orchestrator_pb2" in imported_modules(module)
 
 
+# The policy is the one owner of what it measures: no module but speculative/policy.py
+# reaches into a policy's estimator, and only the policy and the estimator's unit tests
+# make one (everyone else starts, observes and ends calls through the policy's methods).
+ESTIMATOR_OWNER = "speculative/policy.py"
+ESTIMATOR_MAKERS = {ESTIMATOR_OWNER, "tests/test_estimator.py", "tests/test_token_trees.py"}
+CODE_FOLDERS = (
+    "foundation", "model_runtime", "speculative", "service_common", "target_service",
+    "draft_service", "orchestrator", "launcher", "client", "report", "http_api",
+    "benchmarks", "tests", "scripts",
+)  # fmt: skip
+
+
+def estimator_reaches(path: Path) -> list[str]:
+    """Where path.py reads or sets a policy's estimator, or imports the estimator class."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("estimator", "_estimator"):
+            if name != ESTIMATOR_OWNER:
+                found.append(f"{name}:{node.lineno} reaches into .{node.attr}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if "speculative.estimator.CostEstimator" in names_imported_by(node):
+                if name not in ESTIMATOR_MAKERS:
+                    found.append(f"{name}:{node.lineno} imports CostEstimator")
+    return found
+
+
+def test_only_the_policy_reaches_into_its_estimator() -> None:
+    assert [found for path in sources(*CODE_FOLDERS) for found in estimator_reaches(path)] == []
+
+
+def test_estimator_check_catches_a_reach(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from speculative.estimator import CostEstimator\npolicy.estimator.passes.step_costs = ()\n"
+    )
+    assert len(estimator_reaches(module)) == 2
+
+
 # Roles that start without torch or transformers (seconds of a cold start on 2 cores):
 # followed through the repository's modules, what they import when imported reaches
 # neither. The draft worker imports its model's modules inside a function, when it has one.

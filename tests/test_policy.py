@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from foundation.load import StepLoad
 from speculative.drafter_base import DraftSession
 from speculative.drafters import ModelDrafter
-from speculative.estimator import CostEstimator, Estimates, MeasuredCosts
+from speculative.estimator import Estimates, MeasuredCosts
 from speculative.generator import LocalVerifier, SpeculativeGenerator
 from speculative.pass_costs import SLOPE_PRIOR
 from speculative.policy import (
@@ -186,22 +186,20 @@ def test_where_the_target_runs_lookup_stretches_double_and_k_follows_what_they_m
     stretch after it is twice as long, up to the longest, and k is chosen again with
     what the stretch's passes and shadow rounds measured (a copy that goes on: more)."""
     policy, rules = AdaptiveK(8), StretchRules()
-    policy.estimator.stretches.target_runs_lookup = True
+    policy.lookup_runs_on_target()
     sizes, ks = [], []
     for _ in range(6):
         action = policy.next_action(remaining=None)
         sizes.append(action.stretch)
         ks.append(action.lookup_k)
         for _ in range(action.stretch // 8):  # what the stretch measured: copies of 8 that go on
-            policy.estimator.observe(*streamed(60.0, looked_up=8, accepted=8))
-            policy.estimator.observe_shadow(8, 8)
-        policy.estimator.stretches.observe_stretch(
-            action.stretch, action.stretch * 60 * MS, 60 * MS
-        )
+            policy.observe_round(*streamed(60.0, looked_up=8, accepted=8))
+            policy.observe_shadow(8, 8)
+        policy.observe_stretch(action.stretch, action.stretch * 60 * MS, 60 * MS)
     assert sizes == [rules.first * 2**i for i in range(4)] + [rules.longest] * 2
     assert ks[0] < ks[1] <= ks[-1] == 8
     # stretches' passes alone: the worker hands them to the next call
-    assert policy.estimator.measured
+    assert policy.measured
 
 
 @PROPERTY
@@ -225,11 +223,11 @@ def test_where_the_target_runs_lookup_a_costly_restart_makes_the_next_stretch_lo
     against 60 ms tokens, the next stretch is long enough that its start is at most
     start_share of its time, not merely twice the first."""
     policy, rules = AdaptiveK(8), StretchRules()
-    policy.estimator.stretches.target_runs_lookup = True
+    policy.lookup_runs_on_target()
     first = policy.next_action(remaining=None).stretch
     for _ in range(first):
-        policy.estimator.observe(*streamed(60.0))
-    policy.estimator.stretches.observe_stretch(first, (first * 60 + 300) * MS, 60 * MS)
+        policy.observe_round(*streamed(60.0))
+    policy.observe_stretch(first, (first * 60 + 300) * MS, 60 * MS)
     assert first == rules.first
     assert (
         policy.next_action(remaining=None).stretch
@@ -270,7 +268,7 @@ def test_a_policy_told_the_loop_cannot_stretch_asks_for_rounds_only():
     for overhead_ms, expected_k in ((1.0, 0), (20.0, 1)):
         policy = AdaptiveK(8)
         settled(
-            policy.estimator,
+            policy,
             [
                 round_(4, 0, 14.0, overhead_ms=overhead_ms),
                 round_(1, 0, 11.0, overhead_ms=overhead_ms),
@@ -392,9 +390,9 @@ def test_one_rejected_first_round_does_not_stop_speculation():
     k = 1 loses to decoding alone; read with one more accepted token (0.5) k = 1 pays,
     so the next round measures instead of a stretch."""
     policy = AdaptiveK(8)
-    policy.estimator.observe(*streamed(265.0))
-    policy.estimator.observe(*round_(2, 0, 318.0, overhead_ms=0.2, draft_ms=204.0))
-    assert policy.estimator.acceptances.rate() == pytest.approx(0.9 / 2.8)
+    policy.observe_round(*streamed(265.0))
+    policy.observe_round(*round_(2, 0, 318.0, overhead_ms=0.2, draft_ms=204.0))
+    assert policy.end_call().acceptance == pytest.approx(0.9 / 2.8)
     assert _k(policy.next_action()) == 1
 
 
@@ -408,19 +406,19 @@ def test_an_earlier_calls_acceptance_carries_a_first_rejection():
         round_(0, 0, 265.0, overhead_ms=7.0),
     ]
     earlier = AdaptiveK(8)
-    settled(earlier.estimator, calls, times=50)
-    assert earlier.estimator.acceptances.rate() == pytest.approx(0.85, abs=0.01)
+    settled(earlier, calls, times=50)
+    assert earlier.end_call().acceptance == pytest.approx(0.85, abs=0.01)
     first_round = round_(1, 0, 292.0, overhead_ms=7.0, draft_ms=110.0)
-    seeded = AdaptiveK(8, costs=earlier.estimator.costs())
-    seeded.estimator.observe(*first_round)
-    assert seeded.estimator.estimates().acceptance == pytest.approx(0.666, abs=0.01) and _is_round(
+    seeded = AdaptiveK(8, costs=earlier.end_call())
+    seeded.observe_round(*first_round)
+    assert seeded.estimates().acceptance == pytest.approx(0.666, abs=0.01) and _is_round(
         seeded.next_action()
     )
     unseeded = AdaptiveK(
         8,
-        costs=dataclasses.replace(earlier.estimator.costs(), acceptance=None, depth_acceptance=()),
+        costs=dataclasses.replace(earlier.end_call(), acceptance=None, depth_acceptance=()),
     )
-    unseeded.estimator.observe(*first_round)
+    unseeded.observe_round(*first_round)
     assert unseeded.next_action().stretch > 0
 
 
@@ -433,15 +431,13 @@ def test_before_any_measurement_it_drafts_what_the_priors_favour():
 
 def test_rejected_drafts_hand_over_to_stretches_that_double_while_probes_lose():
     policy = AdaptiveK(8, rules=StretchRules(first=8, longest=64))
-    settled(policy.estimator, [round_(4, 0, 14.0), round_(1, 0, 11.0)])
+    settled(policy, [round_(4, 0, 14.0), round_(1, 0, 11.0)])
     stretches = []
     for _ in range(5):
         stretches.append(policy.next_action().stretch)
-        policy.estimator.stretches.observe_stretch(
-            stretches[-1], stretches[-1] * 10 * MS + MS, 10 * MS
-        )
+        policy.observe_stretch(stretches[-1], stretches[-1] * 10 * MS + MS, 10 * MS)
         assert _k(policy.next_action()) == 1  # the probe drafts what is cheapest to re-measure with
-        policy.estimator.observe(*round_(1, 0, 11.0))
+        policy.observe_round(*round_(1, 0, 11.0))
     assert stretches == [8, 16, 32, 64, 64]
 
 
@@ -449,10 +445,10 @@ def test_a_stretch_runs_to_the_end_when_a_probe_after_it_could_not_pay():
     """After a stretch of 8, fewer than 8 tokens left: speculating on them, should the
     probe win, cannot repay bringing the draft up to date, so the stretch takes them."""
     policy = AdaptiveK(8, rules=StretchRules(first=8, longest=64))
-    settled(policy.estimator, [round_(4, 0, 14.0), round_(1, 0, 11.0)])
+    settled(policy, [round_(4, 0, 14.0), round_(1, 0, 11.0)])
     assert policy.next_action(remaining=16).stretch == 8
-    policy.estimator.stretches.observe_stretch(8, 81 * MS, 10 * MS)
-    policy.estimator.observe(*round_(1, 0, 11.0))  # the probe, still losing: the next stretch is 16
+    policy.observe_stretch(8, 81 * MS, 10 * MS)
+    policy.observe_round(*round_(1, 0, 11.0))  # the probe, still losing: the next stretch is 16
     assert policy.next_action(remaining=31).stretch == 31
 
 
@@ -464,8 +460,8 @@ def _bf16_qwen_rounds() -> AdaptiveK:
     for observed in (
         [round_(1, 1, 360.0, draft_ms=105.0)] * 5 + [round_(1, 0, 360.0, draft_ms=105.0)]
     ) * 2:
-        policy.estimator.observe(*observed)
-    e = policy.estimator.estimates()
+        policy.observe_round(*observed)
+    e = policy.estimates()
     assert e.one_token_ns == pytest.approx(327 * MS, rel=0.01)
     assert e.tokens_per_ns(1) * e.stretch.solo_token_ns == pytest.approx(1.27, abs=0.01)
     return policy
@@ -477,15 +473,15 @@ def test_a_lead_over_an_extrapolated_c1_is_checked_by_a_stretch():
     assert _is_round(_bf16_qwen_rounds().next_action(remaining=15))
     policy = _bf16_qwen_rounds()
     assert policy.next_action(remaining=64).stretch == 8
-    policy.estimator.stretches.observe_stretch(8, 8 * 215 * MS + 30 * MS, 215 * MS)
-    e = policy.estimator.estimates()
+    policy.observe_stretch(8, 8 * 215 * MS + 30 * MS, 215 * MS)
+    e = policy.estimates()
     assert e.one_token_measured and e.stretch.solo_token_ns == pytest.approx(215 * MS)
     assert _is_round(policy.next_action(remaining=56))  # the probe
-    policy.estimator.observe(*round_(1, 1, 360.0, draft_ms=105.0))
+    policy.observe_round(*round_(1, 1, 360.0, draft_ms=105.0))
     assert policy.next_action(remaining=54).stretch == 16  # the probe lost: twice the last
     # The next call starts from what this one measured.
-    seeded = AdaptiveK(8, costs=policy.estimator.costs())
-    seeded.estimator.observe(*round_(1, 1, 398.0, draft_ms=90.0))
+    seeded = AdaptiveK(8, costs=policy.end_call())
+    seeded.observe_round(*round_(1, 1, 398.0, draft_ms=90.0))
     assert seeded.next_action(remaining=62).stretch > 0
 
 
@@ -496,9 +492,9 @@ def test_break_even_round_trip_matches_the_cost_model():
     + R, the best k, so speculation stops paying at R* = 30.5 - 13 = 17.5 ms."""
     break_even_ms = 17.5
     below, above = AdaptiveK(4), AdaptiveK(4)
-    settled(below.estimator, [round_(4, 2, 14.0, overhead_ms=break_even_ms - 0.3), streamed(10.0)])
-    settled(above.estimator, [round_(4, 2, 14.0, overhead_ms=break_even_ms + 0.3), streamed(10.0)])
-    assert below.estimator.estimates().expected_tokens(3) == pytest.approx(3.05, abs=0.005)
+    settled(below, [round_(4, 2, 14.0, overhead_ms=break_even_ms - 0.3), streamed(10.0)])
+    settled(above, [round_(4, 2, 14.0, overhead_ms=break_even_ms + 0.3), streamed(10.0)])
+    assert below.estimates().expected_tokens(3) == pytest.approx(3.05, abs=0.005)
     assert _k(below.next_action()) == 3 and above.next_action().stretch > 0
 
 
@@ -507,7 +503,7 @@ def _settled_policy(overhead_ms=5.0) -> AdaptiveK:
     accepted every round (the fourth never): k = 3, E = 4 tokens."""
     policy = AdaptiveK(4)
     settled(
-        policy.estimator,
+        policy,
         [round_(4, 3, 14.0, overhead_ms=overhead_ms), streamed(10.0, overhead_ms)],
         times=30,
     )
@@ -531,13 +527,13 @@ def _drafter_turns(
     stretches = []
     for _ in range(times):
         for kind in pattern:
-            policy.estimator.stretches.observe_turn(proposed=kind == "P")
+            policy.observe_turn(proposed=kind == "P")
             if kind == "P":
-                policy.estimator.observe(*round_(4, 3, 14.0, overhead_ms=overhead_ms))
+                policy.observe_round(*round_(4, 3, 14.0, overhead_ms=overhead_ms))
                 continue
             stretches.append(policy.next_action(remaining, turn).stretch)
             if stretches[-1]:
-                policy.estimator.stretches.observe_stretch(
+                policy.observe_stretch(
                     stretches[-1],
                     int((stretches[-1] * token_ms + start_ms) * MS),
                     int(token_ms * MS),
@@ -575,7 +571,7 @@ def test_a_lookup_drafters_stretch_runs_until_it_would_propose_again():
     are cheaper; over 5 the stretch, which runs to the end unless text to copy ends it."""
     often, rarely = _settled_policy(), _settled_policy()
     for policy in (often, rarely):
-        policy.estimator.stretches.observe_stretch(20, (20 * 10 + 20) * MS, 10 * MS)
+        policy.observe_stretch(20, (20 * 10 + 20) * MS, 10 * MS)
     decided = _drafter_turns(often, "PE", remaining=100, turn=Turn.NOTHING_UNTIL_MATCH, start_ms=20)
     # Empty rounds, and now and then one first-size stretch (20 ms / (5% of 10 ms): 40
     # tokens) re-measuring s, once that risks at most 5% of the rounds' time since.
@@ -598,7 +594,7 @@ def test_a_measured_stretch_sizes_the_next_stretches():
     """Stretches came 11 ms a token and 30 ms to start: one is 30 / (0.05 * 11) = 55 tokens."""
     policy = _settled_policy()
     for _ in range(100):
-        policy.estimator.stretches.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
+        policy.observe_stretch(20, 20 * 11 * MS + 30 * MS, 11 * MS)
     assert set(_drafter_turns(policy, "PEEEEEEE", start_ms=30, token_ms=11)[-5:]) == {55}
 
 
@@ -606,8 +602,8 @@ def test_costs_measured_by_an_earlier_call_decide_the_first_round():
     """a = 2/3 cannot pay a 20 ms round trip: decode alone, long enough that its start
     (prior 2 R = 40 ms) is at most 5% of it at 10 ms a token: 80 tokens."""
     earlier = AdaptiveK(4)
-    settled(earlier.estimator, [round_(4, 2, 14.0, overhead_ms=20.0), streamed(10.0)])
-    assert AdaptiveK(4, costs=earlier.estimator.costs()).next_action().stretch == 80
+    settled(earlier, [round_(4, 2, 14.0, overhead_ms=20.0), streamed(10.0)])
+    assert AdaptiveK(4, costs=earlier.end_call()).next_action().stretch == 80
     assert _k(AdaptiveK(4).next_action()) == 2  # unseeded: measure first
 
 
@@ -617,17 +613,17 @@ def test_a_stretch_that_came_out_slow_is_measured_again():
     stretch risks at most 5% of the rounds' time since (70 ms: from 30 rounds), one
     re-measures it: 46 ms, and decoding alone wins."""
     policy = AdaptiveK(4)
-    settled(policy.estimator, [round_(0, 0, 46.0, overhead_ms=3.0)], times=30)
-    policy.estimator.stretches.observe_stretch(8, (8 * 57 + 4) * MS, 57 * MS)
+    settled(policy, [round_(0, 0, 46.0, overhead_ms=3.0)], times=30)
+    policy.observe_stretch(8, (8 * 57 + 4) * MS, 57 * MS)
     decisions = []
     while len(decisions) < 100 and not (decisions and decisions[-1]):
-        policy.estimator.stretches.observe_turn(proposed=False)
+        policy.observe_turn(proposed=False)
         decisions.append(policy.next_action(1000, Turn.NOTHING_PROPOSED).stretch)
         if not decisions[-1]:
-            policy.estimator.observe(*round_(0, 0, 46.0, overhead_ms=3.0))
+            policy.observe_round(*round_(0, 0, 46.0, overhead_ms=3.0))
     assert (len(decisions) - 1, decisions[-1]) == (30, 8)
-    policy.estimator.stretches.observe_stretch(8, (8 * 46 + 4) * MS, 46 * MS)
-    assert policy.estimator.estimates().stretch.solo_token_ns == pytest.approx(46.5 * MS, rel=0.01)
+    policy.observe_stretch(8, (8 * 46 + 4) * MS, 46 * MS)
+    assert policy.estimates().stretch.solo_token_ns == pytest.approx(46.5 * MS, rel=0.01)
     assert policy.next_action(1000, Turn.NOTHING_PROPOSED).stretch > 0
 
 
@@ -636,27 +632,27 @@ def test_decoding_alone_costs_what_its_stretches_measured():
     k = 2, 2, 3, every draft accepted, put c(1) near 200 ms, yet decoding alone still
     costs the 285 ms measured, and k = 3 at 94% leads it."""
     policy = AdaptiveK(8)
-    policy.estimator.observe(*round_(2, 2, 308.0, overhead_ms=5.0, draft_ms=239.0))
+    policy.observe_round(*round_(2, 2, 308.0, overhead_ms=5.0, draft_ms=239.0))
     # c(1) not measured yet: a stretch measures it
     assert policy.next_action(remaining=61).stretch == 8
-    policy.estimator.stretches.observe_stretch(8, (8 * 285 + 300) * MS, 285 * MS)
+    policy.observe_stretch(8, (8 * 285 + 300) * MS, 285 * MS)
     for k, draft_ms, compute_ms in [(2, 216.0, 342.0), (2, 227.0, 304.0), (3, 555.0, 422.0)]:
         assert _is_round(policy.next_action(remaining=50))
-        policy.estimator.observe(*round_(k, k, compute_ms, overhead_ms=3.0, draft_ms=draft_ms))
-    e = policy.estimator.estimates()
+        policy.observe_round(*round_(k, k, compute_ms, overhead_ms=3.0, draft_ms=draft_ms))
+    e = policy.estimates()
     assert e.stretch.solo_token_ns == 285 * MS and e.one_token_ns < 240 * MS
     assert _is_round(policy.next_action(remaining=43))
 
 
 def test_a_costly_draft_lowers_k():
     fast, slow = AdaptiveK(8), AdaptiveK(8)
-    settled(fast.estimator, [round_(4, 2, 12.0), round_(1, 1, 10.5)], times=30)
+    settled(fast, [round_(4, 2, 12.0), round_(1, 1, 10.5)], times=30)
     settled(
-        slow.estimator,
+        slow,
         [round_(4, 2, 12.0, draft_ms=40.0), round_(1, 1, 10.5, draft_ms=10.0)],
         times=30,
     )
-    assert slow.estimator.estimates().best_k() < fast.estimator.estimates().best_k()
+    assert slow.estimates().best_k() < fast.estimates().best_k()
 
 
 def test_rejected_drafts_on_a_crowded_worker_hand_over_to_decoding_alone():
@@ -667,11 +663,8 @@ def test_rejected_drafts_on_a_crowded_worker_hand_over_to_decoding_alone():
         stats, step=StepLoad(0, stats.target_compute_ns, 64, 32, 32, 40.0 * MS, 0.9 * MS)
     )
     policy = AdaptiveK(4)
-    settled(policy.estimator, [(loaded, elapsed)])
-    assert (
-        policy.estimator.estimates().worker_k == 0
-        and policy.next_action(remaining=1000).stretch > 0
-    )
+    settled(policy, [(loaded, elapsed)])
+    assert policy.estimates().worker_k == 0 and policy.next_action(remaining=1000).stretch > 0
 
 
 # --- the loop, driven by policies -------------------------------------------------------
@@ -740,15 +733,12 @@ class _StretchesToCopies(AdaptiveK):
         super().__init__(4, decay=0.99, costs=SLOW_LINK)
         self.asked = 0  # the stretch last asked for at an empty turn
         self.stretches = []  # (asked, decoded)
-        observe_stretch = self.estimator.stretches.observe_stretch
 
-        def observed(num_tokens, elapsed_ns, token_ns, empty_turns=0, passes_ns=None):
-            if self.asked:
-                self.stretches.append((self.asked, num_tokens))
-            assert empty_turns == (num_tokens - 1 if self.asked else 0)
-            observe_stretch(num_tokens, elapsed_ns, token_ns, empty_turns)
-
-        self.estimator.stretches.observe_stretch = observed
+    def observe_stretch(self, num_tokens, elapsed_ns, token_ns, empty_turns=0, passes_ns=None):
+        if self.asked:
+            self.stretches.append((self.asked, num_tokens))
+        assert empty_turns == (num_tokens - 1 if self.asked else 0)
+        super().observe_stretch(num_tokens, elapsed_ns, token_ns, empty_turns)
 
     def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         action = super().next_action(remaining, turn, stretches)
@@ -780,12 +770,12 @@ class _Alternating(SpeculationPolicy):
     """Target-only stretches of `solo` tokens between rounds of k: every boundary."""
 
     def __init__(self, k, solo):
-        super().__init__(k, CostEstimator(k))
+        super().__init__(k)
         self.solo, self.drafting = solo, True
         self.stretches = []
-        self.estimator.stretches.observe_stretch = lambda num_tokens, elapsed_ns, token_ns, **_: (
-            self.stretches.append((num_tokens, elapsed_ns, token_ns))
-        )
+
+    def observe_stretch(self, num_tokens, elapsed_ns, token_ns, empty_turns=0, passes_ns=None):
+        self.stretches.append((num_tokens, elapsed_ns, token_ns))
 
     def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         if turn is not Turn.DRAFT:
@@ -874,7 +864,7 @@ def test_the_draft_catches_up_on_a_stretch_before_drafting_again(
 
 class _Solo(SpeculationPolicy):
     def __init__(self):
-        super().__init__(4, CostEstimator(4))
+        super().__init__(4)
 
     def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         return Action(stretch=remaining)
@@ -909,7 +899,7 @@ class _FirstLook(AdaptiveK):
 
     def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         if turn is Turn.DRAFT:
-            self.looks.append(self.estimator.measured)
+            self.looks.append(self.measured)
         return super().next_action(remaining, turn, stretches)
 
 
@@ -927,11 +917,11 @@ class _ShadowLog(SpeculationPolicy):
     """One stretch to the end; logs the rounds a free drafter would have run in it."""
 
     def __init__(self, k):
-        super().__init__(k, CostEstimator(k))
+        super().__init__(k)
         self.shadows = []
-        self.estimator.observe_shadow = lambda num_drafted, num_accepted: self.shadows.append(
-            (num_drafted, num_accepted)
-        )
+
+    def observe_shadow(self, num_drafted, num_accepted):
+        self.shadows.append((num_drafted, num_accepted))
 
     def next_action(self, remaining=None, turn=Turn.DRAFT, stretches=True):
         return Action(stretch=remaining)
@@ -941,9 +931,9 @@ class _RoundLog(FixedK):
     def __init__(self, k):
         super().__init__(k)
         self.rounds = []
-        self.estimator.observe = lambda round_stats, elapsed_ns: self.rounds.append(
-            (round_stats.num_drafted, round_stats.num_accepted)
-        )
+
+    def observe_round(self, round_stats, elapsed_ns):
+        self.rounds.append((round_stats.num_drafted, round_stats.num_accepted))
 
 
 class _ScriptedVerifier:

@@ -632,7 +632,7 @@ def test_trees_where_a_node_costs_the_pass_little_chains_where_it_costs_much(per
     yield; a compute-bound one (30 ms a node) chains."""
     policy = AdaptiveK(8, max_width=4)
     settled(
-        policy.estimator,
+        policy,
         [*(round_(k, k // 2, 100.0 + per_token_ms * k) for k in (1, 4, 8)), streamed(100.0)],
     )
     assert policy.next_action().width == width
@@ -641,14 +641,14 @@ def test_trees_where_a_node_costs_the_pass_little_chains_where_it_costs_much(per
 def test_branches_that_bring_nothing_turn_trees_off_and_age_back_into_a_probe():
     policy = AdaptiveK(8, max_width=4)
     settled(
-        policy.estimator,
+        policy,
         [*(round_(k, k // 2, 100.0 + 0.5 * k) for k in (1, 4, 8)), streamed(100.0)],
     )
     for _ in range(10):  # 8 branch nodes a round, never on the kept path
-        policy.estimator.observe(*_tree_round(8, 4, 8, 0, 104.0))
-    assert policy.estimator.branch_yield() < 0.05 and policy.next_action().width == 1
+        policy.observe_round(*_tree_round(8, 4, 8, 0, 104.0))
+    assert policy.estimates().branch_yield < 0.05 and policy.next_action().width == 1
     for _ in range(40):  # chains: the evidence ages, the prior returns
-        policy.estimator.observe(*round_(8, 4, 104.0))
+        policy.observe_round(*round_(8, 4, 104.0))
     assert policy.next_action().width == 4
 
 
