@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from foundation.progress import progress_messages
 from model_runtime.quantization import SELF_QUANTIZATION, resolve_draft
 from service_common.security import Tls, TlsFiles, write_throwaway_pki
 from service_common.server import channel
@@ -45,6 +46,31 @@ def port_is_free(port: int) -> bool:
             return False
 
 
+class ProgressEcho:
+    """Shows on the launcher's console the progress lines its processes log while they
+    start (a first start converts and loads models for minutes), read from their log
+    files as these grow (foundation/progress.py writes them, `progress_messages` finds them)."""
+
+    def __init__(self, console=None):
+        self.console = console  # None: sys.stderr at the time of each line
+        self.followed: dict[str, tuple[Path, int]] = {}  # name -> (its log file, bytes read)
+
+    def follow(self, name: str, log_file: Path) -> None:
+        """From the file's end as it is: a restarted process's earlier lines were shown."""
+        self.followed[name] = (log_file, log_file.stat().st_size)
+
+    def echo(self) -> None:
+        for name, (log_file, read) in self.followed.items():
+            with log_file.open("rb") as log:
+                log.seek(read)
+                text = log.read()
+            # A line still being written waits for its end (a tqdm redraw ends with a \r).
+            ended = text[: max(text.rfind(b"\n"), text.rfind(b"\r")) + 1]
+            self.followed[name] = (log_file, read + len(ended))
+            for message in progress_messages(ended.decode(errors="replace")):
+                print(f"  {name}: {message}", file=self.console or sys.stderr, flush=True)
+
+
 class Cluster:
     """Child processes of one local system; stops them all on exit."""
 
@@ -52,11 +78,13 @@ class Cluster:
         self.log_dir = log_dir
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.tls: Tls | None = None  # a TLS system: health checks present the client certificate
+        self.progress = ProgressEcho()  # what the processes log of their start, while waiting
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, module: str, args: list[str]) -> None:
         restarted = any(n == name for n, _ in self.processes)
         log = open(self.log_dir / f"{name}.log", "a" if restarted else "w")
+        self.progress.follow(name, self.log_dir / f"{name}.log")
         process = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT
         )
@@ -81,10 +109,13 @@ class Cluster:
         process = dict(self.processes)[name]
         while time.monotonic() < deadline:
             if process.poll() is not None:
+                self.progress.echo()
                 raise SystemExit(
                     f"{name} exited with {process.returncode}; see {self.log_dir / (name + '.log')}"
                 )
-            if ready():
+            serving = ready()
+            self.progress.echo()  # after the look, so that all it logged before serving shows
+            if serving:
                 return
             time.sleep(POLL_S)
         raise SystemExit(f"{name} {what} by its startup deadline; see {self.log_dir}")

@@ -28,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from foundation.errors import InvalidArgument, NotFound
+from foundation.progress import Observed, ProgressReport, human_bytes
 from model_runtime import model_cache, quantization, row_invariance, tiny
 from model_runtime.cpu_linear import pack_linears
 from model_runtime.fingerprint import tokenizer_fingerprint
@@ -84,6 +85,8 @@ def resolve_dtype(dtype: str, device: str, sharded: bool = False) -> str:
 
 
 TINY_PREFIX = "tiny-random"
+# A load from the model cache logs only its last line unless it takes longer than this.
+QUIET_LOAD_S = 2.0
 
 
 @dataclass
@@ -176,17 +179,32 @@ def assemble_chunked_gguf(name: str) -> Path:
             raise NotFound(f"model {name!r}: {parts[0]} does not start a GGUF file")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
-    log.info("assembling %s from %d parts into %s", name, len(parts), target)
+    subject = f"assembling {target.name} ({human_bytes(size)}) from {len(parts)} packages"
     try:
-        with partial.open("wb") as out:
-            for part in parts:
-                with part.open("rb") as chunk:
-                    while block := chunk.read(16 * 1024 * 1024):
-                        out.write(block)
+        with ProgressReport(subject, log) as report:
+            report.phase("copying", measure=lambda: _copied(partial, size))
+            _concatenate(parts, partial)
+            report.finish(f"assembled {target} in {report.elapsed_s:.1f} s")
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
     return target
+
+
+def _concatenate(parts: list[Path], out: Path) -> None:
+    with out.open("wb") as whole:
+        for part in parts:
+            with part.open("rb") as chunk:
+                while block := chunk.read(16 * 1024 * 1024):
+                    whole.write(block)
+
+
+def _copied(partial: Path, size: int) -> Observed | None:
+    try:
+        copied = partial.stat().st_size
+    except OSError:  # not opened yet
+        return None
+    return Observed(copied / size, f"{human_bytes(copied)} of {human_bytes(size)}")
 
 
 def _chunk_path(name: str, spec: ChunkedGguf, index: int, distribution: str) -> Path:
@@ -242,19 +260,47 @@ def load_model(
     if source.gguf_file:
         converted = model_cache.ensure_converted(Path(source.path) / source.gguf_file, dtype)
         source = ModelSource(str(converted)) if converted else source
+    described = f"{name} ({_weights_size(source)}{dtype})"
+    with ProgressReport(f"loading {described}", log, quiet_s=QUIET_LOAD_S) as report:
+        loaded = _read_model(name, source, report, device, dtype, device_map, distributed_config)
+        if quantize != quantization.NONE:
+            report.phase(f"quantizing its linears ({quantize})")
+        quantization.quantize(loaded.model, quantize, keep_output_layer)
+        if row_invariant != row_invariance.OFF:
+            report.phase("row invariance where it applies (kernels timed once per host)")
+        loaded.row_invariance = row_invariance.apply_mode(loaded.model, row_invariant)
+        if pack_cpu_linears and loaded.row_invariance is None:
+            report.phase("packing its linears for oneDNN")
+            pack_linears(loaded.model)
+        report.finish(f"loaded {described} in {report.elapsed_s:.1f} s")
+    return loaded
+
+
+def _read_model(
+    name, source: ModelSource, report: ProgressReport, device, dtype, device_map, distributed_config
+) -> LoadedModel:
+    """The tokenizer and weights from source, on their device."""
+    report.phase("reading its tokenizer")
     tokenizer = _from_pretrained(AutoTokenizer, name, source)
-    sharding = {"distributed_config": distributed_config} if distributed_config is not None else {}
+    report.phase("reading its weights")  # transformers' "Loading weights" bar measures it
+    sharded = distributed_config is not None
+    sharding = {"distributed_config": distributed_config} if sharded else {}
     model = _from_pretrained(
         AutoModelForCausalLM, name, source, dtype=DTYPES[dtype], device_map=device_map, **sharding
     )
-    if device_map is None and distributed_config is None:  # a shard is placed on its rank's device
+    if device_map is None and not sharded:  # a shard is placed on its rank's device
+        if device != "cpu":
+            report.phase(f"moving it to {device}")
         model = model.to(device)
-    loaded = _describe(name, model.eval(), tokenizer)
-    quantization.quantize(model, quantize, keep_output_layer)
-    loaded.row_invariance = row_invariance.apply_mode(model, row_invariant)
-    if pack_cpu_linears and loaded.row_invariance is None:
-        pack_linears(model)
-    return loaded
+    return _describe(name, model.eval(), tokenizer)
+
+
+def _weights_size(source: ModelSource) -> str:
+    """'517 MB, ': the size of the weight files a local model reads ('' for a hub id)."""
+    if source.gguf_file:
+        return f"{human_bytes((Path(source.path) / source.gguf_file).stat().st_size)} GGUF, "
+    files = [*Path(source.path).glob("*.safetensors"), *Path(source.path).glob("*.bin")]
+    return f"{human_bytes(sum(f.stat().st_size for f in files))}, " if files else ""
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL):

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from foundation.progress import Measure, Observed, ProgressReport, human_bytes, log_progress
+
 log = logging.getLogger(__name__)
 
 # Bumped whenever what an entry holds, or how it is written, changes.
@@ -122,20 +124,13 @@ def ensure_converted(gguf_path: Path, dtype: str) -> Path | None:
         )
         return None
     with lock:
-        fcntl.flock(
-            lock, fcntl.LOCK_EX
-        )  # released when the file closes, also when the process dies
+        _lock_saying_so(lock, gguf_path)  # released when the file closes, or the process dies
         if entry.is_dir():  # another process converted it while this one waited
             return entry
         start, partial = time.perf_counter(), None
         try:
             partial = Path(
                 tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".partial", dir=converted)
-            )
-            log.info(
-                "converting %s (%s) into the model cache: once, later loads map it",
-                gguf_path,
-                dtype,
             )
             convert_gguf(gguf_path, dtype, partial)
             _write_atomically(
@@ -165,29 +160,76 @@ def ensure_converted(gguf_path: Path, dtype: str) -> Path | None:
         finally:
             if partial is not None:
                 shutil.rmtree(partial, ignore_errors=True)
-    log.info("converted %s in %.1f s into %s", gguf_path.name, time.perf_counter() - start, entry)
+    log.info("model cache entry of %s: %s", gguf_path.name, entry)
     return entry
+
+
+def _lock_saying_so(lock, gguf_path: Path) -> None:
+    """Takes the entry's lock; says so when it waits (another process converts the file)."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log_progress(log, f"{gguf_path.name}: another process is converting it, waiting for it")
+        fcntl.flock(lock, fcntl.LOCK_EX)
 
 
 def convert_gguf(gguf_path: Path, dtype: str, out: Path) -> None:
     """Loads gguf_path the way transformers does (de-quantized to dtype) and saves the
-    result into out as a Hugging Face checkpoint."""
+    result into out as a Hugging Face checkpoint, logging its progress as it goes."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, file_name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file_name)
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=file_name, dtype=getattr(torch, dtype)
-    )
-    # transformers marks a GGUF-loaded model as quantized, only to de-quantize it while
-    # loading; the tensors are plain, so the model saves as a plain checkpoint.
+    size = human_bytes(gguf_path.stat().st_size)
+    subject = f"converting {file_name} ({size})"
+    log_progress(log, f"{subject} into the model cache as {dtype}: once, later starts map it")
+    with ProgressReport(subject, log) as report:
+        report.phase("reading its tokenizer from the GGUF metadata")
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file_name)
+        # Parsing the metadata twice more (config, tensor names) shows no bar; de-quantizing does.
+        report.phase("reading its config and tensors")
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=file_name, dtype=getattr(torch, dtype)
+        )
+        _as_plain_checkpoint(model)
+        report.phase("writing safetensors", measure=_bytes_written(out, _tensor_bytes(model)))
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        report.finish(f"converted {file_name} ({size}) to {dtype} in {report.elapsed_s:.1f} s")
+
+
+def _as_plain_checkpoint(model) -> None:
+    """transformers marks a GGUF-loaded model as quantized, only to de-quantize it while
+    loading; the tensors are plain, so the model saves as a plain checkpoint."""
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.architectures = [type(model).__name__]
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+
+
+def _allocated(path: Path) -> int:
+    stat = path.stat()
+    return min(stat.st_size, stat.st_blocks * 512)  # st_blocks counts 512-byte units
+
+
+def _tensor_bytes(model) -> int:
+    """What the model's tensors take in a checkpoint (a tied weight is stored once)."""
+    return sum({t.data_ptr(): t.nbytes for t in model.state_dict().values()}.values())
+
+
+def _bytes_written(out: Path, expected: int) -> Measure:
+    """How much of expected the files in out hold yet. Counted in allocated blocks:
+    safetensors sizes its (hidden, temporary) file in full first, then fills it."""
+
+    def measure() -> Observed | None:
+        try:
+            written = sum(_allocated(path) for path in out.iterdir())
+        except OSError:  # a file renamed while listed: look again next time
+            return None
+        detail = f"{human_bytes(written)} of {human_bytes(expected)}"
+        return Observed(min(1.0, written / max(expected, 1)), detail)
+
+    return measure
 
 
 def _readable_by_all(directory: Path) -> None:
@@ -209,8 +251,9 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from foundation.errors import SpeculativeError
-    from model_runtime.loading import DTYPES, resolve_model_source
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from model_runtime.loading import DTYPES
 
     parser = argparse.ArgumentParser(
         prog="python -m model_runtime.model_cache",
@@ -233,7 +276,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.cache_dir:
         os.environ["SPECULATIVE_MODEL_CACHE"] = args.cache_dir
-    for name in args.models:
+    # Log lines through tqdm.write: on a terminal they print above transformers' bars, not into them.
+    with logging_redirect_tqdm():
+        return _convert_all(args.models, args.dtype)
+
+
+def _convert_all(models: list[str], dtype: str) -> int:
+    """Each model converted (its entry's path printed), or the exit status of the first failure."""
+    from foundation.errors import SpeculativeError
+    from model_runtime.loading import resolve_model_source
+
+    for name in models:
         try:
             source = resolve_model_source(name)
         except SpeculativeError as error:
@@ -244,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name}: not a GGUF model; it loads as it is, nothing to convert", file=sys.stderr
             )
             continue
-        entry = ensure_converted(Path(source.path) / source.gguf_file, args.dtype)
+        entry = ensure_converted(Path(source.path) / source.gguf_file, dtype)
         if entry is None:
             return 1
         print(entry)

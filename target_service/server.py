@@ -7,6 +7,7 @@ import os
 import signal
 
 from foundation.errors import SpeculativeError
+from foundation.progress import ProgressReport
 from model_runtime import static_passes, tensor_parallel, warmup, width_padding
 from model_runtime.host_memory import fix_mmap_threshold
 from model_runtime.loading import LoadedModel, configure_threads, load_model, resolve_dtype
@@ -82,7 +83,11 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
         and loaded.device.type == "cpu"
         and ranks is None
     ):
-        costs = compute.run(width_padding.calibrate, loaded.model)
+        # Tens of seconds on a first start: the console shows it (foundation/progress.py).
+        with ProgressReport(f"timing {config.model}'s passes by width", log) as report:
+            report.phase("a pass of each width, repeated", measure=None)
+            costs = compute.run(width_padding.calibrate, loaded.model)
+            report.finish(f"timed {config.model}'s passes by width in {report.elapsed_s:.1f} s")
         log.info(
             "step widths calibrated",
             extra={
