@@ -46,7 +46,7 @@ from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.policy import AdaptiveK, FixedK
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
-from speculative.speculation_loop import speculation_rounds
+from speculative.speculation_loop import Features, speculation_rounds
 from speculative.types import NextTokenKind, Verdict, VerifyResult
 
 REPO = Path(__file__).resolve().parent.parent
@@ -251,6 +251,7 @@ def replay_call(
     clock: Clock,
     seed_from: AdaptiveK | None = None,
     widths_known: bool = True,
+    features: Features = Features(),
 ) -> tuple[float, AdaptiveK | None]:
     """One call (k None: adaptive); its tokens per virtual second. Checks the output."""
     prompt, path = trace["prompt"], trace["path"]
@@ -271,7 +272,7 @@ def replay_call(
     start, out = clock.now_ns, []
     with virtual_time(clock):
         for result in speculation_rounds(
-            target, drafter.open(prompt, params), len(prompt), params, policy, 1 << 20
+            target, drafter.open(prompt, params), len(prompt), params, policy, 1 << 20, features
         ):
             out += result.token_ids
     assert out == path[: len(out)], "the replay diverged from the target's path"

@@ -79,6 +79,10 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # In a stretch, the target runs a prompt-lookup drafter's rounds itself, saving a
     # round trip per round (speculative/stretches.py); needs stretches.
     target_lookup: bool = True
+    # A cascade's (ngram+model) prompt lookup takes a turn from the draft model only where
+    # its measured rounds earn more at their costs (speculative/lookup_gate.py; adaptive
+    # calls). Off: lookup proposes wherever it finds a match.
+    lookup_gate: bool = True
     # A model drafter stops drafting where its own confidence says the next token would
     # not pay for its pass (speculative.policy.stop_reach; adaptive calls only). Off by
     # default: it has not shown a gain over adaptive k (benchmarks/results_features_qwen.md).

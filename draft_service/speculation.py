@@ -95,6 +95,7 @@ def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> Specu
             draft_ahead=config.pipeline,
             stretches=config.stretches,
             target_lookup=config.target_lookup,
+            lookup_gate=config.lookup_gate,
             draft_stop=config.draft_stop,
         ),
     )

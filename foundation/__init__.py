@@ -1,3 +1,4 @@
 """The base layer under both the model runtime and the algorithm: errors typed by gRPC
 status, the token sequence and its absolute rollback, the limits of a request, a
-worker's load snapshot, progress lines of long steps (a model converted or loaded). It imports neither of them (tests/test_layout.py)."""
+worker's load snapshot, progress lines of long steps (a model converted or loaded). It
+imports neither of them (tests/test_layout.py)."""

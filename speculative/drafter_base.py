@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from speculative.stats import LookupCheck
 from speculative.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ class Proposal:
     # Of a tree: how many first nodes, a path from the root, the draft session appended
     # (a model's chain under its branches); a chain is appended whole.
     tree_appended: int = 0
+    # A cascade's prompt lookup this turn (its guess where the model proposed); None: none.
+    lookup: LookupCheck | None = None
+    lookup_ids: tuple[int, ...] = ()  # lookup's tokens, to check against the verdict
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -121,6 +125,12 @@ class DraftSession(abc.ABC):
         """What propose(k) would return now, the session unchanged, where that is free
         (prompt lookup); None where proposing costs a model pass."""
         return None
+
+    def gate_lookup(self, refused: frozenset[int], max_tokens: int) -> None:
+        """A cascade's prompt lookup leaves the turn to the model where it matched one of
+        the `refused` n-gram sizes (speculative.lookup_gate), and where it takes the turn
+        proposes up to max_tokens (more than k: its tokens cost no drafting). Other
+        drafters ignore it."""
 
     def lookup_stop(self) -> LookupStop | None:
         """Where this drafter proposes only what prompt lookup finds (the n-gram drafter),

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from speculative.lookup_gate import LookupYield, LookupYields
 from speculative.pass_costs import PassCostFit, blend, pass_x, slope_prior
 from speculative.stretch_costs import StretchCosts, StretchEstimates
 
@@ -95,6 +96,8 @@ class Estimates:
     max_width: int = 1  # the most continuations a round may propose as a token tree
     branch_yield: float = 0.0  # accepted tokens per tree node off the first path
     step_costs: tuple[float, ...] = ()  # [w - 1] what the target timed a pass of w tokens to cost
+    # A cascade's prompt lookup, by n-gram size (lookup_gate.py); empty: no cascade.
+    lookup_yields: tuple[LookupYield, ...] = ()
 
     @property
     def measured(self) -> bool:
@@ -218,6 +221,7 @@ class CostEstimator:
         self.passes = PassCostFit(decay)  # c(w)
         self.acceptances = AcceptanceCounts(max_k, decay)  # a and a_i
         self.stretches = StretchCosts(decay, self.passes)  # s, o, f, recent actions
+        self.lookup = LookupYields(decay)  # a cascade's prompt lookup, by n-gram size
         self.branch_tokens = self.branch_nodes = 0.0  # decayed counts behind branch_yield
         self.draft_token_ns = self.overhead_ns = 0.0
         self.overhead_measured = False  # R by a round
@@ -250,6 +254,7 @@ class CostEstimator:
             max_width=self.max_width,
             branch_yield=self.branch_yield(),
             step_costs=passes.step_costs,
+            lookup_yields=self.lookup.yields(),
         )
 
     def branch_yield(self) -> float:
@@ -336,6 +341,10 @@ class CostEstimator:
         # aged by every round
         self.branch_tokens = self.decay * self.branch_tokens + stats.branch_tokens
         self.branch_nodes = self.decay * self.branch_nodes + stats.branch_nodes
+        if stats.lookup is not None:
+            self.lookup.observe(stats.lookup)
+        if stats.lookup_turn:  # a and d are the model's: lookup is measured apart
+            return
         if stats.num_drafted:  # a tree's first path: what a chain would have proposed
             self.acceptances.observe(
                 stats.num_drafted - stats.branch_nodes, stats.num_accepted - stats.branch_tokens

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speculative.estimator import CostEstimator, Estimates, MeasuredCosts
+from speculative.lookup_gate import refused_sizes
 from speculative.stats import RoundStats
 from speculative.stretch_policy import StretchRules, Turn, hand_off
 
@@ -34,6 +35,12 @@ class Action:
     # In a tree, a model drafter's branch must have at least this chance of being the
     # target's token (DraftSession.propose_tree): see `branch_reach`.
     min_branch: float = 0.0
+    # A cascade's prompt lookup leaves the turn to the model where it matched at one of
+    # these n-gram sizes (speculative.lookup_gate).
+    refused_lookup: frozenset[int] = frozenset()
+    # Where it takes the turn, a cascade's lookup proposes up to this many tokens (0: k):
+    # its tokens cost no drafting, and k is priced by the model's acceptance.
+    lookup_tokens: int = 0
 
 
 TAKE_ROUND = Action()  # the plain step: one target pass, nothing drafted
@@ -66,7 +73,13 @@ def _round(e: Estimates, k: int) -> Action:
     min_branch = branch_reach(e, k)
     width = e.max_width if e.branch_yield >= min_branch else 1
     return Action(
-        k=k, ahead=draft_ahead(e, k), min_reach=stop_reach(e, k), width=width, min_branch=min_branch
+        k=k,
+        ahead=draft_ahead(e, k),
+        min_reach=stop_reach(e, k),
+        width=width,
+        min_branch=min_branch,
+        refused_lookup=refused_sizes(e, k),
+        lookup_tokens=e.max_k,
     )
 
 

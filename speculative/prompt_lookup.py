@@ -8,6 +8,7 @@ n-gram drafter starts in a fraction of the time a torch import takes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from foundation.limits import MAX_SPECULATIVE_TOKENS
 from foundation.sequence import TokenSequence
 from model_runtime.fingerprint import ANY_VOCABULARY
 from speculative.drafter_base import Drafter, DraftSession, Proposal
+from speculative.stats import LookupCheck
 from speculative.token_tree import TokenTree
 from speculative.types import NGRAM, SamplingParams
 
@@ -143,15 +145,22 @@ class NgramDraftSession(DraftSession):
 def lookup_continuation(token_ids: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
     """Up to k tokens that followed the earliest occurrence of the longest suffix of
     token_ids that occurs before (n from max_ngram down to min_ngram); [] if none does."""
+    return lookup_match(token_ids, k, min_ngram, max_ngram)[1]
+
+
+def lookup_match(
+    token_ids: list[int], k: int, min_ngram: int, max_ngram: int
+) -> tuple[int, list[int]]:
+    """lookup_continuation's tokens, with the size n of the suffix it matched (0: none)."""
     if k <= 0 or len(token_ids) <= min_ngram:
-        return []
+        return 0, []
     length = len(token_ids)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         # Only occurrences with a token after them: they start before length - n.
         start = _earliest_occurrence(token_ids, token_ids[-n:], length - n)
         if start is not None:
-            return token_ids[start + n : start + n + k]
-    return []
+            return n, token_ids[start + n : start + n + k]
+    return 0, []
 
 
 def lookup_tree(
@@ -218,36 +227,56 @@ class LookupThenModelDrafter(Drafter):
 
 class LookupThenModelSession(DraftSession):
     """Both sessions hold the same tokens: what one proposes is appended to the other
-    (the model runs looked-up tokens with its next pass, as pending input)."""
+    (the model runs looked-up tokens with its next pass, as pending input). Lookup leaves
+    the turn to the model where its match's n-gram size is refused (`refuse_lookup`: the
+    adaptive policy's gate, speculative.lookup_gate); each proposal carries lookup's
+    guess, so that its worth is measured on the model's turns too."""
 
-    def __init__(self, lookup: DraftSession, model: DraftSession):
+    def __init__(self, lookup: NgramDraftSession, model: DraftSession):
         self.lookup, self.model = lookup, model
+        self.refused: frozenset[int] = frozenset()
+        self.lookup_tokens = 0  # where lookup takes the next turn, up to this many (0: k)
 
     @property
     def length(self) -> int:
         return self.model.length
 
+    def gate_lookup(self, refused: frozenset[int], max_tokens: int) -> None:
+        self.refused, self.lookup_tokens = refused, max_tokens
+
     def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
-        proposal = self.lookup.propose(k)
-        if proposal:  # deterministic: draft_probs None, one-hot distributions
+        size, guess = self._guess(self._lookup_k(k))
+        if guess and size not in self.refused:  # deterministic: one-hot distributions
+            proposal = self.lookup.propose(len(guess))  # the guess, appended
             self.model.append(proposal.token_ids)
-            return proposal
+            return _with_lookup(proposal, size, guess, proposed=True)
         proposal = self.model.propose(k, min_reach)
         self.lookup.append(proposal.token_ids)
-        return proposal
+        return _with_lookup(proposal, size, guess, proposed=False)
 
     def propose_tree(
         self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0
     ) -> Proposal:
-        proposal = self.lookup.propose_tree(k, width)
-        if proposal.parents is not None:
-            return proposal
-        if proposal:
-            self.model.append(proposal.token_ids)
-            return proposal
+        lookup_k = self._lookup_k(k)
+        size, guess = self._guess(lookup_k)
+        if guess and size not in self.refused:
+            proposal = self.lookup.propose_tree(lookup_k, width)
+            if proposal.parents is None:
+                self.model.append(proposal.token_ids)
+            return _with_lookup(proposal, size, guess, proposed=True)
         proposal = self.model.propose_tree(k, width, min_reach, min_branch)
         self.lookup.append(proposal.appended())
-        return proposal
+        return _with_lookup(proposal, size, guess, proposed=False)
+
+    def _lookup_k(self, k: int) -> int:
+        """Lookup's tokens for this proposal: the gate's max_tokens once (the round's own
+        proposal; a proposal drafted ahead piece by piece keeps to its pieces)."""
+        lookup_k, self.lookup_tokens = max(k, self.lookup_tokens), 0
+        return lookup_k
+
+    def _guess(self, k: int) -> tuple[int, list[int]]:
+        lookup = self.lookup
+        return lookup_match(lookup.tokens.ids, k, lookup.min_ngram, lookup.max_ngram)
 
     def append(self, token_ids: Sequence[int]) -> None:
         self.lookup.append(token_ids)
@@ -265,3 +294,11 @@ class LookupThenModelSession(DraftSession):
 
     def set_sampling(self, params: SamplingParams) -> None:
         self.model.set_sampling(params)
+
+
+def _with_lookup(proposal: Proposal, size: int, guess: list[int], proposed: bool) -> Proposal:
+    """The proposal with what lookup proposed, or would have (nothing where it matched none)."""
+    if not guess:
+        return proposal
+    check = LookupCheck(size, len(guess), proposed=proposed)
+    return dataclasses.replace(proposal, lookup=check, lookup_ids=tuple(guess))

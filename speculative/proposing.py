@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from foundation.sequence import common_prefix_length
 from speculative.drafter_base import EMPTY_PROPOSAL, DraftSession, Proposal
+from speculative.lookup_gate import PendingGuess
 from speculative.policy import Action
-from speculative.stats import RoundStats
+from speculative.stats import LookupCheck, RoundStats
 from speculative.types import SamplingParams, VerifyResult
 from speculative.verifier import Verifier
 
@@ -33,8 +34,18 @@ class Sent:
 class Proposer:
     idle = True  # nothing sent beyond the proposal being verified (a stretch may start)
 
-    def __init__(self, verifier: Verifier, draft: DraftSession | None, params: SamplingParams):
+    def __init__(
+        self,
+        verifier: Verifier,
+        draft: DraftSession | None,
+        params: SamplingParams,
+        lookup_gate: bool = True,
+    ):
+        """lookup_gate: a cascade's lookup takes only the turns the policy leaves it
+        (Action.refused_lookup), and each round reports what lookup brought (or would have)."""
         self.verifier, self.draft, self.params = verifier, draft, params
+        self.lookup_gate = lookup_gate
+        self.pending_lookup = PendingGuess()  # a cascade's lookup guess, until decided
         self.draft_read_prompt = draft is None
         self.draft_warm = False  # the draft's prefill left the logits for its next token
         # proposing costs no pass (lookup)
@@ -62,6 +73,8 @@ class Proposer:
         a model draft stops where its own chances say the next token does not pay (action.min_reach)."""
         start = time.perf_counter_ns()
         min_reach = action.min_reach if draft_stop else 0.0
+        if self.lookup_gate and k > 0:
+            self.draft.gate_lookup(action.refused_lookup, action.lookup_tokens)
         if k <= 0:
             proposal = EMPTY_PROPOSAL
         elif action.width > 1:
@@ -114,8 +127,18 @@ class Proposer:
             drafted_ahead=sent.ahead,
             late_ns=now - received,
             draft_warm=sent.warm,
+            lookup=self._lookup_check(sent, result) if self.lookup_gate else None,
+            lookup_turn=self.lookup_gate and _lookup_turn(sent.proposal),
             **_branch_counts(sent.proposal, result.path),
         )
+
+    def _lookup_check(self, sent: Sent, result: VerifyResult) -> LookupCheck | None:
+        """A cascade's lookup guess decided by the target's tokens, this round's or an
+        earlier one's (where it proposed them: its accepted ones, the target's next token
+        differing from the first it rejected)."""
+        if sent.proposal.lookup is not None:
+            self.pending_lookup.start(sent.proposal.lookup, sent.proposal.lookup_ids, sent.base_len)
+        return self.pending_lookup.follow(sent.base_len, result.token_ids)
 
     def apply_to_draft(self, sent: Sent, result: VerifyResult) -> None:
         """Rolls the draft back to what it appended of the accepted path and appends the rest
@@ -126,6 +149,11 @@ class Proposer:
             )
             self.draft.truncate_to(sent.base_len + num_kept)
             self.draft.append(result.token_ids[num_kept:])
+
+
+def _lookup_turn(proposal: Proposal) -> bool:
+    """A cascade's lookup proposed these tokens (not its draft model)."""
+    return proposal.lookup is not None and proposal.lookup.proposed
 
 
 def _branch_counts(proposal: Proposal, path: tuple[int, ...] | None) -> dict[str, int]:

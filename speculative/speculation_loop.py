@@ -28,6 +28,9 @@ class Features:
     draft_ahead: bool = True  # where the verifier overlaps (drafting_ahead.py)
     stretches: bool = True  # target-only runs where speculation loses (stretches.py)
     target_lookup: bool = True  # in stretches, the target runs prompt lookup's rounds itself
+    # A cascade's prompt lookup takes only the turns where it earns more than the draft
+    # model at their measured costs (lookup_gate.py); off: wherever it finds a match.
+    lookup_gate: bool = True
     # A model drafter stops where its next token would not pay (policy.stop_reach). Off:
     # on the Qwen pair it bought nothing over adaptive k (benchmarks/results_features_qwen.md).
     draft_stop: bool = False
@@ -53,7 +56,7 @@ def speculation_rounds(
     committed tokens; after each result, the new committed length (the draft also any proposal sent ahead)."""
     call = Call(base_len, params, context_length, policy)
     proposer = (AheadProposer if features.draft_ahead and verifier.overlaps else Proposer)(
-        verifier, draft, params
+        verifier, draft, params, features.lookup_gate
     )
     stretches = (
         Stretches(verifier, proposer, policy, features.target_lookup)
@@ -74,7 +77,9 @@ def speculation_rounds(
         if proposer.idle and proposer.read_prompt():  # the draft's prefill is no round's cost
             call.start_ns = time.perf_counter_ns()
         k = min(action.k, call.room - 1)
-        if k * action.width >= call.context_room:  # a tree's every node fits the context
+        lookup_tokens = min(max(k, action.lookup_tokens), call.room - 1) if k > 0 else 0
+        action = dataclasses.replace(action, lookup_tokens=lookup_tokens)
+        if lookup_tokens * action.width >= call.context_room:  # a tree's every node fits
             action = dataclasses.replace(action, width=1)
         sent = proposer.propose(call.base_len, k, action, features.draft_stop)
         if k > 0 and not sent.ahead:

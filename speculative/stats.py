@@ -11,6 +11,18 @@ from foundation.load import StepLoad
 from speculative.types import NextTokenKind
 
 
+@dataclass(frozen=True)
+class LookupCheck:
+    """In a cascade (prompt lookup before a draft model): what lookup proposed this round,
+    or would have where the model proposed (a free check of its worth), and how much of
+    it the target's tokens matched."""
+
+    size: int  # the n-gram size lookup matched
+    drafted: int  # its tokens
+    accepted: int = 0  # its leading tokens the target's output then held
+    proposed: bool = False  # lookup took the turn (else the model did)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RoundStats:
     index: int  # 0-based round number within the request
@@ -39,6 +51,10 @@ class RoundStats:
     # accepted tokens they added past the first path's: 0 and 0 for a chain.
     branch_nodes: int = 0
     branch_tokens: int = 0
+    # A cascade's prompt lookup guess this round decided (made this round or before); and
+    # whether lookup proposed this round's tokens (they tell nothing of the model's a).
+    lookup: LookupCheck | None = None
+    lookup_turn: bool = False
 
     @property
     def network_ns(self) -> int:
