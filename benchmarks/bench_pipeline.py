@@ -92,11 +92,22 @@ def pin(pid: int, cpu: int) -> None:
             pass
 
 
-class PinnedSystem:
-    """target (CPU 1) behind a delay proxy; draft P + orchestrator P, draft S +
-    orchestrator S (CPU 0)."""
+# Draft workers by name, each behind its own orchestrator: their flags.
+PIPELINED_AND_SYNC = {"P": ["--pipeline"], "S": ["--no-pipeline"]}
 
-    def __init__(self, pair: Pair, delay_ms: float, log_dir: Path, threads: int = 1):
+
+class PinnedSystem:
+    """target (CPU 1) behind a delay proxy; per variant a draft worker with its flags and
+    an orchestrator (CPU 0): by default P (pipelined) and S (synchronous)."""
+
+    def __init__(
+        self,
+        pair: Pair,
+        delay_ms: float,
+        log_dir: Path,
+        threads: int = 1,
+        variants: dict[str, list[str]] = PIPELINED_AND_SYNC,
+    ):
         self.cluster = Cluster(log_dir)
         target, proxy = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         self.roles = [
@@ -127,13 +138,13 @@ class PinnedSystem:
             )
         )
         self.orchestrators = {}
-        for name, flag in (("P", "--pipeline"), ("S", "--no-pipeline")):
+        for name, flags in variants.items():
             draft, orchestrator = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
             self.roles.append(
                 (
                     f"draft-{name}",
                     "draft_service",
-                    ["--model", pair.draft, "--address", draft, "--threads", str(threads), flag],
+                    ["--model", pair.draft, "--address", draft, "--threads", str(threads), *flags],
                     draft,
                     DRAFT_CPU,
                 )
