@@ -301,19 +301,19 @@ class CostEstimator:
     def costs(self) -> MeasuredCosts:
         passes, stretches = self.passes, self.stretches
         return MeasuredCosts(
-            passes.one_token_ns,
-            passes.per_token_ns,
-            self.overhead_ns,
-            stretches.solo_token_ns,
-            stretches.start_ns,
-            self.draft_token_ns,
-            self.acceptances.rate(),
-            passes.one_token_measured,
-            self.batch_sessions,
-            self.step_base_ns,
-            self.step_token_ns,
-            stretches.measure,
-            self.acceptances.depth_rates(),
+            one_token_ns=passes.one_token_ns,
+            per_token_ns=passes.per_token_ns,
+            overhead_ns=self.overhead_ns,
+            solo_token_ns=stretches.solo_token_ns,
+            stream_start_ns=stretches.start_ns,
+            draft_token_ns=self.draft_token_ns,
+            acceptance=self.acceptances.rate(),
+            one_token_measured=passes.one_token_measured,
+            batch_sessions=self.batch_sessions,
+            step_base_ns=self.step_base_ns,
+            step_token_ns=self.step_token_ns,
+            stretches_measure=stretches.measure,
+            depth_acceptance=self.acceptances.depth_rates(),
         )
 
     # Observations.
