@@ -10,7 +10,7 @@ Method (`bench_pipeline.PinnedSystem`): the target worker pinned to CPU 1 behind
 delaying TCP proxy (one-way delay 1, 5 and 20 ms), every draft worker and orchestrator
 on CPU 0, one torch thread each, as on two machines. Per delay one system: draft
 workers with the defaults ("all on"), with `--no-stretches`, and (a pair with a draft
-model) with `--draft-stop`, each behind its own orchestrator. Adaptive k <= 8, greedy,
+model) with `--no-draft-stop`, each behind its own orchestrator. Adaptive k <= 8, greedy,
 chat template, a new session per call; methods interleaved per prompt and rotated per
 repeat. Cells: tokens/s over all on's in the same repeat (geometric mean over repeats).
 Writes results_link_<pair>.md to --out as it goes.
@@ -35,18 +35,19 @@ BASE = "all on"
 QWEN_DRAFT = ["--quantization", "int8-dynamic"]  # the pair's draft, as make run starts it
 
 
-def variants(pair_name: str) -> dict[str, list[str]]:
-    """Draft workers by name: their flags."""
+def variants(pair_name: str, only: str = "") -> dict[str, list[str]]:
+    """Draft workers by name: their flags (only: a comma-separated subset beside all on)."""
     extra = QWEN_DRAFT if pair_name == "qwen" else []
     out = {BASE: [*extra], "stretches off": [*extra, "--no-stretches"]}
     if PAIRS[pair_name].draft:  # draft_stop acts on a model drafter only
-        out["draft_stop on"] = [*extra, "--draft-stop"]
-    return out
+        out["draft_stop off"] = [*extra, "--no-draft-stop"]
+    chosen = {BASE, *only.split(",")} if only else set(out)
+    return {name: flags for name, flags in out.items() if name in chosen}
 
 
 def measure(pair_name: str, drafter: str, delay_ms: float, args, rates: dict) -> None:
     """Fills rates[(delay, prompt, variant)] with tokens/s, one per repeat."""
-    pair, table = PAIRS[pair_name], variants(pair_name)
+    pair, table = PAIRS[pair_name], variants(pair_name, args.variants)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-link-"))
     with PinnedSystem(pair, delay_ms, log_dir, variants=table) as stubs:
         for name in table:  # warm-up
@@ -79,7 +80,7 @@ def measure(pair_name: str, drafter: str, delay_ms: float, args, rates: dict) ->
 
 
 def report(pair_name: str, drafter: str, rates: dict, args, command: str) -> str:
-    names = list(variants(pair_name))
+    names = list(variants(pair_name, args.variants))
     lines = [
         f"# Stretches and draft_stop across a link, {pair_name} ({drafter})",
         "",
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", default="chat,code_new,code_edit,summary,explain")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--variants", default="", help='e.g. "draft_stop off" (default: all)')
     parser.add_argument("--out", default=str(REPO / "benchmarks"))
     args = parser.parse_args(argv)
     if len(os.sched_getaffinity(0)) < 2:
