@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--methods", default="", help="a comma-separated subset (default: all)")
     parser.add_argument("--out", default=str(REPO / "benchmarks"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:]
     )
     every = methods(target, model, args.max_new_tokens)
+    if args.methods:  # the parts are the ratios' baseline: always kept
+        every = {n: run for n, run in every.items() if n in {*PARTS, *args.methods.split(",")}}
     measure(every, {"warm-up": inputs[order[0]][:16]}, 1)
     path = Path(args.out) / "results_cascade.md"
     path.parent.mkdir(parents=True, exist_ok=True)
