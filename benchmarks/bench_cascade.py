@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     every = methods(target, model, args.max_new_tokens)
     if args.methods:  # the parts are the ratios' baseline: always kept
-        every = {n: run for n, run in every.items() if n in {*PARTS, *args.methods.split(",")}}
+        chosen = {*PARTS, *args.methods.split(",")}
+        if unknown := chosen - set(every):
+            raise SystemExit(f"no such method {sorted(unknown)}; there are {list(every)}")
+        every = {n: run for n, run in every.items() if n in chosen}
     measure(every, {"warm-up": inputs[order[0]][:16]}, 1)
     path = Path(args.out) / "results_cascade.md"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,8 @@ def variants(pair_name: str, only: str = "") -> dict[str, list[str]]:
     if PAIRS[pair_name].draft:  # draft_stop acts on a model drafter only
         out["draft_stop off"] = [*extra, "--no-draft-stop"]
     chosen = {BASE, *only.split(",")} if only else set(out)
+    if unknown := chosen - set(out):
+        raise SystemExit(f"no such variant {sorted(unknown)}; {pair_name} has {list(out)}")
     return {name: flags for name, flags in out.items() if name in chosen}
 
 
