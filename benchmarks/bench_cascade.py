@@ -54,7 +54,10 @@ def methods(target, model: ModelDrafter, max_new_tokens: int) -> dict:
         "lookup": runner(NgramDrafter()),
         "model": runner(model),
         "cascade": runner(LookupThenModelDrafter(model, NgramDrafter())),
-        "cascade, gate off": runner(
+        "cascade no check": runner(
+            LookupThenModelDrafter(model, NgramDrafter()), Features(lookup_check=False)
+        ),
+        "cascade no gate": runner(
             LookupThenModelDrafter(model, NgramDrafter()), Features(lookup_gate=False)
         ),
     }

@@ -14,6 +14,11 @@ there the model drafts. Nothing measured yet: no size is refused (the cascade as
 
 Which drafter proposes depends on what earlier rounds measured, never on the current
 round's draws, so the output stays exactly the target's (greedy and sampled).
+
+A size with no record yet in the call is not trusted on its prior alone: lookup's copy
+takes the turn there only where the draft model's first token agrees with it (one draft
+pass, which becomes the model's first token where they differ). Text that copies its
+input passes the check; a chance match in new text rarely does, and is not proposed.
 """
 
 from __future__ import annotations
@@ -98,6 +103,12 @@ class PendingGuess:
             self.check = None
             return check
         return None
+
+
+def trusted_sizes(e: Estimates, refused: frozenset[int]) -> frozenset[int]:
+    """The n-gram sizes at which lookup takes the turn on its record in this call: those
+    measured and not refused. Any other size asks the draft model first."""
+    return frozenset(y.size for y in e.lookup_yields) - refused
 
 
 def refused_sizes(e: Estimates, k: int) -> frozenset[int]:
