@@ -5,7 +5,8 @@ alone, adaptive, in process: is it at least the better of its parts on every pro
     .venv/bin/python -m benchmarks.bench_cascade --kinds chat --prompt-set "" --max-new-tokens 16
 
 Methods, interleaved per prompt (`bench_suite.measure`): lookup alone, the model alone,
-the cascade with its gate (speculative/lookup_gate.py) and without it; adaptive k <= 8,
+the cascade with its gate (speculative/lookup_gate.py) and the model's check of lookup's
+copies at sizes it has no record of, without the check, and without the gate; adaptive k <= 8,
 greedy, chat template, every other optimisation on. Each method keeps its own generator,
 so each call is seeded with what the method's call before it measured, as a draft worker
 seeds it. Writes `results_cascade.md` in --out after every prompt.
@@ -37,10 +38,33 @@ REPO = Path(__file__).resolve().parent.parent
 PARTS = ("lookup", "model")
 
 
-def methods(target, model: ModelDrafter, max_new_tokens: int) -> dict:
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(target.eos_token_id,))
+# name: the drafter ("ngram", "model" or the cascade "ngram+model") and its features
+METHODS = {
+    "lookup": ("ngram", Features()),
+    "model": ("model", Features()),
+    "cascade": ("ngram+model", Features()),
+    "cascade no check": ("ngram+model", Features(lookup_check=False)),
+    "cascade no gate": ("ngram+model", Features(lookup_gate=False)),
+}
 
-    def runner(drafter, features: Features = Features()):
+
+def chosen_methods(names: str) -> list[str]:
+    """The methods named (comma-separated; "": all), the parts always: the ratios' baseline."""
+    chosen = {*PARTS, *names.split(",")} if names else set(METHODS)
+    if unknown := chosen - set(METHODS):
+        raise SystemExit(f"no such method {sorted(unknown)}; there are {list(METHODS)}")
+    return [name for name in METHODS if name in chosen]
+
+
+def methods(target, model: ModelDrafter, max_new_tokens: int, names: list[str]) -> dict:
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(target.eos_token_id,))
+    drafters = {
+        "ngram": NgramDrafter,
+        "model": lambda: model,
+        "ngram+model": lambda: LookupThenModelDrafter(model, NgramDrafter()),
+    }
+
+    def runner(drafter, features: Features):
         generator = SpeculativeGenerator(target, drafter, features=features)
 
         def run(ids):
@@ -50,17 +74,7 @@ def methods(target, model: ModelDrafter, max_new_tokens: int) -> dict:
 
         return run
 
-    return {
-        "lookup": runner(NgramDrafter()),
-        "model": runner(model),
-        "cascade": runner(LookupThenModelDrafter(model, NgramDrafter())),
-        "cascade no check": runner(
-            LookupThenModelDrafter(model, NgramDrafter()), Features(lookup_check=False)
-        ),
-        "cascade no gate": runner(
-            LookupThenModelDrafter(model, NgramDrafter()), Features(lookup_gate=False)
-        ),
-    }
+    return {name: runner(drafters[METHODS[name][0]](), METHODS[name][1]) for name in names}
 
 
 def _rate(runs: list[Run]) -> float:
@@ -150,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="", help="a comma-separated subset (default: all)")
     parser.add_argument("--out", default=str(REPO / "benchmarks"))
     args = parser.parse_args(argv)
+    names = chosen_methods(args.methods)
     torch.set_num_threads(args.threads)
     pair = PAIRS["qwen"]
     target = load_model(pair.target)
@@ -161,12 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.bench_cascade " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )
-    every = methods(target, model, args.max_new_tokens)
-    if args.methods:  # the parts are the ratios' baseline: always kept
-        chosen = {*PARTS, *args.methods.split(",")}
-        if unknown := chosen - set(every):
-            raise SystemExit(f"no such method {sorted(unknown)}; there are {list(every)}")
-        every = {n: run for n, run in every.items() if n in chosen}
+    every = methods(target, model, args.max_new_tokens, names)
     measure(every, {"warm-up": inputs[order[0]][:16]}, 1)
     path = Path(args.out) / "results_cascade.md"
     path.parent.mkdir(parents=True, exist_ok=True)

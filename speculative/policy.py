@@ -83,7 +83,7 @@ def _round(e: Estimates, k: int) -> Action:
         width=width,
         min_branch=min_branch,
         refused_lookup=(refused := refused_sizes(e, k)),
-        trusted_lookup=trusted_sizes(e, refused),
+        trusted_lookup=trusted_sizes(e, k, refused),
         lookup_tokens=e.max_k,
     )
 

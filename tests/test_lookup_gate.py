@@ -56,9 +56,10 @@ def test_a_size_whose_rounds_earn_less_than_the_models_is_refused():
     assert action.lookup_tokens == 4  # where it takes the turn: up to the call's largest k
 
 
-def test_a_size_is_trusted_once_measured_and_not_refused():
-    """Before any round every size asks the model; after rounds at sizes 2 (refused) and
-    4 (kept), size 4 is trusted and any other size still asks."""
+def test_a_size_is_trusted_once_its_measured_rounds_earn_the_models():
+    """Before any round every size asks the model. After rounds at sizes 2 (refused) and
+    4 (all accepted), size 4 is trusted; size 3, seen once at 1 of 4 accepted, is kept
+    from refusal by the prior but not trusted on it: it asks the model."""
     assert AdaptiveK(4).next_action(stretches=False).trusted_lookup == frozenset()
     policy = AdaptiveK(4)
     settled(
@@ -70,7 +71,10 @@ def test_a_size_is_trusted_once_measured_and_not_refused():
         ],
         times=30,
     )
-    assert policy.next_action(stretches=False).trusted_lookup == frozenset({4})
+    policy.observe_round(*_lookup_round(3, 4, 1, 14.0, proposed=False))
+    action = policy.next_action(stretches=False)
+    assert action.refused_lookup == frozenset({2})
+    assert action.trusted_lookup == frozenset({4})
     assert FixedK(4).next_action().trusted_lookup is None  # fixed k: the cascade unchecked
 
 
