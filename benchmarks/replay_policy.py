@@ -6,6 +6,7 @@ here, its rule is at fault, not the machine's noise.
     .venv/bin/python -m benchmarks.replay_policy record --pair smollm2   # traces (minutes)
     .venv/bin/python -m benchmarks.replay_policy --pair smollm2          # the replay (seconds)
     .venv/bin/python -m benchmarks.replay_policy --pair qwen --shifts 8  # each call started 0-7 tokens later
+    .venv/bin/python -m benchmarks.replay_policy --pair qwen --prompt-set all --cascade  # cascade vs its parts
 
 `record` decodes each prompt kind greedily with the pair's target (chat template) and,
 for a pair with a draft model, at every position the draft's greedy continuation of
@@ -443,6 +444,45 @@ def kinds_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: 
     return "\n".join(lines)
 
 
+def cascade_report(traces: dict, costs: Costs, jitter: float, repeats: int) -> str:
+    """The cascade (ngram+model) against the better of its parts alone, adaptive, by kind:
+    what bench_cascade measures, in virtual time. Each call seeded by the one before it."""
+    order = sorted(traces, key=lambda name: int(name.split("/")[1]))
+    rates: dict[tuple[str, str], list[float]] = {}
+    for drafter_name in ("ngram", "model", "ngram+model"):
+        for repeat in range(repeats):
+            clock, seeded = Clock(jitter, seed=repeat), None
+            for warm in (True, False):  # the second pass is reported, every call seeded
+                for name in order:
+                    rate, seeded = replay_call(
+                        traces[name], drafter_name, None, costs, clock, seeded
+                    )
+                    if not warm:
+                        rates.setdefault((name, drafter_name), []).append(rate)
+    rate = {key: statistics.median(values) for key, values in rates.items()}
+    lines = [
+        f"{len(traces)} prompts, median of {repeats} seeded repeats each; tok/s in virtual "
+        "time, geometric means over a kind's prompts.",
+        "",
+        "| kind | lookup | model | cascade | cascade / better part | lowest prompt |",
+        "|---" * 6 + "|",
+    ]
+    for kind in dict.fromkeys(kind_of(name) for name in order):
+        names = [name for name in order if kind_of(name) == kind]
+        means = {
+            d: statistics.geometric_mean([rate[(n, d)] for n in names])
+            for d in ("ngram", "model", "ngram+model")
+        }
+        lowest = min(
+            rate[(n, "ngram+model")] / max(rate[(n, "ngram")], rate[(n, "model")]) for n in names
+        )
+        lines.append(
+            f"| {kind} | {means['ngram']:.2f} | {means['model']:.2f} | {means['ngram+model']:.2f} "
+            f"| {means['ngram+model'] / max(means['ngram'], means['model']):.3f} | {lowest:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 # --- recording --------------------------------------------------------------------------------
 
 
@@ -510,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
         "adaptive against the fixed k best over those calls and against each call's own best",
     )
     parser.add_argument(
+        "--cascade",
+        action="store_true",
+        help="instead: the cascade against the better of its parts, by kind (qwen)",
+    )
+    parser.add_argument(
         "--prompt-set",
         choices=PROMPT_SETS,
         default="",
@@ -517,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         "suite's; reported by kind",
     )
     args = parser.parse_args(argv)
+    if args.cascade and "ngram+model" not in DRAFTERS[args.pair]:
+        parser.error(f"--cascade needs a pair with a draft model; {args.pair} has none")
     if args.command == "record" and args.prompt_set == "all":
         parser.error("record the sets one at a time ('' and more)")
     if args.command == "record":
@@ -530,7 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft_ms is not None:
         costs = dataclasses.replace(costs, draft_ms=args.draft_ms)
     traces = load_traces(args.pair, args.prompt_set)
-    if args.prompt_set:
+    if args.cascade:
+        print(cascade_report(traces, costs, args.jitter, args.repeats))
+    elif args.prompt_set:
         print(kinds_report(args.pair, traces, costs, args.jitter, args.repeats))
     elif args.shifts:
         print(shifts_report(args.pair, traces, costs, args.jitter, args.repeats, args.shifts))

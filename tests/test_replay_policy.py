@@ -14,6 +14,7 @@ from benchmarks.replay_policy import (
     MAX_NEW_TOKENS,
     Clock,
     Costs,
+    cascade_report,
     kinds_report,
     replay,
     replay_call,
@@ -117,6 +118,17 @@ def test_the_kinds_report_picks_one_fixed_k_for_all_prompts_of_a_kind():
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[1] in ("k=2", "k=3") and float(cells[5]) > 1.0
     assert 0.8 < float(cells[2]) <= 1.05
+
+
+def test_the_cascade_report_sets_the_cascade_against_the_better_part():
+    """A path that never repeats: lookup finds nothing to copy, so the cascade is the
+    model drafter, round for round (1.000), and both beat lookup alone."""
+    report = cascade_report({"new/1": _trace(right_for=3)}, FLAT, jitter=0.0, repeats=1)
+    row = next(line for line in report.splitlines() if line.startswith("| new"))
+    lookup, model, cascade, over_better, lowest = (
+        float(cell) for cell in row.strip("|").split("|")[1:]
+    )
+    assert cascade == model > lookup and over_better == lowest == 1.0
 
 
 def test_the_more_prompt_set_names_six_prompts_of_each_kind_and_all_adds_the_suites():
