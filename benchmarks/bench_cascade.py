@@ -5,8 +5,7 @@ alone, adaptive, in process: is it at least the better of its parts on every pro
     .venv/bin/python -m benchmarks.bench_cascade --kinds chat --prompt-set "" --max-new-tokens 16
 
 Methods, interleaved per prompt (`bench_suite.measure`): lookup alone, the model alone,
-the cascade with its gate (speculative/lookup_gate.py) and the model's check of lookup's
-copies at sizes it has no record of, without the check, and without the gate; adaptive k <= 8,
+the cascade with its gate (speculative/lookup_gate.py) and without it; adaptive k <= 8,
 greedy, chat template, every other optimisation on. Each method keeps its own generator,
 so each call is seeded with what the method's call before it measured, as a draft worker
 seeds it. Writes `results_cascade.md` in --out after every prompt.
@@ -43,7 +42,6 @@ METHODS = {
     "lookup": ("ngram", Features()),
     "model": ("model", Features()),
     "cascade": ("ngram+model", Features()),
-    "cascade no check": ("ngram+model", Features(lookup_check=False)),
     "cascade no gate": ("ngram+model", Features(lookup_gate=False)),
 }
 

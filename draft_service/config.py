@@ -83,9 +83,6 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # its measured rounds earn more at their costs (speculative/lookup_gate.py; adaptive
     # calls). Off: lookup proposes wherever it finds a match.
     lookup_gate: bool = True
-    # Where the gate has no record of the n-gram size lookup matched at, its copy takes
-    # the turn only if the draft model's first token agrees with it (lookup_gate.py).
-    lookup_check: bool = True
     # A model drafter stops drafting where its own confidence says the next token would
     # not pay for its pass (speculative.policy.stop_reach; adaptive calls only): 1.06x
     # across a link, as fast as without in process (benchmarks/results_link_qwen.md).

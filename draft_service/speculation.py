@@ -96,7 +96,6 @@ def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> Specu
             stretches=config.stretches,
             target_lookup=config.target_lookup,
             lookup_gate=config.lookup_gate,
-            lookup_check=config.lookup_check,
             draft_stop=config.draft_stop,
         ),
     )

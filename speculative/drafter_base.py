@@ -126,14 +126,11 @@ class DraftSession(abc.ABC):
         (prompt lookup); None where proposing costs a model pass."""
         return None
 
-    def gate_lookup(
-        self, refused: frozenset[int], max_tokens: int, trusted: frozenset[int] | None = None
-    ) -> None:
+    def gate_lookup(self, refused: frozenset[int], max_tokens: int) -> None:
         """A cascade's prompt lookup leaves the turn to the model where it matched one of
-        the `refused` n-gram sizes (speculative.lookup_gate), takes it where it matched a
-        `trusted` one (None: any other), asks the model's first token elsewhere, and where
-        it takes the turn proposes up to max_tokens (more than k: its tokens cost no
-        drafting). Other drafters ignore it."""
+        the `refused` n-gram sizes (speculative.lookup_gate), and where it takes the turn
+        proposes up to max_tokens (more than k: its tokens cost no drafting). Other
+        drafters ignore it."""
 
     def lookup_stop(self) -> LookupStop | None:
         """Where this drafter proposes only what prompt lookup finds (the n-gram drafter),

@@ -14,14 +14,6 @@ there the model drafts. Nothing measured yet: no size is refused (the cascade as
 
 Which drafter proposes depends on what earlier rounds measured, never on the current
 round's draws, so the output stays exactly the target's (greedy and sampled).
-
-The prior keeps a size from being refused before its rounds say so, but does not earn
-it trust: a size is trusted once its measured rounds alone earn at least the model's.
-At a size neither refused nor trusted (one with no record yet, or a middling one),
-lookup's copy takes the turn only where the draft model's first token agrees with it
-(one draft pass, which becomes the model's first token where they differ). Text that
-copies its input passes the check and soon earns trust; a chance match in new text
-rarely passes, and is not proposed.
 """
 
 from __future__ import annotations
@@ -42,53 +34,35 @@ PRIOR_ROUNDS, PRIOR_DRAFTED = 1.0, 4.0
 
 @dataclass(frozen=True)
 class LookupYield:
-    """What lookup's rounds at one n-gram size brought, on average: hopeful (the prior
-    blended in) and as measured (its rounds alone)."""
+    """What lookup's rounds at one n-gram size brought, on average."""
 
     size: int
-    drafted: float  # tokens it proposed a round, hopeful
-    accepted: float  # of them, accepted a round, hopeful
-    measured_drafted: float
-    measured_accepted: float
+    drafted: float  # tokens it proposed a round
+    accepted: float  # of them, accepted a round
 
     @property
     def tokens(self) -> float:
-        """Tokens a round commits, hopeful: the accepted ones and the target's own."""
+        """Tokens a round commits: the accepted ones and the target's own."""
         return self.accepted + 1.0
-
-    @property
-    def measured_tokens(self) -> float:
-        return self.measured_accepted + 1.0
 
 
 class LookupYields:
-    """Decayed counts of lookup's rounds by n-gram size (weight `decay` on the past), and
-    of the prior on each, which ages with the size's rounds."""
+    """Decayed counts of lookup's rounds by n-gram size (weight `decay` on the past)."""
 
     def __init__(self, decay: float):
         self.decay = decay
         self.counts: dict[int, list[float]] = {}  # size -> [rounds, drafted, accepted]
-        self.prior: dict[int, float] = {}  # size -> the prior's rounds left
 
     def observe(self, check: LookupCheck) -> None:
-        counts = self.counts.setdefault(check.size, [0.0, 0.0, 0.0])
+        prior = [PRIOR_ROUNDS, PRIOR_ROUNDS * PRIOR_DRAFTED, PRIOR_ROUNDS * PRIOR_DRAFTED]
+        counts = self.counts.setdefault(check.size, prior)
         observed = (1.0, check.drafted, check.accepted)
         counts[:] = [self.decay * count + new for count, new in zip(counts, observed)]
-        self.prior[check.size] = self.decay * self.prior.get(check.size, PRIOR_ROUNDS)
 
     def yields(self) -> tuple[LookupYield, ...]:
-        return tuple(self._yield(size) for size in sorted(self.counts))
-
-    def _yield(self, size: int) -> LookupYield:
-        rounds, drafted, accepted = self.counts[size]
-        prior = self.prior[size]
-        hopeful = rounds + prior
-        return LookupYield(
-            size,
-            (drafted + prior * PRIOR_DRAFTED) / hopeful,
-            (accepted + prior * PRIOR_DRAFTED) / hopeful,
-            drafted / rounds,
-            accepted / rounds,
+        return tuple(
+            LookupYield(size, drafted / rounds, accepted / rounds)
+            for size, (rounds, drafted, accepted) in sorted(self.counts.items())
         )
 
 
@@ -126,29 +100,14 @@ class PendingGuess:
         return None
 
 
-def trusted_sizes(e: Estimates, k: int, refused: frozenset[int]) -> frozenset[int]:
-    """The n-gram sizes at which lookup takes the turn on its record in this call: those
-    whose measured rounds, the prior left out, earn at least the model's rounds of k.
-    Any other size not refused asks the draft model first."""
-    if not e.measured:
+def refused_sizes(e: Estimates, k: int) -> frozenset[int]:
+    """The n-gram sizes at which lookup's rounds earn fewer tokens a nanosecond than the
+    model's rounds of k (none before anything is measured)."""
+    if not e.measured or k < 1:
         return frozenset()
+    model_rate = e.tokens_per_ns(k)
     return frozenset(
         y.size
         for y in e.lookup_yields
-        if y.size not in refused and _earns(e, k, y.measured_tokens, y.measured_drafted)
+        if y.tokens < model_rate * (e.compute_ns(round(y.drafted) + 1) + e.overhead_ns)
     )
-
-
-def refused_sizes(e: Estimates, k: int) -> frozenset[int]:
-    """The n-gram sizes at which lookup's rounds earn fewer tokens a nanosecond than the
-    model's rounds of k, hopefully counted (none before anything is measured)."""
-    if not e.measured or k < 1:
-        return frozenset()
-    return frozenset(y.size for y in e.lookup_yields if not _earns(e, k, y.tokens, y.drafted))
-
-
-def _earns(e: Estimates, k: int, tokens: float, drafted: float) -> bool:
-    """Whether lookup's rounds of `drafted` tokens committing `tokens` earn at least the
-    model's rounds of k, per nanosecond."""
-    model_rate = e.tokens_per_ns(k) if k >= 1 else 0.0
-    return tokens >= model_rate * (e.compute_ns(round(drafted) + 1) + e.overhead_ns)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speculative.estimator import CostEstimator, Estimates, MeasuredCosts
-from speculative.lookup_gate import refused_sizes, trusted_sizes
+from speculative.lookup_gate import refused_sizes
 from speculative.stats import RoundStats
 from speculative.stretch_policy import StretchRules, Turn, hand_off
 
@@ -38,10 +38,6 @@ class Action:
     # A cascade's prompt lookup leaves the turn to the model where it matched at one of
     # these n-gram sizes (speculative.lookup_gate).
     refused_lookup: frozenset[int] = frozenset()
-    # Where it matched at one of these sizes it takes the turn; at a size in neither set,
-    # only where the draft model's first token agrees with its copy. None: at every size
-    # not refused (the cascade unchecked).
-    trusted_lookup: frozenset[int] | None = None
     # Where it takes the turn, a cascade's lookup proposes up to this many tokens (0: k):
     # its tokens cost no drafting, and k is priced by the model's acceptance.
     lookup_tokens: int = 0
@@ -66,8 +62,8 @@ def decide(
         return Action(stretch=stretch.tokens, lookup_k=stretch.lookup_k)
     if turn is not Turn.DRAFT:  # the drafter proposed nothing: the plain step
         return TAKE_ROUND
-    if not e.measured:  # the priors' k; lookup's copies checked by the model
-        return Action(k=k, ahead=True, trusted_lookup=frozenset())
+    if not e.measured:  # the priors' k
+        return Action(k=k, ahead=True)
     if rules is None and (e.worker_k == 0 or e.tokens_per_ns(k) < e.tokens_per_ns(0)):
         return TAKE_ROUND
     return _round(e, k)
@@ -82,8 +78,7 @@ def _round(e: Estimates, k: int) -> Action:
         min_reach=stop_reach(e, k),
         width=width,
         min_branch=min_branch,
-        refused_lookup=(refused := refused_sizes(e, k)),
-        trusted_lookup=trusted_sizes(e, k, refused),
+        refused_lookup=refused_sizes(e, k),
         lookup_tokens=e.max_k,
     )
 

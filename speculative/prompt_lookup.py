@@ -235,24 +235,21 @@ class LookupThenModelSession(DraftSession):
     def __init__(self, lookup: NgramDraftSession, model: DraftSession):
         self.lookup, self.model = lookup, model
         self.refused: frozenset[int] = frozenset()
-        self.trusted: frozenset[int] | None = None  # None: every size not refused
         self.lookup_tokens = 0  # where lookup takes the next turn, up to this many (0: k)
 
     @property
     def length(self) -> int:
         return self.model.length
 
-    def gate_lookup(
-        self, refused: frozenset[int], max_tokens: int, trusted: frozenset[int] | None = None
-    ) -> None:
-        self.refused, self.lookup_tokens, self.trusted = refused, max_tokens, trusted
+    def gate_lookup(self, refused: frozenset[int], max_tokens: int) -> None:
+        self.refused, self.lookup_tokens = refused, max_tokens
 
     def propose(self, k: int, min_reach: float = 0.0) -> Proposal:
         size, guess = self._guess(self._lookup_k(k))
-        if guess and size not in self.refused:
-            if self.trusted is None or size in self.trusted:
-                return self._lookup_turn(size, guess)
-            return self._checked_turn(k, min_reach, size, guess)
+        if guess and size not in self.refused:  # deterministic: one-hot distributions
+            proposal = self.lookup.propose(len(guess))  # the guess, appended
+            self.model.append(proposal.token_ids)
+            return _with_lookup(proposal, size, guess, proposed=True)
         proposal = self.model.propose(k, min_reach)
         self.lookup.append(proposal.token_ids)
         return _with_lookup(proposal, size, guess, proposed=False)
@@ -260,12 +257,9 @@ class LookupThenModelSession(DraftSession):
     def propose_tree(
         self, k: int, width: int, min_reach: float = 0.0, min_branch: float = 0.0
     ) -> Proposal:
-        """As `propose` where lookup's copy needs the model's check: a chain this turn."""
         lookup_k = self._lookup_k(k)
         size, guess = self._guess(lookup_k)
         if guess and size not in self.refused:
-            if self.trusted is not None and size not in self.trusted:
-                return self._checked_turn(k, min_reach, size, guess)
             proposal = self.lookup.propose_tree(lookup_k, width)
             if proposal.parents is None:
                 self.model.append(proposal.token_ids)
@@ -273,29 +267,6 @@ class LookupThenModelSession(DraftSession):
         proposal = self.model.propose_tree(k, width, min_reach, min_branch)
         self.lookup.append(proposal.appended())
         return _with_lookup(proposal, size, guess, proposed=False)
-
-    def _lookup_turn(self, size: int, guess: list[int]) -> Proposal:
-        proposal = self.lookup.propose(len(guess))  # the guess, appended; one-hot distributions
-        self.model.append(proposal.token_ids)
-        return _with_lookup(proposal, size, guess, proposed=True)
-
-    def _checked_turn(self, k: int, min_reach: float, size: int, guess: list[int]) -> Proposal:
-        """Lookup's copy where the model's first token is the copy's first, else the
-        model's draft on from its own first token (its draft stop counting from there).
-        Exact under sampling: the first token is the model's draw either way, proposed
-        with the distribution it was drawn from; the copy's rest is then deterministic."""
-        first = self.model.propose(1)
-        if first.token_ids != guess[:1]:
-            rest = self.model.propose(k - 1, min_reach) if k > 1 else Proposal([])
-            proposal = _joined(first, rest)
-            self.lookup.append(proposal.token_ids)
-            return _with_lookup(proposal, size, guess, proposed=False)
-        copy = self.lookup.propose(len(guess))  # the guess, appended
-        self.model.append(copy.token_ids[1:])
-        probs = first.draft_probs
-        if probs is not None:  # the first token's draw, then the copy's one-hots
-            probs = [probs[0], *(probs[0].one_hot(token_id) for token_id in guess[1:])]
-        return _with_lookup(Proposal(copy.token_ids, probs), size, guess, proposed=True)
 
     def _lookup_k(self, k: int) -> int:
         """Lookup's tokens for this proposal: the gate's max_tokens once (the round's own
@@ -323,12 +294,6 @@ class LookupThenModelSession(DraftSession):
 
     def set_sampling(self, params: SamplingParams) -> None:
         self.model.set_sampling(params)
-
-
-def _joined(first: Proposal, rest: Proposal) -> Proposal:
-    """Two chains the model drafted one after the other, as one."""
-    probs = None if first.draft_probs is None else [*first.draft_probs, *(rest.draft_probs or [])]
-    return Proposal([*first.token_ids, *rest.token_ids], probs)
 
 
 def _with_lookup(proposal: Proposal, size: int, guess: list[int], proposed: bool) -> Proposal:

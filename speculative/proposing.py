@@ -40,14 +40,11 @@ class Proposer:
         draft: DraftSession | None,
         params: SamplingParams,
         lookup_gate: bool = True,
-        lookup_check: bool = True,
     ):
         """lookup_gate: a cascade's lookup takes only the turns the policy leaves it
-        (Action.refused_lookup), and each round reports what lookup brought (or would have);
-        lookup_check: at a size it has no record of, only where the model agrees
-        (Action.trusted_lookup)."""
+        (Action.refused_lookup), and each round reports what lookup brought (or would have)."""
         self.verifier, self.draft, self.params = verifier, draft, params
-        self.lookup_gate, self.lookup_check = lookup_gate, lookup_check
+        self.lookup_gate = lookup_gate
         self.pending_lookup = PendingGuess()  # a cascade's lookup guess, until decided
         self.draft_read_prompt = draft is None
         self.draft_warm = False  # the draft's prefill left the logits for its next token
@@ -77,8 +74,7 @@ class Proposer:
         start = time.perf_counter_ns()
         min_reach = action.min_reach if draft_stop else 0.0
         if self.lookup_gate and k > 0:
-            trusted = action.trusted_lookup if self.lookup_check else None
-            self.draft.gate_lookup(action.refused_lookup, action.lookup_tokens, trusted)
+            self.draft.gate_lookup(action.refused_lookup, action.lookup_tokens)
         if k <= 0:
             proposal = EMPTY_PROPOSAL
         elif action.width > 1:

@@ -31,9 +31,6 @@ class Features:
     # A cascade's prompt lookup takes only the turns where it earns more than the draft
     # model at their measured costs (lookup_gate.py); off: wherever it finds a match.
     lookup_gate: bool = True
-    # Where the gate has no record of an n-gram size yet, lookup's copy takes the turn only
-    # if the draft model's first token agrees with it (lookup_gate.py); off: it takes it.
-    lookup_check: bool = True
     # A model drafter stops where its next token would not pay (policy.stop_reach): 1.06x
     # across a link, as fast as without in process (benchmarks/results_link_qwen.md).
     draft_stop: bool = True
@@ -59,7 +56,7 @@ def speculation_rounds(
     committed tokens; after each result, the new committed length (the draft also any proposal sent ahead)."""
     call = Call(base_len, params, context_length, policy)
     proposer = (AheadProposer if features.draft_ahead and verifier.overlaps else Proposer)(
-        verifier, draft, params, features.lookup_gate, features.lookup_check
+        verifier, draft, params, features.lookup_gate
     )
     stretches = (
         Stretches(verifier, proposer, policy, features.target_lookup)

@@ -77,22 +77,12 @@ def tiny_perturbed(tiny_target) -> LoadedModel:
 def tiny_bigram(tiny_target) -> LoadedModel:
     """The target with its attention and MLP outputs zeroed: its next token depends on
     the last one only, so its greedy text soon repeats and prompt lookup copies it."""
-    return _bigram(tiny_target, "tiny-bigram")
-
-
-@pytest.fixture(scope="session")
-def tiny_bigram_perturbed(tiny_perturbed) -> LoadedModel:
-    """tiny_bigram's draft: the perturbed target made a bigram model the same way."""
-    return _bigram(tiny_perturbed, "tiny-bigram-perturbed")
-
-
-def _bigram(loaded: LoadedModel, name: str) -> LoadedModel:
-    model = copy.deepcopy(loaded.model)
+    model = copy.deepcopy(tiny_target.model)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-    return dataclasses.replace(loaded, name=name, model=model)
+    return dataclasses.replace(tiny_target, name="tiny-bigram", model=model)
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,12 @@
 """Test drafters: one that knows the right answer and lies on purpose, to force partial
-acceptance; a wrapper that counts proposals; a policy that has the model check every
-lookup turn of a cascade, and a counter of those checks' outcomes."""
+acceptance; a wrapper that counts proposals."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from model_runtime.fingerprint import ANY_VOCABULARY
 from speculative.drafter_base import Drafter, DraftSession, Proposal
-from speculative.policy import Action, FixedK, Turn
-from speculative.prompt_lookup import LookupThenModelSession
 from speculative.sampling import SamplingParams
 
 
@@ -79,29 +75,3 @@ def counting_proposals(drafter: Drafter) -> Drafter:
 
     drafter.open = open_counted
     return drafter
-
-
-class CheckEverySize(FixedK):
-    """Fixed k; a cascade's lookup takes its turns only where the model's first token
-    agrees with its copy (no n-gram size trusted)."""
-
-    def next_action(
-        self, remaining: int | None = None, turn: Turn = Turn.DRAFT, stretches: bool = True
-    ) -> Action:
-        action = super().next_action(remaining, turn, stretches)
-        return dataclasses.replace(action, trusted_lookup=frozenset())
-
-
-def counting_checks(monkeypatch) -> dict[bool, int]:
-    """How often, from now on, a cascade's model check let lookup's copy through (True)
-    or drafted instead (False)."""
-    outcomes = {True: 0, False: 0}
-    checked_turn = LookupThenModelSession._checked_turn
-
-    def counted(self, *args):
-        proposal = checked_turn(self, *args)
-        outcomes[proposal.lookup.proposed] += 1
-        return proposal
-
-    monkeypatch.setattr(LookupThenModelSession, "_checked_turn", counted)
-    return outcomes

@@ -1,6 +1,5 @@
 """The cascade's gate (speculative/lookup_gate.py): prompt lookup takes a turn from the
-draft model only where its measured rounds earn more, and at a size it has no record of
-only where the model's first token agrees; exact with the gate and the check on and off."""
+draft model only where its measured rounds earn more; exact with the gate on and off."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import dataclasses
 
 import pytest
 
-from speculative.drafter_base import Drafter, DraftSession, Proposal
 from speculative.drafters import ModelDrafter
 from speculative.generator import SpeculativeGenerator
 from speculative.lookup_gate import PendingGuess
@@ -17,7 +15,7 @@ from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
 from speculative.sampling import SamplingParams
 from speculative.speculation_loop import Features
 from speculative.stats import LookupCheck
-from tests.scripted_drafter import CheckEverySize, counting_checks, counting_proposals
+from tests.scripted_drafter import counting_proposals
 from tests.test_estimator import round_, settled
 
 GREEDY = SamplingParams(max_new_tokens=24)
@@ -54,74 +52,6 @@ def test_a_size_whose_rounds_earn_less_than_the_models_is_refused():
     action = policy.next_action(stretches=False)
     assert action.k > 0 and action.refused_lookup == frozenset({2})
     assert action.lookup_tokens == 4  # where it takes the turn: up to the call's largest k
-
-
-def test_a_size_is_trusted_once_its_measured_rounds_earn_the_models():
-    """Before any round every size asks the model. After rounds at sizes 2 (refused) and
-    4 (all accepted), size 4 is trusted; size 3, seen once at 1 of 4 accepted, is kept
-    from refusal by the prior but not trusted on it: it asks the model."""
-    assert AdaptiveK(4).next_action(stretches=False).trusted_lookup == frozenset()
-    policy = AdaptiveK(4)
-    settled(
-        policy,
-        [
-            *_model_rounds(3),
-            _lookup_round(2, 4, 0, 14.0, proposed=False),
-            _lookup_round(4, 4, 4, 14.0),
-        ],
-        times=30,
-    )
-    policy.observe_round(*_lookup_round(3, 4, 1, 14.0, proposed=False))
-    action = policy.next_action(stretches=False)
-    assert action.refused_lookup == frozenset({2})
-    assert action.trusted_lookup == frozenset({4})
-    assert FixedK(4).next_action().trusted_lookup is None  # fixed k: the cascade unchecked
-
-
-class _FirstToken(Drafter):
-    """A model drafter whose every proposal is `token` repeated."""
-
-    name, fingerprint = "first", "any"
-
-    def __init__(self, token: int):
-        self.token = token
-
-    def open(self, prompt_token_ids, params) -> DraftSession:
-        drafter = self
-
-        class Session(DraftSession):
-            tokens = list(prompt_token_ids)
-            length = property(lambda self: len(self.tokens))
-
-            def propose(self, k, min_reach=0.0):
-                self.tokens += [drafter.token] * k
-                return Proposal([drafter.token] * k)
-
-            def append(self, token_ids):
-                self.tokens += list(token_ids)
-
-            def truncate_to(self, length):
-                del self.tokens[length:]
-
-        return Session()
-
-
-@pytest.mark.parametrize(("model_token", "proposed"), [(7, [7, 8, 9]), (5, [5, 5, 5])])
-def test_an_unrecorded_size_proposes_the_copy_only_where_the_model_agrees(model_token, proposed):
-    """The context ends with "6" after "6 7 8 9": lookup's copy is 7 8 9. A model whose
-    first token is 7 lets the copy through; one whose first token is 5 drafts its own
-    chain from there. Both sessions hold what was proposed."""
-    session = LookupThenModelDrafter(_FirstToken(model_token), NgramDrafter(1, 1)).open(
-        [6, 7, 8, 9, 6], GREEDY
-    )
-    session.gate_lookup(frozenset(), max_tokens=3, trusted=frozenset())
-    proposal = session.propose(3)
-    assert proposal.token_ids == proposed
-    assert proposal.lookup == LookupCheck(1, 3, proposed=model_token == 7)
-    assert session.lookup.tokens.ids[5:] == session.model.tokens[5:] == proposed
-    session.truncate_to(5)
-    session.gate_lookup(frozenset(), max_tokens=3, trusted=frozenset({1}))
-    assert session.propose(3).token_ids == [7, 8, 9]  # trusted: no check
 
 
 def test_nothing_is_refused_before_anything_is_measured_or_where_lookup_pays():
@@ -165,32 +95,22 @@ def test_a_refused_lookup_leaves_every_turn_to_the_model(tiny_target, tiny_pertu
     assert lookup.proposals == 0
 
 
-@pytest.fixture
-def check_outcomes(monkeypatch):
-    return counting_checks(monkeypatch)
-
-
-@pytest.mark.parametrize(("gate", "check"), [(True, True), (True, False), (False, False)])
-def test_the_cascade_equals_target_only_with_the_gate_and_check_on_and_off(
-    tiny_target, tiny_perturbed, prompt_ids, gate, check, check_outcomes
+@pytest.mark.parametrize("gate", [True, False])
+def test_the_cascade_equals_target_only_with_the_gate_on_and_off(
+    tiny_target, tiny_perturbed, prompt_ids, gate
 ):
     """Adaptive (where the gate decides; on tiny CPU models it may find speculation losing
-    and take plain steps), fixed k (lookup takes its turns: the path runs) and fixed k
-    with every lookup turn checked (both outcomes of the check run)."""
+    and take plain steps) and fixed k (lookup takes its turns: the path runs)."""
     lookup = counting_proposals(NgramDrafter(min_ngram=1, max_ngram=3))
     drafter = LookupThenModelDrafter(ModelDrafter(tiny_perturbed), lookup)
-    features = Features(stretches=False, lookup_gate=gate, lookup_check=check)
+    features = Features(stretches=False, lookup_gate=gate)
     generator = SpeculativeGenerator(tiny_target, drafter, features=features)
     plain = SpeculativeGenerator(tiny_target)
     mismatches = [
         (index, policy)
         for index, ids in enumerate(prompt_ids)
-        for policy in (AdaptiveK(8), FixedK(3), CheckEverySize(3))
+        for policy in (AdaptiveK(8), FixedK(3))
         if generator.generate(ids, GREEDY, k=policy).token_ids
         != plain.generate(ids, GREEDY, k=0).token_ids
     ]
     assert mismatches == [] and lookup.proposals > 0
-    if gate and check:
-        assert check_outcomes[True] > 0 and check_outcomes[False] > 0
-    else:
-        assert check_outcomes == {True: 0, False: 0}

@@ -284,8 +284,7 @@ def test_a_policy_told_the_loop_cannot_stretch_asks_for_rounds_only():
 @given(estimates(), remaining_tokens, turns)
 def test_first_a_round_then_a_probe_after_each_stretch(e, remaining, turn):
     unmeasured = dataclasses.replace(e, one_token_ns=0.0)
-    first = Action(k=unmeasured.best_k(), ahead=True, trusted_lookup=frozenset())
-    expected = first if turn is Turn.DRAFT else TAKE_ROUND
+    expected = Action(k=unmeasured.best_k(), ahead=True) if turn is Turn.DRAFT else TAKE_ROUND
     assert decide(unmeasured, remaining, turn) == expected
     assert _is_round(decide(with_stretch(e, after_stretch=True, measure=False), remaining))
 

@@ -21,7 +21,7 @@ from speculative.prompt_lookup import LookupRounds, LookupStop, LookupThenModelD
 from speculative.sampling import SamplingParams, logits_to_probs
 from speculative.speculation_loop import speculation_rounds
 from speculative.target import TargetSession
-from tests.scripted_drafter import CheckEverySize, counting_checks, counting_proposals
+from tests.scripted_drafter import counting_proposals
 
 # Each run's first three tokens are one draw from a 4 x 4 x 4 = 64-cell distribution
 # (top_k=4), which the test computes exactly from the target model.
@@ -115,26 +115,6 @@ def test_lookup_then_model_sampling_follows_the_target_distribution(
     assert lookup.proposals > 100 and model.proposals > 100
     assert 0.1 < acceptance < 0.9, f"the drafts should be partly right, acceptance {acceptance:.2f}"
     assert _chi_square_p_value(samples, _exact_target_distribution(tiny_target, prompt)) > ALPHA
-
-
-def test_a_cascade_whose_model_checks_the_copy_samples_the_target_distribution(
-    tiny_bigram, tiny_bigram_perturbed, prompt_ids, monkeypatch
-):
-    """Where the model's first token checks lookup's copy, that token is the model's draw
-    either way and is proposed with the model's distribution (the copy's rest with
-    certainty); declaring it certain would skew the first token toward the copy's. The
-    prompt ends with the target's own greedy text, which repeats: lookup copies it, and
-    the draft, a bigram model too, often draws the copy's first token."""
-    greedy = SpeculativeGenerator(tiny_bigram).generate(
-        prompt_ids[0], SamplingParams(max_new_tokens=16), k=0
-    )
-    prompt = prompt_ids[0] + greedy.token_ids
-    outcomes = counting_checks(monkeypatch)
-    drafter = LookupThenModelDrafter(ModelDrafter(tiny_bigram_perturbed), NgramDrafter())
-    samples, acceptance = _sample_runs(tiny_bigram, drafter, prompt, CheckEverySize(2), NUM_RUNS)
-    assert outcomes[True] > 100 and outcomes[False] > 100, outcomes
-    assert 0.1 < acceptance < 0.9, f"the drafts should be partly right, acceptance {acceptance:.2f}"
-    assert _chi_square_p_value(samples, _exact_target_distribution(tiny_bigram, prompt)) > ALPHA
 
 
 def test_a_stretch_that_verifies_prompt_lookup_samples_the_target_distribution(
