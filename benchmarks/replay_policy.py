@@ -286,6 +286,28 @@ def target_only_rate(trace: dict, costs: Costs) -> float:
     return tokens / ((tokens * costs.pass_ns(1) + costs.round_trip_ms * MS) / 1e9)
 
 
+def seeded_adaptive(
+    traces: dict, drafter_name: str, costs: Costs, clock: Clock, widths_known: bool = True
+) -> dict[str, float]:
+    """Each trace's adaptive tokens/s, every call seeded by the one before it: the traces
+    run twice in their order and the second pass is reported."""
+    rates, seeded = {}, None
+    for reported in (False, True):
+        for name, trace in traces.items():
+            rate, seeded = replay_call(
+                trace, drafter_name, None, costs, clock, seeded, widths_known
+            )
+            if reported:
+                rates[name] = rate
+    return rates
+
+
+def interleaved(traces: dict) -> dict:
+    """The traces with kinds interleaved (kind/0 of each, then kind/1, ...), as the suite
+    runs them: each adaptive call is seeded by one of another kind."""
+    return {name: traces[name] for name in sorted(traces, key=lambda n: int(n.split("/")[1]))}
+
+
 def replay(
     traces: dict,
     drafter_name: str,
@@ -297,14 +319,9 @@ def replay(
     """{prompt: {method: median tokens/s over the repeats}}; methods k=1.. and adaptive."""
     rates: dict[str, dict[str, list[float]]] = {name: {} for name in traces}
     for repeat in range(repeats):
-        clock, seeded = Clock(jitter, seed=repeat), None
-        for _ in range(2):  # the second pass is reported: every call seeded by the one before
-            for name, trace in traces.items():
-                rate, seeded = replay_call(
-                    trace, drafter_name, None, costs, clock, seeded, widths_known
-                )
-                if _ == 1:
-                    rates[name].setdefault("adaptive", []).append(rate)
+        clock = Clock(jitter, seed=repeat)
+        for name, rate in seeded_adaptive(traces, drafter_name, costs, clock, widths_known).items():
+            rates[name].setdefault("adaptive", []).append(rate)
         for name, trace in traces.items():
             for k in FIXED_KS:
                 rates[name].setdefault(f"k={k}", []).append(
@@ -417,14 +434,13 @@ def shifts_report(
 def kinds_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int) -> str:
     """Several prompts a kind (named kind/i): adaptive against the fixed k best for the kind (over its prompts)
     and against each prompt's own best fixed k, and what that hindsight pick gains over the kind's k."""
-    # Kinds interleaved (a stable sort by index): each adaptive call is seeded by one of another kind, as in the suite.
-    order = sorted(traces, key=lambda name: int(name.split("/")[1]))
+    order = interleaved(traces)
     lines = [
         f"{len(traces)} prompts, median of {repeats} seeded repeats each; geometric means over a kind's prompts.",
         "",
     ]
     for drafter_name in DRAFTERS[pair]:
-        table = replay({name: traces[name] for name in order}, drafter_name, costs, jitter, repeats)
+        table = replay(order, drafter_name, costs, jitter, repeats)
         lines += [
             f"### {drafter_name}",
             "",
@@ -447,18 +463,13 @@ def kinds_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: 
 def cascade_report(traces: dict, costs: Costs, jitter: float, repeats: int) -> str:
     """The cascade (ngram+model) against the better of its parts alone, adaptive, by kind:
     what bench_cascade measures, in virtual time. Each call seeded by the one before it."""
-    order = sorted(traces, key=lambda name: int(name.split("/")[1]))
+    ordered = interleaved(traces)
     rates: dict[tuple[str, str], list[float]] = {}
     for drafter_name in ("ngram", "model", "ngram+model"):
         for repeat in range(repeats):
-            clock, seeded = Clock(jitter, seed=repeat), None
-            for warm in (True, False):  # the second pass is reported, every call seeded
-                for name in order:
-                    rate, seeded = replay_call(
-                        traces[name], drafter_name, None, costs, clock, seeded
-                    )
-                    if not warm:
-                        rates.setdefault((name, drafter_name), []).append(rate)
+            clock = Clock(jitter, seed=repeat)
+            for name, rate in seeded_adaptive(ordered, drafter_name, costs, clock).items():
+                rates.setdefault((name, drafter_name), []).append(rate)
     rate = {key: statistics.median(values) for key, values in rates.items()}
     lines = [
         f"{len(traces)} prompts, median of {repeats} seeded repeats each; tok/s in virtual "
@@ -467,8 +478,8 @@ def cascade_report(traces: dict, costs: Costs, jitter: float, repeats: int) -> s
         "| kind | lookup | model | cascade | cascade / better part | lowest prompt |",
         "|---" * 6 + "|",
     ]
-    for kind in dict.fromkeys(kind_of(name) for name in order):
-        names = [name for name in order if kind_of(name) == kind]
+    for kind in dict.fromkeys(kind_of(name) for name in ordered):
+        names = [name for name in ordered if kind_of(name) == kind]
         means = {
             d: statistics.geometric_mean([rate[(n, d)] for n in names])
             for d in ("ngram", "model", "ngram+model")
