@@ -62,7 +62,8 @@ def library_bar() -> Observed | None:
     except ImportError:  # no tqdm, no bars: phases go without a percentage
         return None
     try:  # the set changes while a bar opens or closes in the loading thread: look next time
-        bars = [bar for bar in list(getattr(tqdm, "_instances", ())) if bar.total]
+        # a bar is in the set before its __init__ has set total: read as not yet open
+        bars = [bar for bar in list(getattr(tqdm, "_instances", ())) if getattr(bar, "total", None)]
     except RuntimeError:
         return None
     if not bars:

@@ -94,6 +94,18 @@ def test_a_tqdm_bar_open_in_the_process_is_read(monkeypatch):
     assert progress.library_bar() is None  # closed
 
 
+def test_a_tqdm_bar_still_being_built_is_not_read():
+    class HalfBuilt:  # in tqdm's set, its __init__ not yet past setting total
+        pass
+
+    half_built = HalfBuilt()
+    tqdm._instances.add(half_built)
+    try:
+        assert progress.library_bar() is None
+    finally:
+        tqdm._instances.discard(half_built)
+
+
 def test_the_convert_command_logs_sizes_percentages_and_its_time(tmp_path, tiny_gguf):
     done = subprocess.run(
         [sys.executable, "-m", "model_runtime.model_cache", str(tiny_gguf)],
