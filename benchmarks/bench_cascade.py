@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_core import chat_ids
-from benchmarks.bench_suite import ADAPTIVE_MAX_K, PAIRS, Run, hardware, measure
+from benchmarks.bench_suite import ADAPTIVE_MAX_K, PAIRS, Run, chosen, hardware, measure
 from benchmarks.prompts import PROMPT_SETS, kind_of, prompt_texts
 from model_runtime.loading import load_model
 from speculative.drafters import ModelDrafter
@@ -44,14 +44,6 @@ METHODS = {
     "cascade": ("ngram+model", Features()),
     "cascade no gate": ("ngram+model", Features(lookup_gate=False)),
 }
-
-
-def chosen_methods(names: str) -> list[str]:
-    """The methods named (comma-separated; "": all), the parts always: the ratios' baseline."""
-    chosen = {*PARTS, *names.split(",")} if names else set(METHODS)
-    if unknown := chosen - set(METHODS):
-        raise SystemExit(f"no such method {sorted(unknown)}; there are {list(METHODS)}")
-    return [name for name in METHODS if name in chosen]
 
 
 def methods(target, model: ModelDrafter, max_new_tokens: int, names: list[str]) -> dict:
@@ -162,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="", help="a comma-separated subset (default: all)")
     parser.add_argument("--out", default=str(REPO / "benchmarks"))
     args = parser.parse_args(argv)
-    names = chosen_methods(args.methods)
+    names = chosen(METHODS, args.methods, PARTS, "method")
     torch.set_num_threads(args.threads)
     pair = PAIRS["qwen"]
     target = load_model(pair.target)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_pipeline import ALL_PROMPTS, PAIRS, PinnedSystem, generate
-from benchmarks.bench_suite import ADAPTIVE_MAX_K, hardware
+from benchmarks.bench_suite import ADAPTIVE_MAX_K, chosen, hardware
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = "all on"
@@ -41,10 +41,7 @@ def variants(pair_name: str, only: str = "") -> dict[str, list[str]]:
     out = {BASE: [*extra], "stretches off": [*extra, "--no-stretches"]}
     if PAIRS[pair_name].draft:  # draft_stop acts on a model drafter only
         out["draft_stop off"] = [*extra, "--no-draft-stop"]
-    chosen = {BASE, *only.split(",")} if only else set(out)
-    if unknown := chosen - set(out):
-        raise SystemExit(f"no such variant {sorted(unknown)}; {pair_name} has {list(out)}")
-    return {name: flags for name, flags in out.items() if name in chosen}
+    return {name: out[name] for name in chosen(out, only, (BASE,), "variant")}
 
 
 def measure(pair_name: str, drafter: str, delay_ms: float, args, rates: dict) -> None:

@@ -211,6 +211,16 @@ def service_delays(delays_ms: str, loopback: bool = True) -> list[float]:
     return [0.0] * loopback + [float(d) for d in delays_ms.split(",") if d]
 
 
+def chosen(table: dict, names: str, kept: tuple[str, ...], what: str) -> list[str]:
+    """The entries of `table` a `--methods`-like option names (comma-separated; "": all),
+    in the table's order, those `kept` always (the ratios' baseline); an unknown name
+    stops the run before anything loads."""
+    picked = {*kept, *names.split(",")} if names else set(table)
+    if unknown := picked - set(table):
+        raise SystemExit(f"no such {what} {sorted(unknown)}; there are {list(table)}")
+    return [name for name in table if name in picked]
+
+
 def round_order(names: list[str], repeat: int) -> list[str]:
     """The methods' order in round `repeat`: rotated by repeat // 2, reversed in odd
     rounds. Rotation alone moves each method through every position but keeps who runs

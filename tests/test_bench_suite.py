@@ -13,6 +13,7 @@ from benchmarks.bench_suite import (
     Run,
     against_hindsight,
     against_reference,
+    chosen,
     measure,
     paired_ratio,
     round_order,
@@ -112,6 +113,14 @@ def test_services_are_set_against_hf_assisted_raw_and_by_speedup():
 def test_every_run_is_kept_for_later_tables():
     measured = {"services, loopback": {"p": {"k=4": [Run([1, 2, 3], 0.123456)]}}}
     assert runs_as_json(measured) == {"services, loopback": {"p": {"k=4": [[3, 0.1235]]}}}
+
+
+def test_a_methods_option_keeps_the_baseline_and_the_tables_order():
+    table = {"lookup": 1, "model": 2, "cascade": 3, "cascade no gate": 4}
+    assert chosen(table, "", ("lookup", "model"), "method") == list(table)
+    assert chosen(table, "cascade no gate", ("model",), "method") == ["model", "cascade no gate"]
+    with pytest.raises(SystemExit, match=r"no such method \['cascade no check'\]; there are"):
+        chosen(table, "cascade,cascade no check", ("model",), "method")
 
 
 def test_services_phases_run_loopback_first_unless_told_not_to():
