@@ -222,6 +222,7 @@ class CostEstimator:
         self.acceptances = AcceptanceCounts(max_k, decay)  # a and a_i
         self.stretches = StretchCosts(decay, self.passes)  # s, o, f, recent actions
         self.lookup = LookupYields(decay)  # a cascade's prompt lookup, by n-gram size
+        self.lookup_took_turns = False  # the model drafted only where lookup left it the turn
         self.branch_tokens = self.branch_nodes = 0.0  # decayed counts behind branch_yield
         self.draft_token_ns = self.overhead_ns = 0.0
         self.overhead_measured = False  # R by a round
@@ -299,7 +300,12 @@ class CostEstimator:
         self.stretches.measure = costs.stretches_measure
 
     def costs(self) -> MeasuredCosts:
+        """What this call hands the next. A cascade whose lookup took turns hands on no
+        acceptance: its model drafted only the positions lookup left (what this prompt did
+        not copy), and a and a_i measured there would start a call that copies less, say
+        new code, pessimistic, its deep a_i slow to climb back (the default prior instead)."""
         passes, stretches = self.passes, self.stretches
+        selected = self.lookup_took_turns
         return MeasuredCosts(
             one_token_ns=passes.one_token_ns,
             per_token_ns=passes.per_token_ns,
@@ -307,13 +313,13 @@ class CostEstimator:
             solo_token_ns=stretches.solo_token_ns,
             stream_start_ns=stretches.start_ns,
             draft_token_ns=self.draft_token_ns,
-            acceptance=self.acceptances.rate(),
+            acceptance=None if selected else self.acceptances.rate(),
             one_token_measured=passes.one_token_measured,
             batch_sessions=self.batch_sessions,
             step_base_ns=self.step_base_ns,
             step_token_ns=self.step_token_ns,
             stretches_measure=stretches.measure,
-            depth_acceptance=self.acceptances.depth_rates(),
+            depth_acceptance=() if selected else self.acceptances.depth_rates(),
         )
 
     # Observations.
@@ -344,6 +350,7 @@ class CostEstimator:
         if stats.lookup is not None:
             self.lookup.observe(stats.lookup)
         if stats.lookup_turn:  # a and d are the model's: lookup is measured apart
+            self.lookup_took_turns = True
             return
         if stats.num_drafted:  # a tree's first path: what a chain would have proposed
             self.acceptances.observe(

@@ -14,7 +14,7 @@ from speculative.estimator import HOPE, PRIOR_TRIALS, CostEstimator, expected_to
 from speculative.pass_costs import SLOW_PASS_CLIP, pass_x
 from speculative.policy import SpeculationPolicy
 from speculative.rejection import NextTokenKind
-from speculative.stats import RoundStats
+from speculative.stats import LookupCheck, RoundStats
 from speculative.stretch_costs import SOLO_TOKEN_WEIGHT
 
 MS = 1_000_000  # nanoseconds
@@ -213,6 +213,38 @@ def test_the_depth_profile_carries_to_the_next_call_as_a_light_prior():
     assert pooled_only.acceptances.depth_rates()[2] == pytest.approx(pooled_only.acceptances.rate())
     later = settled(seeded, [round_(4, 4, 14.0)], times=10)
     assert later.acceptances.depth_rates()[2] > 0.8
+
+
+def _cascade_round(num_drafted, num_accepted, lookup_turn):
+    """A cascade's round of 14 ms: lookup's (it took the turn) or the model's, lookup's
+    guess of 8 tokens checked beside it."""
+    stats, elapsed = round_(num_drafted, num_accepted, 14.0, draft_ms=0.0 if lookup_turn else 8.0)
+    check = LookupCheck(3, 8, num_accepted if lookup_turn else 0, proposed=lookup_turn)
+    return dataclasses.replace(stats, lookup=check, lookup_turn=lookup_turn), elapsed
+
+
+def test_a_cascade_whose_lookup_took_turns_hands_on_no_acceptance():
+    """Its model drafted only what lookup left (what the prompt did not copy): the next
+    prompt copies more or less, so the next call starts from the default prior, its
+    costs still seeded."""
+    earlier = settled(
+        CostEstimator(4), [_cascade_round(4, 1, lookup_turn=False), _cascade_round(8, 8, True)]
+    )
+    handed = earlier.costs()
+    assert handed.acceptance is None and handed.depth_acceptance == ()
+    seeded = CostEstimator(4, costs=handed)
+    assert seeded.acceptances.rate() == 0.5 and seeded.acceptances.depth_rates() == (0.5,) * 4
+    assert seeded.estimates().round_ns(4) == pytest.approx(
+        earlier.estimates().round_ns(4), rel=0.01
+    )
+
+
+def test_a_cascade_whose_lookup_only_guessed_hands_on_the_models_acceptance():
+    """Lookup checked beside every round but took none: the model drafted every position."""
+    earlier = settled(CostEstimator(4), [_cascade_round(4, 1, lookup_turn=False)])
+    handed = earlier.costs()
+    assert handed.acceptance == pytest.approx(0.5, abs=1e-3)  # 1 accepted, 1 rejected
+    assert handed.depth_acceptance[0] > handed.depth_acceptance[1]
 
 
 # Under load: the target batches B sessions per step, a step of T tokens costing about
