@@ -8,13 +8,24 @@ through ModelSession (a pass of 8 new tokens against eight passes of 1): every r
 differed in fp32 (at most 7e-5) and 54 of 64 in bf16, 3 argmaxes flipped.
 
 A row-invariant model computes every row's result in an order fixed by the row alone:
-- Linears run their rows in blocks (`InvariantLinear`): either blocks of exactly R rows,
-  the last one padded (the same kernel and shape for every row, by construction), or
-  chunks of at most R rows where the platform kernel was measured to give every row of
-  every width 1..R the bits it gives the row alone (bf16 on AMX hosts: up to 32 rows,
-  so decoding and verification run unpadded). Which kernel (plain, oneDNN-packed) and
-  block is chosen per host and shape by measurement at start (`choose_linear`), cached
-  per host, among the choices that are invariant; the choice is reported.
+- Linears run their rows in blocks of exactly R rows (`InvariantLinear`), each block
+  copied into a fresh zero-padded buffer: every kernel call has one shape, one layout
+  and one alignment, whatever the pass. A blocked GEMM (oneDNN, MKL) plans its
+  tiling and its reduction over K from the call's shape, never from the values, and
+  runs one K order for every row tile, so a row gets the same bits at every place of a
+  block and beside any rows. What is not used: a host's kernel unpadded at several
+  widths, even where a probe finds it invariant (on an AMD EPYC host plain bf16
+  `F.linear` sums K in another order at one row than at two or more: 43 of 512 rows
+  differ, and a probe of a few random rows passed it).
+- A probe checks the construction on every host before a block is used
+  (`probe_blocks`): inputs built so that any change in a row's summation order changes
+  its output (a cancelling pair of 2^26 among +-1 terms: the terms summed between the
+  pair are lost to rounding), each row at every place of a block beside other rows,
+  against the row alone. Its power, measured on a kernel known to sum in another order
+  at another width: 64 of 64 rows caught, 79-92% of their outputs differ, where random
+  normal rows caught 5 of 64 (docs/exactness.md). A block that fails is never used or
+  cached; R (and the kernel: plain, oneDNN-packed) is chosen per host and shape by
+  timing the blocks that pass (`choose_linear`), cached per host.
 - Attention runs each row alone over exactly the keys it sees (`row_attention`): one
   query against its own prefix (or its tree path), the call a decoding step makes.
 - Norms, rotary embeddings and activations are per row already (measured: 0 rows
@@ -26,10 +37,7 @@ The price is measured per host and precision (benchmarks/results_row_invariance.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -40,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foundation.errors import InvalidArgument
+from model_runtime import host_measurements
 from model_runtime.cpu_linear import PackedLinear, onednn_available
 
 log = logging.getLogger(__name__)
@@ -47,25 +56,25 @@ log = logging.getLogger(__name__)
 ON, OFF, AUTO = "on", "off", "auto"
 MODES = (AUTO, ON, OFF)
 INVARIANT_ATTR = "specdec_row_invariant"  # on a model: the RowInvariance it runs with
-PADDED_BLOCKS = (8, 16)  # fixed block sizes tried (rows); a decode step pays one block
-MAX_NATIVE_ROWS = 64  # widest chunk tried unpadded
+BLOCK_ROWS = (4, 8, 16)  # block sizes tried (rows); a decoding step pays one block
 GPU_BLOCK = 16  # rows per block on a GPU: one cuBLAS shape for every row (not measured here)
 TIMED_WIDTHS = (1, 9, 64)  # a decoding step, a verification of k = 8, a prefill chunk
 PREFILL_WEIGHT = 1 / 8  # a 64-row chunk's cost counts as much as 8 tokens of decoding
+PROBE_ROWS = 16  # designed rows the probe puts at each place of a block
+CANCELLING = 2.0**26  # the probe's cancelling pair: +-1 added to it in fp32 is lost
 
 
 @dataclass(frozen=True)
 class LinearChoice:
-    """How one linear shape runs invariantly on this host."""
+    """How one linear shape runs invariantly on this host: blocks of exactly block_rows."""
 
     kernel: str  # "plain" (F.linear) or "packed" (oneDNN, fp32 CPU)
-    block_rows: int  # rows per kernel call
-    padded: bool  # True: every call has exactly block_rows rows; False: at most
+    block_rows: int  # rows of every kernel call (the last block of a pass zero-padded)
     ms: tuple[float, ...] = ()  # [len(TIMED_WIDTHS)] time of a pass of each timed width, in ms
     fastest_ms: tuple[float, ...] = ()  # the same for the fastest kernel, invariant or not
 
     def describe(self) -> str:
-        return f"{self.kernel} {'x' if self.padded else '<='}{self.block_rows}"
+        return f"{self.kernel} x{self.block_rows}"
 
     def cost_ratio(self) -> float:
         """Decoding plus verification time against the fastest kernel's (1.0 = free)."""
@@ -111,9 +120,9 @@ class InvariantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        return run_in_blocks(
-            self._kernel, rows, self.choice.block_rows, self.choice.padded
-        ).reshape(*x.shape[:-1], self.out_features)
+        return run_in_blocks(self._kernel, rows, self.choice.block_rows).reshape(
+            *x.shape[:-1], self.out_features
+        )
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         return (
@@ -121,21 +130,17 @@ class InvariantLinear(nn.Module):
         )
 
 
-def run_in_blocks(
-    kernel: Callable, rows: torch.Tensor, block_rows: int, padded: bool
-) -> torch.Tensor:
-    """kernel over `rows` [n, in] in blocks of block_rows rows (the last padded with zeros
-    to block_rows if `padded`) -> [n, out]."""
-    n = rows.shape[0]
-    if n == block_rows or (n < block_rows and not padded):
-        return kernel(rows)
+def run_in_blocks(kernel: Callable, rows: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """kernel over `rows` [n, in] -> [n, out], one call per block of block_rows rows, each
+    block copied into a fresh zero-padded buffer [block_rows, in]: every call has the same
+    shape, strides and alignment (the allocator's), whatever the pass."""
     outputs = []
-    for start in range(0, n, block_rows):
-        block = rows[start : start + block_rows]
-        if padded and block.shape[0] < block_rows:
-            block = F.pad(block, (0, 0, 0, block_rows - block.shape[0]))
-        outputs.append(kernel(block)[: min(block_rows, n - start)])
-    return torch.cat(outputs)
+    for start in range(0, rows.shape[0], block_rows):
+        used = min(block_rows, rows.shape[0] - start)
+        block = rows.new_zeros(block_rows, rows.shape[1])
+        block[:used] = rows[start : start + used]
+        outputs.append(kernel(block)[:used])
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def _kernel(linear: nn.Module, name: str) -> Callable:
@@ -248,82 +253,106 @@ def apply_mode(model: nn.Module, mode: str) -> RowInvariance | None:
 
 
 def choose_linear(linear: nn.Linear) -> LinearChoice:
-    """The fastest invariant way to run `linear`'s shape here, from the host's cache or
-    measured now (a few seconds for a large shape) and cached."""
+    """The fastest invariant way to run `linear`'s shape here, from the host's
+    measurements (host_measurements.py) or measured now (seconds for a large shape)."""
     weight = linear.weight
     if weight.device.type != "cpu":
-        return LinearChoice("plain", GPU_BLOCK, padded=True)
-    key = _cache_key(linear)
-    cache = _load_cache()
-    if key in cache:
-        entry = cache[key]
+        return LinearChoice("plain", GPU_BLOCK)
+    key = _shape_key(linear) + f"|{str(weight.dtype).removeprefix('torch.')}"
+    entry = host_measurements.lookup("linear", key)
+    if entry is not None:
         return LinearChoice(
-            entry["kernel"],
-            entry["block_rows"],
-            entry["padded"],
-            tuple(entry["ms"]),
-            tuple(entry["fastest_ms"]),
+            entry["kernel"], entry["block_rows"], tuple(entry["ms"]), tuple(entry["fastest_ms"])
         )
-    choice = measure_linear(linear)
-    cache[key] = asdict(choice)
-    _save_cache(cache)
+    choice, probed = measure_linear(linear)
+    if probed:  # a fallback, chosen because every block failed its probe, is not kept
+        host_measurements.remember("linear", key, asdict(choice))
     log.info("linear %s: %s", key, choice.describe())
     return choice
 
 
 @torch.inference_mode()
-def measure_linear(linear: nn.Linear, seed: int = 0) -> LinearChoice:
-    """Times every candidate (kernels x blocks) at TIMED_WIDTHS; keeps the invariant ones."""
+def measure_linear(linear: nn.Linear, seed: int = 0) -> tuple[LinearChoice, bool]:
+    """Probes every candidate (kernels x blocks), times those that pass at TIMED_WIDTHS
+    and returns the fastest, and whether any passed (else: one row per call)."""
     generator = torch.Generator().manual_seed(seed)
-    rows = torch.randn(2 * MAX_NATIVE_ROWS, linear.in_features, generator=generator).to(
+    rows = torch.randn(TIMED_WIDTHS[-1], linear.in_features, generator=generator).to(
         linear.weight.dtype
     )
-    kernels = {"plain": _kernel(linear, "plain")}
+    kernels = ["plain"]
     if linear.weight.dtype == torch.float32 and onednn_available():
-        kernels["packed"] = _kernel(linear, "packed")
-    candidates = []
-    fastest = None
-    for name, kernel in kernels.items():
-        ms = _time_widths(lambda x, k=kernel: k(x), rows)  # the kernel as it is: not invariant
+        kernels.append("packed")
+    candidates, fastest = [], None
+    for name in kernels:
+        kernel = _kernel(linear, name)
+        ms = _time_widths(kernel, rows)  # the kernel as it is: not invariant
         fastest = ms if fastest is None or sum(ms[:2]) < sum(fastest[:2]) else fastest
-        native = native_invariant_rows(kernel, rows)
-        if native >= min(PADDED_BLOCKS):
-            candidates.append(
-                LinearChoice(name, native, False, _time_blocks(kernel, rows, native, False))
-            )
-        for block in PADDED_BLOCKS:
-            if padded_is_invariant(kernel, rows, block):
-                candidates.append(
-                    LinearChoice(name, block, True, _time_blocks(kernel, rows, block, True))
+        probed = _kernel(designed_linear(linear, generator), name)
+        for block in BLOCK_ROWS:
+            if probe_blocks(probed, linear.in_features, linear.weight.dtype, block, generator):
+                candidates.append(LinearChoice(name, block, _time_blocks(kernel, rows, block)))
+            else:
+                log.warning(
+                    "linear %s: %s blocks of %d fail the probe", _shape_key(linear), name, block
                 )
-    # one row at a time: the width-1 kernel for every row, invariant by construction
-    if not candidates:
-        candidates.append(
-            LinearChoice("plain", 1, True, _time_blocks(kernels["plain"], rows, 1, True))
-        )
+    if not candidates:  # one row per call: every row's call is the one it makes alone
+        ones = LinearChoice("plain", 1, _time_blocks(_kernel(linear, "plain"), rows, 1))
+        return LinearChoice(ones.kernel, 1, ones.ms, tuple(fastest)), False
     best = min(candidates, key=_score)
-    return LinearChoice(best.kernel, best.block_rows, best.padded, best.ms, tuple(fastest))
+    return LinearChoice(best.kernel, best.block_rows, best.ms, tuple(fastest)), True
 
 
-def native_invariant_rows(kernel: Callable, rows: torch.Tensor) -> int:
-    """The largest w <= MAX_NATIVE_ROWS such that calls of every width 1..w give each row
-    the bits its call alone gives (rows at every place of a call: two calls per width)."""
-    alone = torch.cat([kernel(rows[i : i + 1]) for i in range(rows.shape[0])])
-    for width in range(2, MAX_NATIVE_ROWS + 1):
-        together = torch.cat([kernel(rows[i : i + width]) for i in (0, width)])
-        if not torch.equal(together, alone[: 2 * width]):
-            return width - 1
-    return MAX_NATIVE_ROWS
+def designed_linear(linear: nn.Linear, generator: torch.Generator) -> nn.Linear:
+    """A linear of `linear`'s shape, dtype and bias whose weights make the probe sharp:
+    +-1 everywhere, the second half of every row of weights equal to its first half
+    (so that a cancelling pair in an input row, at i and i + in/2, cancels exactly)."""
+    out_features, in_features = linear.out_features, linear.in_features
+    half = in_features // 2
+    weight = _signs((out_features, in_features), generator)
+    weight[:, half : 2 * half] = weight[:, :half]
+    designed = nn.Linear(in_features, out_features, bias=linear.bias is not None)
+    designed.weight.data = weight.to(linear.weight.dtype)
+    if linear.bias is not None:
+        designed.bias.data = torch.zeros_like(linear.bias)
+    return designed.eval()
 
 
-def padded_is_invariant(kernel: Callable, rows: torch.Tensor, block: int) -> bool:
-    """Whether a row gives the same bits at every place of a block, whatever shares it."""
+def designed_rows(count: int, in_features: int, dtype, generator) -> torch.Tensor:
+    """[count, in] rows of +-1 with a cancelling pair +-2^26 at i and i + in/2 (i random
+    per row): in fp32 the +-1 terms a kernel adds while one of the pair is in its sum are
+    lost, so the output tells which terms it summed between them: any change of a row's
+    summation order (grouping, lanes, K blocks) changes most of its outputs."""
+    rows = _signs((count, in_features), generator)
+    half = in_features // 2
+    if half:
+        where = torch.randint(0, half, (count,), generator=generator)
+        rows[torch.arange(count), where] = CANCELLING
+        rows[torch.arange(count), where + half] = -CANCELLING
+    return rows.to(dtype)
+
+
+def probe_blocks(
+    kernel: Callable, in_features: int, dtype: torch.dtype, block_rows: int, generator
+) -> bool:
+    """Whether `kernel` (over a designed_linear) gives each designed row, at every place
+    of a block and beside other rows, the bits it gives the row alone, and the same bits
+    twice. The second line behind the construction (module doc): PROBE_ROWS windows of
+    consecutive rows, so that every place sees PROBE_ROWS rows, each compared."""
+    rows = designed_rows(PROBE_ROWS + block_rows, in_features, dtype, generator)
     alone = torch.cat(
-        [run_in_blocks(kernel, rows[i : i + 1], block, True) for i in range(2 * block)]
+        [run_in_blocks(kernel, rows[i : i + 1], block_rows) for i in range(len(rows))]
     )
-    together = run_in_blocks(kernel, rows[: 2 * block], block, True)
-    shifted = run_in_blocks(kernel, rows[1 : 2 * block + 1], block, True)
-    return torch.equal(together, alone) and torch.equal(shifted[: 2 * block - 1], alone[1:])
+    if not torch.equal(alone[:1], run_in_blocks(kernel, rows[:1], block_rows)):
+        return False  # not even deterministic
+    for shift in range(PROBE_ROWS):
+        together = run_in_blocks(kernel, rows[shift : shift + block_rows], block_rows)
+        if not torch.equal(together, alone[shift : shift + block_rows]):
+            return False
+    return True
+
+
+def _signs(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    return (torch.randint(0, 2, shape, generator=generator) * 2 - 1).float()
 
 
 def _score(choice: LinearChoice) -> float:
@@ -331,10 +360,8 @@ def _score(choice: LinearChoice) -> float:
     return one + verify + PREFILL_WEIGHT * chunk
 
 
-def _time_blocks(
-    kernel: Callable, rows: torch.Tensor, block: int, padded: bool
-) -> tuple[float, ...]:
-    return _time_widths(lambda x: run_in_blocks(kernel, x, block, padded), rows)
+def _time_blocks(kernel: Callable, rows: torch.Tensor, block: int) -> tuple[float, ...]:
+    return _time_widths(lambda x: run_in_blocks(kernel, x, block), rows)
 
 
 def _time_widths(fn: Callable, rows: torch.Tensor, repeats: int = 5) -> tuple[float, ...]:
@@ -350,50 +377,3 @@ def _time_widths(fn: Callable, rows: torch.Tensor, repeats: int = 5) -> tuple[fl
             samples.append((time.perf_counter() - start) * 1e3)
         result.append(round(statistics.median(samples), 4))
     return tuple(result)
-
-
-def _cache_key(linear: nn.Linear) -> str:
-    bias = "+bias" if linear.bias is not None else ""
-    return (
-        f"{_cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
-        f"{str(linear.weight.dtype).removeprefix('torch.')}|{linear.in_features}x{linear.out_features}{bias}"
-    )
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cache_path() -> str:
-    """Where choices are cached: SPECULATIVE_KERNEL_CACHE, else beside the model cache."""
-    from model_runtime.loading import model_cache_dir
-
-    return os.environ.get("SPECULATIVE_KERNEL_CACHE") or str(
-        model_cache_dir() / "row_invariant_linears.json"
-    )
-
-
-def _load_cache() -> dict:
-    try:
-        with open(cache_path()) as file:
-            return json.load(file)
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_cache(cache: dict) -> None:
-    path = cache_path()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as file:
-            json.dump(cache, file, indent=1, sort_keys=True)
-        os.replace(path + ".tmp", path)
-    except OSError as error:  # a read-only cache: measured again next start
-        log.warning("cannot cache linear choices at %s: %s", path, error)

@@ -74,19 +74,26 @@ def prompts(prompt_ids):
 # --- kernels ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("padded", [True, False])
-def test_blocks_compute_the_linear(padded):
+@pytest.mark.parametrize("block_rows", [1, 4, 8])
+def test_blocks_compute_the_linear(block_rows):
     torch.manual_seed(0)
     weight, bias, rows = torch.randn(48, 32), torch.randn(48), torch.randn(21, 32)
-    out = ri.run_in_blocks(lambda x: F.linear(x, weight, bias), rows, 8, padded)
+    out = ri.run_in_blocks(lambda x: F.linear(x, weight, bias), rows, block_rows)
     torch.testing.assert_close(out, F.linear(rows, weight, bias))
+
+
+def test_every_kernel_call_has_the_block_shape():
+    shapes = []
+    ri.run_in_blocks(lambda x: shapes.append(tuple(x.shape)) or x, torch.ones(21, 3), 8)
+    assert shapes == [(8, 3)] * 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_chosen_linear_gives_a_row_the_same_bits_at_every_width(dtype):
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 160).to(dtype)
-    choice = ri.measure_linear(linear)
+    choice, probed = ri.measure_linear(linear)
+    assert probed and choice.block_rows in ri.BLOCK_ROWS
     invariant = ri.InvariantLinear(linear, choice)
     rows = torch.randn(70, 96).to(dtype)
     with torch.inference_mode():
@@ -95,6 +102,55 @@ def test_the_chosen_linear_gives_a_row_the_same_bits_at_every_width(dtype):
             together = torch.cat([invariant(rows[i : i + width]) for i in range(0, 70, width)])
             assert torch.equal(together, alone), (width, choice)
     assert len(choice.ms) == len(ri.TIMED_WIDTHS) and choice.cost_ratio() > 0
+
+
+def _reordered_by_place(weight: torch.Tensor):
+    """A kernel that sums a row's K terms in another order at the last place of a block
+    than elsewhere (as a GEMM's remainder tile might): the kind of kernel the probe is for."""
+
+    def kernel(block: torch.Tensor) -> torch.Tensor:
+        out = F.linear(block, weight)
+        last = block[-1:].float() * weight.float()  # [out, in] terms of the last row
+        out[-1] = last.flip(-1).cumsum(-1)[:, -1].to(out.dtype)
+        return out
+
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_probe_passes_plain_blocks_and_catches_an_order_that_depends_on_the_place(dtype):
+    generator = torch.Generator().manual_seed(0)
+    linear = ri.designed_linear(torch.nn.Linear(256, 64).to(dtype), generator)
+    with torch.inference_mode():
+        plain = lambda x: F.linear(x, linear.weight)  # noqa: E731
+        assert ri.probe_blocks(plain, 256, dtype, 8, generator)
+        assert not ri.probe_blocks(_reordered_by_place(linear.weight), 256, dtype, 8, generator)
+
+
+def test_random_rows_miss_what_the_designed_rows_catch():
+    """The probe's power: on the same reordered kernel, random normal bf16 rows (the old
+    probe's inputs) rarely show a difference after rounding; designed rows always do."""
+    generator = torch.Generator().manual_seed(0)
+    linear = ri.designed_linear(torch.nn.Linear(512, 64).to(torch.bfloat16), generator)
+    kernel = _reordered_by_place(linear.weight)
+    random_rows = torch.randn(64, 512, generator=generator).to(torch.bfloat16)
+    designed = ri.designed_rows(64, 512, torch.bfloat16, generator)
+
+    def differing(rows):  # outputs of the last place that differ from the row alone
+        last = torch.stack([kernel(torch.cat([rows[:3], rows[i : i + 1]]))[-1] for i in range(64)])
+        return (last != F.linear(rows, linear.weight)).float().mean().item()
+
+    assert differing(designed) > 0.5 > 0.05 > differing(random_rows)
+
+
+def test_a_block_that_fails_its_probe_is_never_chosen_or_kept(monkeypatch):
+    linear = torch.nn.Linear(40, 24)
+    monkeypatch.setattr(ri, "probe_blocks", lambda kernel, *args: False)
+    choice, probed = ri.measure_linear(linear)
+    assert (choice.block_rows, probed) == (1, False)  # one row per call: alone by definition
+    assert ri.choose_linear(linear).block_rows == 1
+    monkeypatch.undo()
+    assert ri.choose_linear(linear).block_rows in ri.BLOCK_ROWS  # not kept: measured again
 
 
 def test_a_choice_is_measured_once_per_host_and_shape():
