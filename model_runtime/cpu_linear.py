@@ -8,12 +8,17 @@ fp32 arithmetic in another summation order; every row's result is independent of
 many rows run with it.
 
 The packed weights are opaque oneDNN tensors: a packed model cannot be copied, moved to
-another device or saved, so packing is the last step of loading.
+another device or saved, so packing is the last step of loading. It cannot be kept
+between starts either, and it costs a warm start of Qwen2.5-Coder-1.5B 7-10 s (6.6 GB
+read and reordered); a worker may serve first and pack after (`pack_in_jobs`), one
+linear per job of its step scheduler, running the plain kernel meanwhile: the same fp32
+arithmetic in another summation order, as a pass of another width already is.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -46,20 +51,37 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replaces every nn.Linear of an fp32 CPU model in place; returns how many.
-
-    Leaves the model alone (returns 0) where oneDNN is missing or the model is not fp32
-    on CPU: GPUs and half precision have their own fast paths.
-    """
+def should_pack(model: nn.Module) -> bool:
+    """Whether packing pays: an fp32 model on a CPU with oneDNN (GPUs and half precision
+    have their own fast paths)."""
     parameter = next(model.parameters())
-    if parameter.device.type != "cpu" or parameter.dtype != torch.float32 or not onednn_available():
+    return (
+        parameter.device.type == "cpu" and parameter.dtype == torch.float32 and onednn_available()
+    )
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replaces every nn.Linear of an fp32 CPU model in place; returns how many (0 where
+    should_pack says no)."""
+    return pack_in_jobs(model, lambda fn, *args: fn(*args))
+
+
+def pack_in_jobs(model: nn.Module, run: Callable) -> int:
+    """pack_linears, each linear one call of `run(fn, *args)` (a step scheduler's run:
+    between the steps of requests being served, each swapping one module)."""
+    if not should_pack(model):
         return 0
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
-                replaced += 1
-    log.info("packed %d linear layers for oneDNN", replaced)
-    return replaced
+    linears = [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in list(parent.named_children())
+        if isinstance(child, nn.Linear)
+    ]
+    for parent, name, child in linears:
+        run(_pack_one, parent, name, child)
+    log.info("packed %d linear layers for oneDNN", len(linears))
+    return len(linears)
+
+
+def _pack_one(parent: nn.Module, name: str, linear: nn.Linear) -> None:
+    setattr(parent, name, PackedLinear(linear))

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from foundation.errors import InvalidArgument, NotFound
 from foundation.progress import Observed, ProgressReport, human_bytes
 from model_runtime import model_cache, quantization, row_invariance, tiny
-from model_runtime.cpu_linear import pack_linears
+from model_runtime.cpu_linear import pack_linears, should_pack
 from model_runtime.fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,8 @@ class LoadedModel:
     vocab_size: int  # width of the logits (may exceed the tokenizer's size: padding)
     # What its rows run invariantly (model_runtime/row_invariance.py); None: as the kernels give.
     row_invariance: row_invariance.RowInvariance | None = None
+    # Linears left for the caller to pack (load_model's defer_packing; cpu_linear.py).
+    packing_deferred: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -239,6 +241,7 @@ def load_model(
     keep_output_layer: bool = False,
     distributed_config=None,
     row_invariant: str = row_invariance.OFF,
+    defer_packing: bool = False,
 ) -> LoadedModel:
     """Loads weights and tokenizer. device_map (e.g. "auto") shards across GPUs via
     accelerate and overrides device. pack_cpu_linears: oneDNN linears for fp32 on CPU
@@ -247,7 +250,9 @@ def load_model(
     left alone with keep_output_layer; the linears it leaves in fp32 are packed.
     distributed_config: this rank's shard of a tensor-parallel model (tensor_parallel.py).
     row_invariant: on, off or auto: rows whose results do not depend on the pass
-    (row_invariance.py; the target's exactness), reported in LoadedModel.row_invariance."""
+    (row_invariance.py; the target's exactness), reported in LoadedModel.row_invariance.
+    defer_packing: where pack_cpu_linears would pack, leave it to the caller
+    (cpu_linear.pack_in_jobs, while serving) and say so in LoadedModel.packing_deferred."""
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     quantization.check_scheme(quantize, device)  # before seconds of loading
@@ -270,8 +275,11 @@ def load_model(
             report.phase("row invariance where it applies (kernels timed once per host)")
         loaded.row_invariance = row_invariance.apply_mode(loaded.model, row_invariant)
         if pack_cpu_linears and loaded.row_invariance is None:
-            report.phase("packing its linears for oneDNN")
-            pack_linears(loaded.model)
+            if defer_packing:
+                loaded.packing_deferred = should_pack(loaded.model)
+            else:
+                report.phase("packing its linears for oneDNN")
+                pack_linears(loaded.model)
         report.finish(f"loaded {described} in {report.elapsed_s:.1f} s")
     return loaded
 

@@ -122,6 +122,11 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     calibrate_widths: bool = _option(
         True, "time small step widths at start (CPU) and pad steps to the cheapest"
     )
+    # oneDNN-packed fp32 linears (model_runtime/cpu_linear.py) cannot be kept between
+    # starts and cost a Qwen2.5-Coder-1.5B start 7-10 s: serve first, pack after.
+    pack_after_serving: bool = _option(
+        True, "pack fp32 CPU linears after SERVING (plain kernels meanwhile); false: before"
+    )
     # 0 = torch's default (all cores), which suits a worker that owns its host.
     threads: int = _option(0, "torch CPU threads; 0 = torch's default")
     # Kubernetes sends SIGKILL 30 s after SIGTERM by default.

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+import time
 
 from foundation.errors import SpeculativeError
-from foundation.progress import ProgressReport
-from model_runtime import static_passes, tensor_parallel, warmup, width_padding
+from model_runtime import cpu_linear, static_passes, tensor_parallel, warmup, width_padding
 from model_runtime.host_memory import fix_mmap_threshold
 from model_runtime.loading import LoadedModel, configure_threads, load_model, resolve_dtype
 from model_runtime.step_scheduler import StepScheduler
@@ -73,30 +74,21 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
             dtype=dtype,
             device_map=config.device_map or None,
             row_invariant=_row_invariant_mode(config),
+            defer_packing=config.pack_after_serving,
         )
     compute.model = loaded.model
     _install_static_passes(config, loaded, ranks, compute)
+    # Packing and timing widths (CPU): after SERVING where they cannot be kept or were not.
+    pack_later = loaded.packing_deferred and loaded_model is None
     # Its own model on a CPU, one process (ranks would have to agree on every step's padding).
-    if (
+    time_widths = (
         config.calibrate_widths
         and loaded_model is None
         and loaded.device.type == "cpu"
         and ranks is None
-    ):
-        # Tens of seconds on a first start: the console shows it (foundation/progress.py).
-        with ProgressReport(f"timing {config.model}'s passes by width", log) as report:
-            report.phase("a pass of each width, repeated", measure=None)
-            costs = compute.run(width_padding.calibrate, loaded.model)
-            report.finish(f"timed {config.model}'s passes by width in {report.elapsed_s:.1f} s")
-        log.info(
-            "step widths calibrated",
-            extra={
-                "fields": {
-                    "ms_by_width": {w: round(c, 1) for w, c in costs.items()},
-                    "run_as": width_padding.plan_of(loaded.model).run_as,
-                }
-            },
-        )
+    )
+    if time_widths and not pack_later and width_padding.install_kept(loaded.model):
+        time_widths = False
     if warmup.pays_off(loaded):
         log.info("warmed up in %.2f s", compute.run(warmup.warm_up, loaded) * 1e-9)
     servicer = TargetServicer(
@@ -124,9 +116,48 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
         max_calls=max(config.max_sessions, config.max_running + config.max_queued),
     )
     servicer.worker_address = config.resolved_advertise_address(service.port)
+    if pack_later or time_widths:
+        service.on_started.append(
+            lambda: _finish_in_background(loaded, compute, servicer, pack_later, time_widths)
+        )
     if ranks is not None:
         service.on_stopped.append(ranks.close)
     return service
+
+
+def _finish_in_background(
+    loaded: LoadedModel,
+    compute: StepScheduler,
+    servicer: TargetServicer,
+    pack: bool,
+    time_widths: bool,
+) -> None:
+    """While serving, between the steps of its requests: packs the model's linears
+    (model_runtime/cpu_linear.py), then installs the host's kept width timings or times
+    the widths (model_runtime/width_padding.py) and reports the costs in Info."""
+
+    def run() -> None:
+        start = time.perf_counter()
+        if pack:
+            cpu_linear.pack_in_jobs(loaded.model, compute.run)
+            log.info("linears packed while serving in %.1f s", time.perf_counter() - start)
+        if time_widths and not width_padding.install_kept(loaded.model):
+            costs = width_padding.calibrate_in_jobs(loaded.model, compute.run)
+            log.info(
+                "step widths timed while serving",
+                extra={
+                    "fields": {
+                        "ms_by_width": {w: round(c, 1) for w, c in costs.items()},
+                        "run_as": width_padding.plan_of(loaded.model).run_as,
+                    }
+                },
+            )
+        servicer.model_info = model_info(
+            loaded, servicer.model_info.device, width_padding.step_costs(loaded.model)
+        )
+        log.info("start-up finished while serving in %.1f s", time.perf_counter() - start)
+
+    threading.Thread(target=run, name="finish-start", daemon=True).start()
 
 
 def _row_invariant_mode(config: TargetConfig) -> str:

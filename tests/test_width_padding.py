@@ -5,6 +5,7 @@ changes no output, greedy or sampled, with or without speculation."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from model_runtime import width_padding
 from model_runtime.batched_forward import padded_rows
@@ -101,3 +102,66 @@ def test_step_costs_that_are_not_times_are_ignored():
     assert _step_ms([5.0, 6.5]) == (5.0, 6.5)
     for bad in ([5.0, 0.0], [-1.0], [float("nan")], [float("inf")]):
         assert _step_ms(bad) == ()
+
+
+# --- kept per host: a restart installs the timings at once; a first start times them later --
+
+
+@pytest.fixture
+def host_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULATIVE_KERNEL_CACHE", str(tmp_path / "host.json"))
+
+
+def test_timings_are_kept_per_host_and_model(host_cache):
+    first = load_model("tiny-random:1")
+    assert not width_padding.install_kept(first.model)  # nothing measured yet
+    costs = width_padding.calibrate(first.model, max_width=4)
+    again = load_model("tiny-random:1")
+    assert width_padding.install_kept(again.model)
+    assert width_padding.plan_of(again.model) == WidthPlan.from_costs(costs)
+    assert not width_padding.install_kept(load_model("tiny-random:1", dtype="bfloat16").model)
+
+
+def test_calibrating_in_jobs_runs_one_width_per_job(host_cache):
+    loaded = load_model("tiny-random:1")
+    jobs = []
+
+    def run(fn, *args):
+        jobs.append(fn.__name__)
+        return fn(*args)
+
+    costs = width_padding.calibrate_in_jobs(loaded.model, run, max_width=5)
+    assert jobs.count("_time_width") == 5 and len(costs) == 5
+    assert width_padding.plan_of(loaded.model) is not None
+    assert width_padding.install_kept(load_model("tiny-random:1").model)
+
+
+@pytest.mark.parametrize("after", [True, False])
+def test_a_target_packs_and_times_after_serving_or_before(host_cache, monkeypatch, after):
+    """pack_after_serving: the worker serves with plain linears, then packs them and
+    times its widths between requests, and reports the costs in Info; off: it packs
+    before it serves. (Models made in code are never packed: the packaged SmolLM2.)"""
+    from draft_service.target_connections import TargetConnections
+    from model_runtime.cpu_linear import PackedLinear, onednn_available
+    from target_service import server
+    from target_service.config import TargetConfig
+    from tests.polling import wait_until
+
+    if not onednn_available():
+        pytest.skip("no oneDNN: nothing is packed")
+    loaded = []
+    monkeypatch.setattr(
+        server, "load_model", lambda *a, **k: loaded.append(load_model(*a, **k)) or loaded[-1]
+    )
+    config = TargetConfig(address="127.0.0.1:0", model="smollm2-135m", pack_after_serving=after)
+    service = server.create_server(config)
+    kinds = lambda: {type(m) for m in loaded[0].model.modules()}  # noqa: E731
+    assert (torch.nn.Linear in kinds(), PackedLinear in kinds()) == (after, not after)
+    service.start()
+    try:
+        wait_until(lambda: torch.nn.Linear not in kinds(), "linears packed", 30)
+        info = lambda: TargetConnections().info(f"127.0.0.1:{service.port}", 10.0)  # noqa: E731
+        wait_until(lambda: info().step_ms, "step costs in Info", 30)
+        assert width_padding.plan_of(loaded[0].model) is not None
+    finally:
+        service.server.stop(None)
