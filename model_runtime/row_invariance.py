@@ -235,10 +235,10 @@ def invariance_of(model: nn.Module) -> RowInvariance | None:
 def apply_mode(model: nn.Module, mode: str) -> RowInvariance | None:
     """Makes a loaded model row-invariant as `mode` says; returns what it runs (None: off).
 
-    auto: on for half precision on a CPU, where it costs little (bf16: 1.02-1.16x a
-    session's step, measured) and where rows differ enough to flip greedy tokens; off in
-    fp32 (1.2-1.3x, and rows differ only in the last bits) and on GPUs until the GPU check
-    has priced it there (docs/exactness.md)."""
+    auto: on for half precision on a CPU, where rows differ enough to flip greedy tokens
+    (a near-tie within a bf16 step) and where the target runs bf16 by default only with
+    AMX; off in fp32 (1.2-2x a step, and rows differ only in the last bits) and on GPUs
+    until the GPU check has priced it there (docs/exactness.md, the price per host)."""
     if mode not in MODES:
         raise InvalidArgument(f"row invariance must be one of {', '.join(MODES)}, got {mode!r}")
     parameter = next(model.parameters())

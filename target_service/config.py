@@ -35,8 +35,9 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     dtype: str = _option("auto", "auto, float32, bfloat16 or float16")
     # Every row's logits the same bits whatever the pass (width, batch, place), so that
     # speculation cannot flip a near-tied greedy token (model_runtime/row_invariance.py).
-    # auto: on where it costs little: half precision on a CPU (bf16: 1.02-1.16x a step;
-    # fp32 1.2-1.3x, so off there); off on GPUs until priced there (docs/exactness.md).
+    # auto: on in half precision on a CPU, where near-ties flip (its price per host:
+    # docs/exactness.md); off in fp32 (1.2-2x a step for last-bit differences) and on
+    # GPUs until priced there.
     row_invariant: str = _option(
         "auto",
         "auto, on or off: rows computed the same whatever the pass "
