@@ -40,6 +40,7 @@ from benchmarks.prompts import PROMPTS
 from model_runtime.loading import LoadedModel, load_model
 from model_runtime.model_session import ModelSession
 from speculative.drafters import ModelDrafter
+from speculative.estimator import leviathan_speedup, round_speedup
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import FixedK
 from speculative.prompt_lookup import LookupThenModelDrafter, NgramDrafter
@@ -128,8 +129,7 @@ def pass_costs(loaded: LoadedModel, prompt: list[int], repeats: int) -> dict[int
 def leviathan_bound(agreement: float, k: int, draft_ms: float, costs: dict[int, float]) -> float:
     """Expected speedup of k-token rounds at i.i.d. acceptance `agreement` (Leviathan et
     al. 2023, eq. 1 with the target's measured cost per pass width)."""
-    expected = k + 1 if agreement >= 1.0 else (1 - agreement ** (k + 1)) / (1 - agreement)
-    return expected * costs[1] / (k * draft_ms + costs[k + 1])
+    return leviathan_speedup(agreement, k, draft_ms, costs[1], costs[k + 1])
 
 
 def expected_tokens(agreed: list[bool], k: int) -> float:
@@ -149,7 +149,7 @@ def ceiling(agreed: list[bool], draft_ms: float, costs: dict[int, float]) -> tup
     cost per width). No overhead, no policy: what no scheduling of k can beat."""
     return max(
         (
-            (expected_tokens(agreed, k) * costs[1] / (k * draft_ms + costs[k + 1]), k)
+            (round_speedup(expected_tokens(agreed, k), k, draft_ms, costs[1], costs[k + 1]), k)
             for k in CEILING_KS
         ),
         key=lambda cell: (cell[0], -cell[1]),

@@ -24,6 +24,7 @@ from launcher.cluster import Cluster, layout, parse_args, start_system
 from model_runtime.loading import load_model
 from model_runtime.model_session import ModelSession
 from specdec.v1 import orchestrator_pb2_grpc
+from speculative.estimator import leviathan_speedup
 from speculative.replay_drafter import write_replay
 
 ACCEPTANCES = (0.6, 0.8, 0.9)
@@ -90,8 +91,7 @@ def measured_costs(plan, check) -> dict[str, float]:
 
 def leviathan_bound(acceptance: float, k: int, costs: dict[str, float]) -> float:
     """Speedup over target-only of rounds of k at per-token acceptance `acceptance`."""
-    expected = (1 - acceptance ** (k + 1)) / (1 - acceptance)
-    return expected * costs["target_1"] / (k * costs["draft"] + costs["target_k"])
+    return leviathan_speedup(acceptance, k, costs["draft"], costs["target_1"], costs["target_k"])
 
 
 def services(plan, check) -> dict:

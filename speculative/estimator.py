@@ -53,6 +53,23 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
+def round_speedup(
+    tokens: float, k: int, draft_cost: float, one_pass_cost: float, verify_cost: float
+) -> float:
+    """Speedup over target-only of rounds that yield `tokens` each (the target's own
+    included) for k draft steps of draft_cost and one target pass of verify_cost (its
+    width k + 1), where target-only pays one_pass_cost a token; any one unit of time.
+    No overhead: the bound a scheduling of rounds cannot beat (Leviathan et al. 2023)."""
+    return tokens * one_pass_cost / (k * draft_cost + verify_cost)
+
+
+def leviathan_speedup(
+    acceptance: float, k: int, draft_cost: float, one_pass_cost: float, verify_cost: float
+) -> float:
+    """round_speedup at i.i.d. acceptance `acceptance` (Leviathan et al. 2023, eq. 1)."""
+    return round_speedup(expected_tokens(acceptance, k), k, draft_cost, one_pass_cost, verify_cost)
+
+
 @dataclass(frozen=True)
 class MeasuredCosts:
     """Costs measured between one drafter and one target, in nanoseconds: what one call

@@ -465,3 +465,12 @@ def test_pooled_acceptance_is_the_depth_counts_summed(rounds):
     trials = prior + sum(n for _, n in estimator.acceptances.depth_counts)
     counts = estimator.acceptances
     assert (counts.accepted, counts.trials) == (pytest.approx(accepted), pytest.approx(trials))
+
+
+def test_leviathan_speedup_is_expected_tokens_over_a_round_s_cost():
+    from speculative.estimator import leviathan_speedup, round_speedup
+
+    # a = 0.8, k = 4: 3.3616 tokens a round for 4 draft steps of 10 and a pass of 120
+    assert leviathan_speedup(0.8, 4, 10.0, 100.0, 120.0) == pytest.approx(3.3616 * 100 / 160)
+    assert leviathan_speedup(1.0, 2, 0.0, 50.0, 50.0) == 3.0  # every token accepted, free drafts
+    assert round_speedup(1.0, 0, 5.0, 100.0, 100.0) == 1.0  # k = 0 is target-only
