@@ -1,5 +1,5 @@
 """The GPU check's speed at a known acceptance: the benchmark-only replay drafter
-(speculative/replay_drafter.py) through the services, against Leviathan's bound.
+(benchmarks/replay_drafter.py) through the services, against Leviathan's bound.
 
 Random weights make acceptance meaningless, so the draft worker runs a 0.5B-shaped
 draft model for its cost and proposes the target's own recorded greedy tokens,
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.replay_drafter import NAME, write_replay
 from launcher.cluster import Cluster, layout, parse_args, start_system
 from model_runtime.loading import load_model
 from model_runtime.model_session import ModelSession
 from specdec.v1 import orchestrator_pb2_grpc
 from speculative.estimator import leviathan_speedup
-from speculative.replay_drafter import write_replay
 
 ACCEPTANCES = (0.6, 0.8, 0.9)
 FIXED_K = 4
@@ -112,7 +112,7 @@ def services(plan, check) -> dict:
         if role.pool in ("target", "draft"):
             role.args += ["--device", plan.device, "--dtype", plan.dtype]
         if role.pool == "draft":
-            role.args += ["--replay-file", replay_file]
+            role.args += ["--drafter-plugin", f"benchmarks.replay_drafter:drafters:{replay_file}"]
     inputs = check.prompts(plan)
     cluster = Cluster(Path(log_dir))
     try:
@@ -165,7 +165,7 @@ def services(plan, check) -> dict:
 def _generate(
     stub, ids: list[int], k: int, adaptive: bool, plan, check
 ) -> tuple[list[int], float, float | None]:
-    run = check.call(stub, ids, k, adaptive, plan, drafter="replay")
+    run = check.call(stub, ids, k, adaptive, plan, drafter=NAME)
     return run.token_ids, run.tokens_per_s, run.acceptance
 
 

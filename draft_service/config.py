@@ -98,10 +98,10 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     static_passes: str = "auto"
     static_slots: int = 64  # sessions the pool holds; more run eager
     static_capacity: int = 4096  # tokens a session holds in the pool; longer runs eager
-    # Benchmarks only: offer the "replay" drafter (speculative/replay_drafter.py), the
-    # target's recorded greedy tokens at a set acceptance, paying the model's passes;
-    # a JSON file read when a session opens. Empty: not offered.
-    replay_file: str = ""
+    # Benchmarks and tests only: MODULE:FUNCTION[:ARGUMENT], drafters a plug-in adds under
+    # names starting "x-" (e.g. benchmarks.replay_drafter:drafters:FILE, "x-replay": the
+    # target's recorded greedy tokens at a set acceptance). Empty: none.
+    drafter_plugin: str = ""
     # Used when a request leaves max_new_tokens at 0; the same default as the target's.
     default_max_new_tokens: int = 256
     # torch intra-op threads; 0 = torch's default (all cores), which suits a worker

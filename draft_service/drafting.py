@@ -13,6 +13,7 @@ drafting steps of every session that drafts at the same time share one forward p
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,7 +30,7 @@ from speculative.types import (
     MODEL,
     NGRAM,
     NGRAM_THEN_MODEL,
-    REPLAY,
+    PLUGIN_PREFIX,
     SamplingParams,
     check_drafter_name,
 )
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from draft_service.draft_model import DraftModel
     from model_runtime.step_scheduler import StepScheduler
     from speculative.drafters import ModelDraftSession
-
-WITH_MODEL = (MODEL, NGRAM_THEN_MODEL, REPLAY)  # the drafters that run the worker's model
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class Drafters:
         default_drafter: str,
         min_ngram: int,
         max_ngram: int,
-        replay_file: str = "",
+        plugin: str = "",
     ):
         self.model = model
         self.loaded = model.loaded if model is not None else None
@@ -72,14 +71,10 @@ class Drafters:
             self.by_name[NGRAM_THEN_MODEL] = LookupThenModelDrafter(
                 model.drafter, self.by_name[NGRAM]
             )
-        if replay_file and model is None:
-            raise InvalidArgument(
-                "--replay-file needs a --model: the replay drafter pays the model's passes"
-            )
-        if model is not None and replay_file:  # benchmarks only
-            from speculative.replay_drafter import ReplayDrafter
-
-            self.by_name[REPLAY] = ReplayDrafter(model.loaded, replay_file)
+        self.plugged = plugin_drafters(plugin, model) if plugin else {}
+        self.by_name |= self.plugged
+        # the drafters that run the worker's model (a plug-in's run it where there is one)
+        self.with_model = {MODEL, NGRAM_THEN_MODEL, *self.plugged} if model is not None else set()
         self.default = self.resolve(default_drafter)  # fails at start-up, not per request
 
     def resolve(self, name: str) -> str:
@@ -88,10 +83,10 @@ class Drafters:
         check_drafter_name(name)
         if not name:
             return self.default
-        if name == REPLAY and name not in self.by_name:
+        if name.startswith(PLUGIN_PREFIX) and name not in self.by_name:
             raise InvalidArgument(
-                "drafter 'replay' is for benchmarks: offered only by a draft worker started "
-                "with --replay-file"
+                f"drafter {name!r} is a plug-in's: offered only by a draft worker started "
+                "with the --drafter-plugin that adds it"
             )
         if name not in self.by_name:
             raise InvalidArgument(
@@ -110,14 +105,14 @@ class Drafters:
         """New input tokens must be in the vocabulary and leave room to generate."""
         if not token_ids:
             raise InvalidArgument("no token ids given: send at least one")
-        limit = self.loaded.vocab_size if name in WITH_MODEL else None
+        limit = self.loaded.vocab_size if name in self.with_model else None
         bad = [t for t in token_ids if t < 0 or (limit is not None and t >= limit)]
         if bad:
             vocabulary = f"[0, {limit})" if limit is not None else "ids >= 0"
             raise InvalidArgument(
                 f"token ids {bad[:5]} are outside the draft vocabulary {vocabulary}"
             )
-        if name in WITH_MODEL and num_existing + len(token_ids) >= self.loaded.context_length:
+        if name in self.with_model and num_existing + len(token_ids) >= self.loaded.context_length:
             raise InvalidArgument(
                 f"{num_existing + len(token_ids)} tokens leave no room to generate in the draft "
                 f"model's context length of {self.loaded.context_length} tokens"
@@ -125,16 +120,16 @@ class Drafters:
 
     def context_length(self, name: str) -> int | None:
         """The drafter's own limit on a sequence, in tokens (None: no limit)."""
-        return self.loaded.context_length if name in WITH_MODEL else None
+        return self.loaded.context_length if name in self.with_model else None
 
     def open(self, name: str, prompt_token_ids: Sequence[int]) -> DraftSession:
         """Opens and prefills; the sampling params arrive with each Speculate call."""
         self.check_tokens(name, 0, prompt_token_ids)
-        if name == NGRAM:
+        if name == NGRAM or (name in self.plugged and name not in self.with_model):
             return self.by_name[name].open(prompt_token_ids, SamplingParams())
-        if name == REPLAY:
+        if name in self.plugged:  # a plug-in's over the model: its passes on the scheduler
             session = SerializedModelDraftSession(
-                self.by_name[REPLAY].open(prompt_token_ids, SamplingParams()), self.model.compute
+                self.by_name[name].open(prompt_token_ids, SamplingParams()), self.model.compute
             )
             session.prefill()
             return session
@@ -150,6 +145,27 @@ class Drafters:
         )
         session.prefill()  # now, alongside the target's prefill, not in the first round
         return session
+
+
+def plugin_drafters(spec: str, model: DraftModel | None) -> dict[str, Drafter]:
+    """A draft worker's plug-in (--drafter-plugin MODULE:FUNCTION[:ARGUMENT], benchmarks
+    and tests only): FUNCTION(the worker's DraftModel or None, ARGUMENT) gives drafters
+    by name, each name starting with PLUGIN_PREFIX."""
+    module_name, _, rest = spec.partition(":")
+    function_name, _, argument = rest.partition(":")
+    if not module_name or not function_name:
+        raise InvalidArgument(f"--drafter-plugin must be MODULE:FUNCTION[:ARGUMENT], got {spec!r}")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as error:
+        raise InvalidArgument(f"cannot load the drafter plug-in {spec!r}: {error}") from None
+    drafters = dict(function(model, argument))
+    misnamed = [name for name in drafters if not name.startswith(PLUGIN_PREFIX)]
+    if misnamed:
+        raise InvalidArgument(
+            f"drafter plug-in {spec!r} names {misnamed}: a plug-in's names start with {PLUGIN_PREFIX!r}"
+        )
+    return drafters
 
 
 class SerializedModelDraftSession(DraftSession):

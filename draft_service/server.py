@@ -48,7 +48,7 @@ def create_server(
         config.default_drafter,
         config.prompt_lookup_min,
         config.prompt_lookup_max,
-        config.replay_file,
+        config.drafter_plugin,
     )
     servicer = DraftServicer(
         config,

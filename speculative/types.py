@@ -109,15 +109,16 @@ class VerifyResult:
 MODEL = "model"  # the worker's small model
 NGRAM = "ngram"  # prompt lookup, no model
 NGRAM_THEN_MODEL = "ngram+model"  # prompt lookup where it finds text to copy, the model elsewhere
-# Benchmarks only (speculative/replay_drafter.py): the target's recorded greedy tokens,
-# replaced at a set rate, at the model's cost; offered only by a worker with --replay-file.
-REPLAY = "replay"
-DRAFTER_NAMES = (MODEL, NGRAM, NGRAM_THEN_MODEL, REPLAY)
+DRAFTER_NAMES = (MODEL, NGRAM, NGRAM_THEN_MODEL)
+# Drafters a draft worker's plug-in adds (--drafter-plugin: benchmarks and tests) are
+# named with this prefix, never with a production name.
+PLUGIN_PREFIX = "x-"
 
 
 def check_drafter_name(name: str) -> None:
-    """InvalidArgument unless `name` is a drafter of the API or empty (the worker's default)."""
-    if name and name not in DRAFTER_NAMES:
+    """InvalidArgument unless `name` is a drafter of the API, a plug-in's (PLUGIN_PREFIX:
+    the draft worker says whether it has it) or empty (the worker's default)."""
+    if name and name not in DRAFTER_NAMES and not name.startswith(PLUGIN_PREFIX):
         names = ", ".join(repr(known) for known in DRAFTER_NAMES)
         raise InvalidArgument(
             f"unknown drafter {name!r}: drafter must be one of {names} or empty (the worker's default)"

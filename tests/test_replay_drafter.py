@@ -1,4 +1,4 @@
-"""The benchmark-only replay drafter (speculative/replay_drafter.py): the target's own
+"""The benchmark-only replay drafter (benchmarks/replay_drafter.py), a draft worker plug-in: the target's own
 recorded greedy tokens, replaced at a set rate, at a real model's cost per token.
 
 Its proposals agree with the target at the set rate (a binomial bound that fails a
@@ -11,6 +11,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from benchmarks.replay_drafter import Replay, ReplayDrafter, write_replay
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters
 from draft_service.server import create_server as create_draft_server
@@ -18,8 +19,8 @@ from foundation.errors import InvalidArgument
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from speculative.generator import SpeculativeGenerator
 from speculative.policy import FixedK
-from speculative.replay_drafter import Replay, ReplayDrafter, write_replay
 from speculative.sampling import SamplingParams
+from speculative.types import DRAFTER_NAMES
 from target_service.config import TargetConfig
 from target_service.server import create_server as create_target_server
 from tests.test_draft_service import Pair, expect_error, tokens_of
@@ -87,15 +88,16 @@ def test_a_draft_worker_offers_it_only_when_asked_and_greedy_only(
     tiny_target, prompt_ids, recorded, tmp_path
 ):
     with pytest.raises(InvalidArgument, match="needs a --model"):
-        Drafters(None, "ngram", 2, 4, replay_file="x.json")
+        Drafters(None, "ngram", 2, 4, plugin="benchmarks.replay_drafter:drafters:x.json")
     path = str(tmp_path / "replay.json")
+    plugin = f"benchmarks.replay_drafter:drafters:{path}"
     write_replay(path, 0.8, recorded)
     target = create_target_server(TargetConfig(address="127.0.0.1:0"), loaded_model=tiny_target)
     plain = create_draft_server(
         DraftConfig(address="127.0.0.1:0", default_drafter="model"), loaded_model=tiny_target
     )
     replaying = create_draft_server(
-        DraftConfig(address="127.0.0.1:0", default_drafter="model", replay_file=path),
+        DraftConfig(address="127.0.0.1:0", default_drafter="model", drafter_plugin=plugin),
         loaded_model=tiny_target,
     )
     services = (target, plain, replaying)
@@ -108,11 +110,11 @@ def test_a_draft_worker_offers_it_only_when_asked_and_greedy_only(
         expect_error(
             grpc.StatusCode.INVALID_ARGUMENT,
             draft_pb2_grpc.DraftServiceStub(channels[1]).OpenSession,
-            draft_pb2.DraftOpenSessionRequest(prompt_token_ids=prompt_ids[0], drafter="replay"),
-            match="offered only by a draft worker started with --replay-file",
+            draft_pb2.DraftOpenSessionRequest(prompt_token_ids=prompt_ids[0], drafter="x-replay"),
+            match="offered only by a draft worker started with the --drafter-plugin",
         )
         stub = draft_pb2_grpc.DraftServiceStub(channels[2])
-        pair = Pair(stub, target_stub, address, prompt_ids[0], drafter="replay")
+        pair = Pair(stub, target_stub, address, prompt_ids[0], drafter="x-replay")
         updates = pair.speculate(num_speculative_tokens=4)
         assert tokens_of(updates)[:16] == recorded[0][len(prompt_ids[0]) :][:16]
         assert sum(u.round.num_accepted for u in updates) > 0
@@ -124,3 +126,19 @@ def test_a_draft_worker_offers_it_only_when_asked_and_greedy_only(
             channel.close()
         for service in services:
             service.server.stop(0)
+
+
+def test_a_plugin_is_loaded_by_name_and_its_names_are_checked(tiny_target):
+    from draft_service.drafting import plugin_drafters
+
+    with pytest.raises(InvalidArgument, match="MODULE:FUNCTION"):
+        plugin_drafters("benchmarks.replay_drafter", None)
+    with pytest.raises(InvalidArgument, match="cannot load the drafter plug-in"):
+        plugin_drafters("benchmarks.no_such_module:drafters", None)
+    with pytest.raises(InvalidArgument, match="start with 'x-'"):
+        plugin_drafters("tests.test_replay_drafter:misnamed", None)
+    assert "x-replay" not in DRAFTER_NAMES and "replay" not in DRAFTER_NAMES
+
+
+def misnamed(model, argument):
+    return {"replay": None}

@@ -9,9 +9,10 @@ per position from a seed, so a position is either always right or always wrong),
 runs one pass of its draft model for every token it proposes (the draft's real cost).
 The measured speed is then the system's at that acceptance.
 
-Never a default: a draft worker offers it only when started with `--replay-file`, and
-every result that uses it says so. Greedy only (a recorded greedy continuation says
-nothing of sampled ones).
+Never a default, never a public drafter name: a draft worker offers it as "x-replay"
+only when started with `--drafter-plugin benchmarks.replay_drafter:drafters:FILE` (the
+worker's plug-in hook, draft_service/drafting.py), and every result that uses it says
+so. Greedy only (a recorded greedy continuation says nothing of sampled ones).
 
 The replay file is JSON, read again whenever a session opens (a benchmark can record
 target-only output and change the acceptance while the workers run):
@@ -79,6 +80,19 @@ def write_replay(
             file,
         )
     os.replace(path + ".tmp", path)
+
+
+NAME = "x-replay"  # a plug-in's name (speculative.types.PLUGIN_PREFIX)
+
+
+def drafters(model, replay_file: str) -> dict[str, Drafter]:
+    """The draft worker's plug-in hook (--drafter-plugin): the replay drafter over the
+    worker's model, reading `replay_file`."""
+    if model is None:
+        raise InvalidArgument("the replay drafter needs a --model: it pays the model's passes")
+    if not replay_file:
+        raise InvalidArgument("the replay drafter needs its file: MODULE:FUNCTION:FILE")
+    return {NAME: ReplayDrafter(model.loaded, replay_file)}
 
 
 class ReplayDrafter(Drafter):
