@@ -99,8 +99,8 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     static_slots: int = 64  # sessions the pool holds; more run eager
     static_capacity: int = 4096  # tokens a session holds in the pool; longer runs eager
     # Benchmarks and tests only: MODULE:FUNCTION[:ARGUMENT], drafters a plug-in adds under
-    # names starting "x-" (e.g. benchmarks.replay_drafter:drafters:FILE, "x-replay": the
-    # target's recorded greedy tokens at a set acceptance). Empty: none.
+    # names starting "x-" (the benchmarks' drafter of known acceptance is one:
+    # benchmarks/README.md). Empty: none.
     drafter_plugin: str = ""
     # Used when a request leaves max_new_tokens at 0; the same default as the target's.
     default_max_new_tokens: int = 256
