@@ -9,8 +9,8 @@ and target? Each switched against the draft worker's defaults, through the servi
 Method (`bench_pipeline.PinnedSystem`): the target worker pinned to CPU 1 behind a
 delaying TCP proxy (one-way delay 1, 5 and 20 ms), every draft worker and orchestrator
 on CPU 0, one torch thread each, as on two machines. Per delay one system: draft
-workers with the defaults ("all on"), with `--no-stretches`, and (a pair with a draft
-model) with `--no-draft-stop`, each behind its own orchestrator. Adaptive k <= 8, greedy,
+workers with the defaults ("all on"), with `--disable stretches`, and (a pair with a draft
+model) with `--disable draft_stop`, each behind its own orchestrator. Adaptive k <= 8, greedy,
 chat template, a new session per call; methods interleaved per prompt and rotated per
 repeat. Cells: tokens/s over all on's in the same repeat (geometric mean over repeats).
 Writes results_link_<pair>.md to --out as it goes.
@@ -38,9 +38,9 @@ QWEN_DRAFT = ["--quantization", "int8-dynamic"]  # the pair's draft, as make run
 def variants(pair_name: str, only: str = "") -> dict[str, list[str]]:
     """Draft workers by name: their flags (only: a comma-separated subset beside all on)."""
     extra = QWEN_DRAFT if pair_name == "qwen" else []
-    out = {BASE: [*extra], "stretches off": [*extra, "--no-stretches"]}
+    out = {BASE: [*extra], "stretches off": [*extra, "--disable", "stretches"]}
     if PAIRS[pair_name].draft:  # draft_stop acts on a model drafter only
-        out["draft_stop off"] = [*extra, "--no-draft-stop"]
+        out["draft_stop off"] = [*extra, "--disable", "draft_stop"]
     return {name: out[name] for name in chosen(out, only, (BASE,), "variant")}
 
 

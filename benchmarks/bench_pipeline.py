@@ -9,7 +9,7 @@ orchestrators, the delay proxy, this client) to CPU 0, one torch thread per work
 draft and the target can truly overlap, as on two machines. Per one-way delay (a
 delaying TCP proxy in front of the target; every path to it crosses the proxy) one
 system runs: one target; a draft worker with pipelining (`--pipeline`) behind
-orchestrator P and one without (`--no-pipeline`) behind orchestrator S. Methods,
+orchestrator P and one without (`--disable pipeline`) behind orchestrator S. Methods,
 interleaved per prompt and rotated per repeat: target-only (`k=0` through S: the
 target's Decode stream), and for each drafter adaptive k <= 4 synchronous (S) and
 pipelined (P). Greedy, chat template, new session per request; every output must equal
@@ -93,7 +93,7 @@ def pin(pid: int, cpu: int) -> None:
 
 
 # Draft workers by name, each behind its own orchestrator: their flags.
-PIPELINED_AND_SYNC = {"P": ["--pipeline"], "S": ["--no-pipeline"]}
+PIPELINED_AND_SYNC = {"P": ["--disable", ""], "S": ["--disable", "pipeline"]}
 
 
 class PinnedSystem:

@@ -109,9 +109,7 @@ def hf_method(target, max_new_tokens: int, **generate_kwargs):
                 **generate_kwargs,
             )
             seconds = time.perf_counter() - start
-            new = output[0, len(ids) :].tolist()
-            if new and new[-1] == target.eos_token_id:
-                new = new[:-1]  # the services stop before the end token
+            new = output[0, len(ids) :].tolist()  # the end token included, as the services do
             turns.append(Turn(new, seconds, len(new)))
             if index < len(answers):
                 messages.append({"role": "assistant", "content": answers[index]})
@@ -137,6 +135,14 @@ def methods_for(pair: Pair, stub, target, draft, args) -> dict:
         methods[f"HF prompt lookup k={k}"] = hf_method(target, max_new, prompt_lookup_num_tokens=k)
         if draft is not None:
             methods["HF assisted"] = hf_method(target, max_new, assistant_model=draft.model)
+    if args.methods:
+        wanted = args.methods.split(",")
+        unknown = sorted(set(wanted) - set(methods))
+        if unknown:
+            raise SystemExit(f"unknown --methods {unknown}: choose from {list(methods)}")
+        methods = {
+            name: run for name, run in methods.items() if name in wanted or name == REFERENCE
+        }
     return methods
 
 
@@ -234,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-dtype", default="float32")
     parser.add_argument("--target-row-invariant", default="auto")
     parser.add_argument("--no-hf", action="store_true", help="no in-process HF baselines")
+    parser.add_argument(
+        "--methods", default="", help="comma-separated subset (target-only always runs)"
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results_workload.md"))
     args = parser.parse_args(argv)
     command = shlex.join(argv if argv is not None else sys.argv[1:])

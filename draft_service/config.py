@@ -12,6 +12,7 @@ from model_runtime.quantization import check_scheme
 from service_common.options import RegistryConfig, ServerConfig, TelemetryConfig
 from service_common.server import advertised_address, default_worker_id
 from speculative.drafter_base import DEFAULT_DRAFT_TOP_K
+from speculative.speculation_loop import Features
 
 ENV_PREFIX = "DRAFT"
 
@@ -69,24 +70,19 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # caller's deadline; then ABORTED. As long as a verdict may take: that round ends
     # when its verdict comes.
     session_wait_timeout_s: float = 120.0
-    # Draft the next proposal while the last one is verified, where the policy finds
-    # it pays (speculative.policy.draft_ahead): on its own hardware the draft would
-    # otherwise idle through every verification. Off where draft and target share cores.
-    pipeline: bool = True
-    # Stretches of target-only decoding where the policy finds speculation losing
-    # (speculative/stretches.py); off: rounds only, the plain step where it beats every k.
-    stretches: bool = True
-    # In a stretch, the target runs a prompt-lookup drafter's rounds itself, saving a
-    # round trip per round (speculative/stretches.py); needs stretches.
-    target_lookup: bool = True
-    # A cascade's (ngram+model) prompt lookup takes a turn from the draft model only where
-    # its measured rounds earn more at their costs (speculative/lookup_gate.py; adaptive
-    # calls). Off: lookup proposes wherever it finds a match.
-    lookup_gate: bool = True
-    # A model drafter stops drafting where its own confidence says the next token would
-    # not pay for its pass (speculative.policy.stop_reach; adaptive calls only): 1.06x
-    # across a link, as fast as without in process (benchmarks/results_link_qwen.md).
-    draft_stop: bool = True
+    # The optimisations around the round loop to switch off, comma-separated (each is
+    # exact on or off; speculative.speculation_loop.Features, docs/speculation.md):
+    # pipeline (draft the next proposal while the last is verified: off where draft and
+    # target share cores, else the draft idles through every verification), stretches
+    # (target-only runs where speculation loses), target_lookup (in a stretch the target
+    # runs prompt lookup's rounds itself), lookup_gate (a cascade's lookup proposes only
+    # where it earns more than the model), draft_stop (a model drafter stops where its
+    # next token would not pay). Empty: all on.
+    disable: str = ""
+
+    def features(self) -> Features:
+        return Features.disabled(self.disable)
+
     # Continuations a round may propose at once as a token tree, verified in one target
     # pass (prompt lookup's distinct matches, a model's second choices;
     # speculative/token_tree.py): fixed-k rounds always, adaptive ones where the policy
@@ -117,6 +113,7 @@ class DraftConfig(ServerConfig, RegistryConfig, TelemetryConfig):
         """Raises InvalidArgument naming the first bad setting (at start-up, not per call)."""
         validate_num_speculative_tokens(self.default_k)
         check_scheme(self.quantization, self.device)
+        self.features()  # an unknown --disable name
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise InvalidArgument(
                 f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}"

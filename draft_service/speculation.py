@@ -84,20 +84,14 @@ def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> Specu
             params, speculation.draft_top_k or config.draft_top_k, min_ngram, max_ngram
         ),
         policy=(
-            AdaptiveK(k, overlaps=config.pipeline, max_width=config.tree_width)
+            AdaptiveK(k, overlaps=config.features().draft_ahead, max_width=config.tree_width)
             if speculation.adaptive
             else FixedK(k, config.tree_width)
         ),
         drafter=speculation.drafter,
         target_address=request.target.worker_address,
         target_session_id=request.target.session_id,
-        features=Features(
-            draft_ahead=config.pipeline,
-            stretches=config.stretches,
-            target_lookup=config.target_lookup,
-            lookup_gate=config.lookup_gate,
-            draft_stop=config.draft_stop,
-        ),
+        features=config.features(),
     )
 
 
@@ -175,7 +169,7 @@ class SpeculateCall:
             entry.next_round,
             deadline,
             config.verdict_stall_timeout_s,
-            overlaps=config.pipeline,
+            overlaps=plan.features.draft_ahead,
         )
         try:
             yield from run_rounds(

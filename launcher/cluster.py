@@ -311,9 +311,7 @@ def draft_flags(args) -> list[str]:
         flags += ["--quantization", quantization]
         flags += ["--keep-output-layer"] if args.draft_keep_output_layer else []
     if args.draft_pipeline == "off" or (args.draft_pipeline == "auto" and model):
-        flags.append("--no-pipeline")
-    elif args.draft_pipeline == "on":
-        flags.append("--pipeline")
+        flags += ["--disable", "pipeline"]
     return flags
 
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from foundation.errors import InvalidArgument
 from speculative.drafter_base import DraftSession
 from speculative.drafting_ahead import AheadProposer
 from speculative.policy import Action, SpeculationPolicy
@@ -34,6 +35,28 @@ class Features:
     # A model drafter stops where its next token would not pay (policy.stop_reach): 1.06x
     # across a link, as fast as without in process (benchmarks/results_link_qwen.md).
     draft_stop: bool = True
+
+    @classmethod
+    def disabled(cls, names: str) -> Features:
+        """All on but the comma-separated `names` (DISABLE_NAMES: a draft worker's
+        --disable); InvalidArgument naming the choices for an unknown one."""
+        chosen = [name.strip() for name in names.split(",") if name.strip()]
+        unknown = [name for name in chosen if name not in DISABLE_NAMES]
+        if unknown:
+            raise InvalidArgument(
+                f"cannot disable {unknown}: choose among {', '.join(DISABLE_NAMES)}"
+            )
+        return cls(**{DISABLE_NAMES[name]: False for name in chosen})
+
+
+# What a draft worker's --disable names: each optimisation, by the name users know it by.
+DISABLE_NAMES = {
+    "pipeline": "draft_ahead",
+    "stretches": "stretches",
+    "target_lookup": "target_lookup",
+    "lookup_gate": "lookup_gate",
+    "draft_stop": "draft_stop",
+}
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ def test_seeded_sampling_through_stretches_equals_the_same_decisions_in_process(
     """Which tokens a seeded sampled call draws depends on its decisions (k per round,
     stretches), which follow measured times; given the same decisions, the services
     draw exactly what the in-process generator draws. The draft drafts nothing ahead
-    here (--no-pipeline): an abandoned proposal ahead consumes draft draws that a replay
+    here (--disable pipeline): an abandoned proposal ahead consumes draft draws that a replay
     from the chunks cannot know of."""
     sampling = common_pb2.SamplingParams(temperature=0.9, seed=11, max_new_tokens=MAX_NEW_TOKENS)
     params = _greedy(tiny_target).replace(temperature=0.9, seed=11)
@@ -129,7 +129,7 @@ def test_seeded_sampling_through_stretches_equals_the_same_decisions_in_process(
     system = LocalSystem(
         draft_model="tiny-random:1", draft_target_delay_ms=DELAY_MS
     )  # drafts the target accepts
-    next(r for r in system.roles if r.pool == "draft").args.append("--no-pipeline")
+    next(r for r in system.roles if r.pool == "draft").args += ["--disable", "pipeline"]
     with system:
         for ids in prompt_ids[:4]:
             chunks = list(system.stub.GenerateStream(_request(ids, "model", sampling), timeout=120))

@@ -85,7 +85,7 @@ def drafts(tiny_target, tiny_unrelated, tiny_perturbed):
         "same": _draft_server(tiny_target, default_drafter="model"),
         "unrelated": _draft_server(tiny_unrelated, default_drafter="model"),
         "perturbed": _draft_server(tiny_perturbed, default_drafter="model"),
-        "synchronous": _draft_server(tiny_perturbed, default_drafter="model", pipeline=False),
+        "synchronous": _draft_server(tiny_perturbed, default_drafter="model", disable="pipeline"),
         "ngram": _draft_server(None),
     }
     yield {name: address for name, (_, address) in servers.items()}

@@ -159,7 +159,7 @@ def test_stretches_and_target_lookup_off_and_on_through_the_services(
     system = LocalSystem(draft_target_delay_ms=15)
     if switch == "off":
         next(r for r in system.roles if r.pool == "draft").args.extend(
-            ["--no-stretches", "--no-target-lookup"]
+            ["--disable", "stretches,target_lookup"]
         )
     generator = SpeculativeGenerator(tiny_target)
     greedy = dataclasses.replace(GREEDY, stop_token_ids=(tiny_target.eos_token_id,))
@@ -172,3 +172,17 @@ def test_stretches_and_target_lookup_off_and_on_through_the_services(
             )
             streamed += response.stats.num_streamed_tokens
     assert (streamed > 0) == (switch == "on"), streamed
+
+
+def test_the_disable_option_names_each_optimisation_and_refuses_others():
+    from foundation.errors import InvalidArgument
+    from speculative.speculation_loop import DISABLE_NAMES, Features
+
+    assert Features.disabled("") == Features()
+    assert Features.disabled("pipeline, draft_stop") == Features(
+        draft_ahead=False, draft_stop=False
+    )
+    every = Features.disabled(",".join(DISABLE_NAMES))
+    assert not any(dataclasses.asdict(every).values())  # all off: the textbook loop
+    with pytest.raises(InvalidArgument, match="choose among pipeline, stretches"):
+        Features.disabled("stretch")
