@@ -53,7 +53,7 @@ REFERENCE = "target-only"
 class Turn:
     token_ids: list[int]
     seconds: float
-    passes: int  # target forward passes (1 per token for target-only and HF generate)
+    passes: int  # target forward passes (1 a token for target-only and HF generate; 0: unknown)
 
 
 def services_method(stub, drafter: str, k: int, adaptive: bool, max_new_tokens: int):
@@ -110,7 +110,8 @@ def hf_method(target, max_new_tokens: int, **generate_kwargs):
             )
             seconds = time.perf_counter() - start
             new = output[0, len(ids) :].tolist()  # the end token included, as the services do
-            turns.append(Turn(new, seconds, len(new)))
+            # HF does not say how many passes its speculation ran (0: not known)
+            turns.append(Turn(new, seconds, 0 if generate_kwargs else len(new)))
             if index < len(answers):
                 messages.append({"role": "assistant", "content": answers[index]})
         return turns
@@ -209,15 +210,16 @@ def _cell(results: dict, names: list[str], method: str) -> str:
                 statistics.median(_rate(m) / _rate(r) for m, r in zip(mine, theirs) if _rate(r) > 0)
             )
             rates.append(statistics.median(_rate(m) for m in mine))
-            per_pass.append(
-                sum(len(m.token_ids) for m in mine) / max(1, sum(m.passes for m in mine))
-            )
+            passes = sum(m.passes for m in mine)
+            if passes:
+                per_pass.append(sum(len(m.token_ids) for m in mine) / passes)
             equal += sum(m.token_ids == theirs[0].token_ids for m in mine)
             total += len(mine)
     geomean = math.exp(statistics.fmean(math.log(r) for r in ratios))
+    tokens_per_pass = f"{statistics.fmean(per_pass):.2f}/pass" if per_pass else "-/pass"
     return (
-        f"{geomean:.2f}x, {statistics.fmean(rates):.1f} tok/s, "
-        f"{statistics.fmean(per_pass):.2f}/pass, {equal}/{total} equal"
+        f"{geomean:.2f}x, {statistics.fmean(rates):.1f} tok/s, {tokens_per_pass}, "
+        f"{equal}/{total} equal"
     )
 
 
