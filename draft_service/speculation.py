@@ -33,7 +33,12 @@ from foundation.errors import InvalidArgument, ResourceExhausted, StaleProposal
 from foundation.limits import validate_num_speculative_tokens
 from model_runtime.fingerprint import check_compatible
 from service_common import telemetry
-from service_common.convert import FINISH_REASON_TO_PROTO, round_stats_to_proto, sampling_from_proto
+from service_common.convert import (
+    FINISH_REASON_TO_PROTO,
+    check_speculation_params,
+    round_stats_to_proto,
+    sampling_from_proto,
+)
 from service_common.deadlines import Deadline, bounded
 from service_common.status import Unavailable
 from specdec.v1 import draft_pb2
@@ -72,10 +77,7 @@ def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> Specu
         else config.default_k
     )
     validate_num_speculative_tokens(k)
-    if speculation.draft_top_k < 0:
-        raise InvalidArgument(
-            f"draft_top_k must be >= 0 (0 = server default), got {speculation.draft_top_k}"
-        )
+    check_speculation_params(speculation)
     min_ngram = speculation.prompt_lookup_min or config.prompt_lookup_min
     max_ngram = speculation.prompt_lookup_max or config.prompt_lookup_max
     LookupStop(min_ngram, max_ngram)  # raises InvalidArgument for sizes prompt lookup refuses

@@ -13,10 +13,9 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.limits import check_max_new_tokens, check_prompt_tokens
 from orchestrator.store import SessionRecord
 from orchestrator.text import render_chat
-from service_common.convert import sampling_from_proto
+from service_common.convert import check_speculation_params, sampling_from_proto
 from specdec.v1 import common_pb2, orchestrator_pb2
-from speculative.prompt_lookup import MAX_LOOKUP_NGRAM, LookupStop
-from speculative.types import SamplingParams, check_drafter_name
+from speculative.types import SamplingParams
 
 
 @dataclass
@@ -110,26 +109,8 @@ def _speculation(
         message.ParseFromString(record.speculation)
     if request.HasField("speculation"):
         message = request.speculation
-    check_drafter_name(message.drafter)
-    _check_draft_settings(message)
+    check_speculation_params(message)
     return message
-
-
-def _check_draft_settings(message: common_pb2.SpeculationParams) -> None:
-    """The draft worker's settings a request may override, each in its range; the draft worker
-    checks them again against its own defaults (a lookup size left 0)."""
-    if message.draft_top_k < 0:
-        raise InvalidArgument(
-            f"draft_top_k must be >= 0 (0 = server default), got {message.draft_top_k}"
-        )
-    for name in ("prompt_lookup_min", "prompt_lookup_max"):
-        if not 0 <= getattr(message, name) <= MAX_LOOKUP_NGRAM:
-            raise InvalidArgument(
-                f"{name} must be in 1..{MAX_LOOKUP_NGRAM} (0 = server default), "
-                f"got {getattr(message, name)}"
-            )
-    if message.prompt_lookup_min and message.prompt_lookup_max:
-        LookupStop(message.prompt_lookup_min, message.prompt_lookup_max)  # raises for min > max
 
 
 def _tokens(

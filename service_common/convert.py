@@ -13,9 +13,16 @@ from typing import TYPE_CHECKING
 from foundation.errors import InvalidArgument
 from foundation.load import StepLoad
 from specdec.v1 import common_pb2, target_pb2
-from speculative.prompt_lookup import LookupRounds, LookupStop
+from speculative.prompt_lookup import MAX_LOOKUP_NGRAM, LookupRounds, LookupStop
 from speculative.stats import GenerationStats, RoundStats
-from speculative.types import FinishReason, NextTokenKind, SamplingParams, Verdict, VerifyResult
+from speculative.types import (
+    FinishReason,
+    NextTokenKind,
+    SamplingParams,
+    Verdict,
+    VerifyResult,
+    check_drafter_name,
+)
 
 if TYPE_CHECKING:
     from service_common.telemetry import WorkerLoad
@@ -49,6 +56,25 @@ def sampling_from_proto(
         max_new_tokens=message.max_new_tokens or default_max_new_tokens,
         stop_token_ids=tuple(message.stop_token_ids),
     ).validate()
+
+
+def check_speculation_params(message: common_pb2.SpeculationParams) -> None:
+    """The drafting settings a request may set, each in its range (0 = the draft worker's
+    default): checked by the orchestrator and again by the draft worker, with one message
+    each. The draft worker also checks the lookup sizes it fills in from its defaults."""
+    check_drafter_name(message.drafter)
+    if message.draft_top_k < 0:
+        raise InvalidArgument(
+            f"draft_top_k must be >= 0 (0 = server default), got {message.draft_top_k}"
+        )
+    for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        if not 0 <= getattr(message, name) <= MAX_LOOKUP_NGRAM:
+            raise InvalidArgument(
+                f"{name} must be in 1..{MAX_LOOKUP_NGRAM} (0 = server default), "
+                f"got {getattr(message, name)}"
+            )
+    if message.prompt_lookup_min and message.prompt_lookup_max:
+        LookupStop(message.prompt_lookup_min, message.prompt_lookup_max)  # raises for min > max
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
