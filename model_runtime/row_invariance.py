@@ -38,6 +38,7 @@ The price is measured per host and precision (benchmarks/results_row_invariance.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -61,7 +62,7 @@ GPU_BLOCK = 16  # rows per block on a GPU: one cuBLAS shape for every row (not m
 TIMED_WIDTHS = (1, 9, 64)  # a decoding step, a verification of k = 8, a prefill chunk
 PREFILL_WEIGHT = 1 / 8  # a 64-row chunk's cost counts as much as 8 tokens of decoding
 PROBE_ROWS = 16  # designed rows the probe puts at each place of a block
-CANCELLING = 2.0**26  # the probe's cancelling pair: +-1 added to it in fp32 is lost
+CANCELLING = 2.0**26  # the probe's cancelling pair, against terms of 1: lost beside it in fp32
 
 
 @dataclass(frozen=True)
@@ -322,13 +323,19 @@ def designed_rows(count: int, in_features: int, dtype, generator) -> torch.Tenso
     per row): in fp32 the +-1 terms a kernel adds while one of the pair is in its sum are
     lost, so the output tells which terms it summed between them: any change of a row's
     summation order (grouping, lanes, K blocks) changes most of its outputs."""
-    rows = _signs((count, in_features), generator)
+    cancelling = min(CANCELLING, _largest_power_of_two(dtype))
+    rows = _signs((count, in_features), generator) * (cancelling / CANCELLING)
     half = in_features // 2
     if half:
         where = torch.randint(0, half, (count,), generator=generator)
-        rows[torch.arange(count), where] = CANCELLING
-        rows[torch.arange(count), where + half] = -CANCELLING
+        rows[torch.arange(count), where] = cancelling
+        rows[torch.arange(count), where + half] = -cancelling
     return rows.to(dtype)
+
+
+def _largest_power_of_two(dtype: torch.dtype) -> float:
+    """The largest power of two `dtype` holds: fp16's pair is 2^15, its terms 2^-11."""
+    return 2.0 ** math.floor(math.log2(torch.finfo(dtype).max))
 
 
 def probe_blocks(

@@ -117,7 +117,7 @@ def _reordered_by_place(weight: torch.Tensor):
     return kernel
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_probe_passes_plain_blocks_and_catches_an_order_that_depends_on_the_place(dtype):
     generator = torch.Generator().manual_seed(0)
     linear = ri.designed_linear(torch.nn.Linear(256, 64).to(dtype), generator)
@@ -141,6 +141,13 @@ def test_random_rows_miss_what_the_designed_rows_catch():
         return (last != F.linear(rows, linear.weight)).float().mean().item()
 
     assert differing(designed) > 0.5 > 0.05 > differing(random_rows)
+
+
+def test_the_designed_rows_are_finite_in_every_half_precision():
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        rows = ri.designed_rows(4, 64, dtype, generator)
+        assert torch.isfinite(rows).all() and rows.abs().max() / rows.abs().min() == 2.0**26
 
 
 def test_a_block_that_fails_its_probe_is_never_chosen_or_kept(monkeypatch):
