@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_suite import PAIRS, Pair, hardware, round_order
+from benchmarks.bench_suite import PAIRS, Pair, _hf, hardware, round_order
 from benchmarks.workloads import Conversation, load
 from launcher.cluster import Cluster, layout, parse_args, start_system
 from model_runtime.loading import load_model
@@ -91,6 +91,7 @@ def _target_passes(stats) -> int:
 def hf_method(target, max_new_tokens: int, **generate_kwargs):
     """HF `generate` per turn, on the conversation so far with the reference's answers."""
     tokenizer = target.tokenizer
+    generate = _hf(target, max_new_tokens, **generate_kwargs)
 
     def run(conversation: Conversation, answers: list[str]) -> list[Turn]:
         turns, messages = [], []
@@ -99,19 +100,10 @@ def hf_method(target, max_new_tokens: int, **generate_kwargs):
             ids = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
-            input_ids = torch.tensor([ids])
-            start = time.perf_counter()
-            output = target.model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                **generate_kwargs,
-            )
-            seconds = time.perf_counter() - start
-            new = output[0, len(ids) :].tolist()  # the end token included, as the services do
+            run = generate(ids)  # the end token included, as the services do
             # HF does not say how many passes its speculation ran (0: not known)
-            turns.append(Turn(new, seconds, 0 if generate_kwargs else len(new)))
+            passes = 0 if generate_kwargs else len(run.token_ids)
+            turns.append(Turn(run.token_ids, run.seconds, passes))
             if index < len(answers):
                 messages.append({"role": "assistant", "content": answers[index]})
         return turns

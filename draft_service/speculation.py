@@ -81,19 +81,20 @@ def plan_call(request: draft_pb2.SpeculateRequest, config: DraftConfig) -> Specu
     min_ngram = speculation.prompt_lookup_min or config.prompt_lookup_min
     max_ngram = speculation.prompt_lookup_max or config.prompt_lookup_max
     LookupStop(min_ngram, max_ngram)  # raises InvalidArgument for sizes prompt lookup refuses
+    features = config.features()
     return SpeculatePlan(
         settings=DraftSettings(
             params, speculation.draft_top_k or config.draft_top_k, min_ngram, max_ngram
         ),
         policy=(
-            AdaptiveK(k, overlaps=config.features().draft_ahead, max_width=config.tree_width)
+            AdaptiveK(k, overlaps=features.draft_ahead, max_width=config.tree_width)
             if speculation.adaptive
             else FixedK(k, config.tree_width)
         ),
         drafter=speculation.drafter,
         target_address=request.target.worker_address,
         target_session_id=request.target.session_id,
-        features=config.features(),
+        features=features,
     )
 
 

@@ -311,10 +311,11 @@ def designed_linear(linear: nn.Linear, generator: torch.Generator) -> nn.Linear:
     half = in_features // 2
     weight = _signs((out_features, in_features), generator)
     weight[:, half : 2 * half] = weight[:, :half]
-    designed = nn.Linear(in_features, out_features, bias=linear.bias is not None)
-    designed.weight.data = weight.to(linear.weight.dtype)
+    # made on "meta": no random init of a weight about to be replaced (seconds for an lm_head)
+    designed = nn.Linear(in_features, out_features, bias=linear.bias is not None, device="meta")
+    designed.weight = nn.Parameter(weight.to(linear.weight.dtype), requires_grad=False)
     if linear.bias is not None:
-        designed.bias.data = torch.zeros_like(linear.bias)
+        designed.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
     return designed.eval()
 
 

@@ -99,10 +99,7 @@ def _time_width(session, width: int, prefix: int, repeats: int, untimed: int) ->
 def calibrate(model: PreTrainedModel, max_width: int = MAX_WIDTH) -> dict[int, float]:
     """Times a pass of each width 1..max_width (ms, median), installs the plan on the
     model and keeps the timings for this host."""
-    setattr(model, WIDTHS_ATTR, None)  # time the widths as they are
-    costs = pass_times(model, range(1, max_width + 1))
-    _install(model, costs)
-    return costs
+    return calibrate_in_jobs(model, lambda fn, *args: fn(*args), max_width)
 
 
 def calibrate_in_jobs(
@@ -111,7 +108,7 @@ def calibrate_in_jobs(
     """calibrate, each width's passes one call of `run(fn, *args)` (the step scheduler's
     run: between steps of the requests being served). The model runs every width as it
     is meanwhile."""
-    setattr(model, WIDTHS_ATTR, None)
+    setattr(model, WIDTHS_ATTR, None)  # time the widths as they are
     session = run(_timing_session, model, PREFIX, max_width)
     costs = {
         width: run(_time_width, session, width, PREFIX, REPEATS, 1)

@@ -13,10 +13,10 @@ import torch
 
 from model_runtime.batched_forward import Segment, SequenceKV, forward_segments
 from model_runtime.loading import load_model
-from model_runtime.model_session import ModelSession
 from speculative.generator import SpeculativeGenerator
 from speculative.prompt_lookup import NgramDrafter
 from speculative.sampling import SamplingParams
+from tests.test_row_invariance import _rows_wide_and_narrow
 
 PROMPTS = [
     "Summarize: The city council met on Monday to discuss the new park. The council "
@@ -87,25 +87,8 @@ def invariance_models(tmp_path_factory):
     torch.set_num_threads(1)
 
 
-def _wide_and_narrow(model, prefix: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of `new` after `prefix`: one pass over all of them, and one pass each."""
-    wide, narrow = ModelSession(model, 1024), ModelSession(model, 1024)
-    for session in (wide, narrow):
-        session.append(prefix)
-        session.prefill()
-    wide.append(new)
-    wide_rows = wide.logits(len(new) + 1)[1:]
-    narrow.logits(1)
-    narrow_rows = []
-    for token in new:
-        narrow.append([token])
-        narrow_rows.append(narrow.logits(1))
-    return wide_rows, torch.cat(narrow_rows)
-
-
 def _alone_and_batched(model, prompts: list[list[int]], new: int) -> list[tuple]:
     """Each prompt's last `new` tokens verified alone and in one step with the others'."""
-    pairs = []
     segments = []
     for ids in prompts:
         kv = SequenceKV()
@@ -113,8 +96,7 @@ def _alone_and_batched(model, prompts: list[list[int]], new: int) -> list[tuple]
         segments.append(Segment(kv, len(ids) - new, ids[-new:], new))
     alone = [forward_segments(model, [segment])[0] for segment in segments]
     batched = forward_segments(model, segments[::-1])[::-1]
-    pairs.extend(zip(alone, batched))
-    return pairs
+    return list(zip(alone, batched))
 
 
 def _differing_rows(model, tokenizer) -> int:
@@ -124,7 +106,7 @@ def _differing_rows(model, tokenizer) -> int:
     differing = 0
     for ids in prompts:
         new = torch.randint(0, 49152, (8,), generator=generator).tolist()
-        wide, narrow = _wide_and_narrow(model, ids, new)
+        wide, narrow = _rows_wide_and_narrow(model, ids, new)
         differing += int((wide != narrow).any(-1).sum())
     for alone, batched in _alone_and_batched(model, prompts, 5):
         differing += int((alone != batched).any(-1).sum())
