@@ -39,7 +39,7 @@ redis-server:
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends redis-server; }
 
-# The playground's test (tests/test_playground.py) drives Debian's headless chromium
+# The playground's test (tests/http_api/test_playground.py) drives Debian's headless chromium
 # through its chromedriver (Selenium, no browser download); installed once, like redis-server.
 browser:
 	@{ command -v chromium && command -v chromedriver; } >/dev/null || { $(SUDO) apt-get update -q && \
@@ -83,16 +83,16 @@ format: $(STAMP)
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
-# The fuzz tests of `make test` (tests/test_fuzz.py) with 25 times the examples, same
+# The fuzz tests of `make test` (tests/system/test_fuzz.py) with 25 times the examples, same
 # seeds (about 20 minutes on 2 cores); calls and statuses seen go to .run/fuzz-long.json.
 .PHONY: fuzz-long
 fuzz-long: setup
 	mkdir -p .run
-	SPECDEC_FUZZ=long SPECDEC_FUZZ_REPORT=.run/fuzz-long.json $(PY) -m pytest -q tests/test_fuzz.py
+	SPECDEC_FUZZ=long SPECDEC_FUZZ_REPORT=.run/fuzz-long.json $(PY) -m pytest -q tests/system/test_fuzz.py
 
 # Offline checks of deploy/: render the kustomize overlays, validate them against the
 # Kubernetes schemas, the compose file against the compose specification, lint the
-# Dockerfile, cross-check the settings with the services' config (tests/test_deploy.py
+# Dockerfile, cross-check the settings with the services' config (tests/deploy/test_deploy.py
 # runs the same in `make test`). Tools come from the dev dependencies, into $(VENV)/bin.
 validate-deploy: setup
 	$(PY) deploy/validate.py
@@ -100,8 +100,10 @@ validate-deploy: setup
 protos: setup
 	$(PY) scripts/gen_protos.py
 
+# A short run of the benchmark harness: the in-house prompts through the services and
+# in process, SmolLM2 (benchmarks/README.md; results in benchmarks/results/).
 bench: setup
-	$(PY) -m benchmarks.bench_core
+	$(PY) -m benchmarks run --pair smollm2 --workload in-house --max-new-tokens 32
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,8 +2,8 @@
 first token, and `make run` from command to printed completion; first start (an empty
 model cache) and second starts (the cache filled).
 
-    .venv/bin/python -m benchmarks.bench_startup [--repeats 3] [--model smollm2-135m] [--no-make-run]
-                                                 [--code DIR]
+    .venv/bin/python -m benchmarks startup [--repeats 3] [--model smollm2-135m] [--no-make-run]
+                                           [--code DIR]
 
 Each start runs in a model cache of its own (a temporary SPECULATIVE_MODEL_CACHE, empty
 for the first start, then kept). A role's time is from just before its process is
@@ -14,8 +14,7 @@ orchestrator (n-gram drafter, k = 4) once every role serves. The orchestrator's 
 is read from /proc (VmRSS), and whether it mapped torch from /proc/PID/maps.
 `--code DIR` runs the roles from another checkout (e.g. a `git worktree` of an older
 commit) with this virtualenv, and the launcher's `make run` command line instead of
-`make run` (whose set-up would build a virtualenv there). Writes --out (default
-benchmarks/results_startup.md).
+`make run` (whose set-up would build a virtualenv there). Appends a section to --out.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 import signal
 import socket
 import statistics
@@ -37,8 +35,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.common import RESULTS, request, section, write_results
 from launcher.cluster import free_port
-from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.v1 import orchestrator_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = (
@@ -114,15 +113,10 @@ def _maps_torch(pid: int) -> bool:
 
 
 def _first_request(address: str) -> tuple[float, float]:
-    request = orchestrator_pb2.GenerateRequest(
-        speculation=common_pb2.SpeculationParams(num_speculative_tokens=4, drafter="ngram")
-    )
-    request.chat.messages.add(role="user", content=PROMPT)
-    request.sampling.max_new_tokens = 96
     with grpc.insecure_channel(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         start, first = time.monotonic(), None
-        for chunk in stub.GenerateStream(request, timeout=TIMEOUT_S):
+        for chunk in stub.GenerateStream(request(PROMPT, 96, 4, "ngram"), timeout=TIMEOUT_S):
             if first is None and chunk.token_ids:
                 first = time.monotonic() - start
         return first or 0.0, time.monotonic() - start
@@ -214,24 +208,20 @@ def _median(values: list[float]) -> str:
     return f"{statistics.median(values):.1f}" if values else "-"
 
 
-def report(
-    starts: list[Start],
-    make_runs: dict[str, list[tuple[float, float]]],
-    args,
-    hardware: str,
-    load: str,
-) -> str:
+def startup_lines(
+    starts: list[Start], make_runs: dict[str, list[tuple[float, float]]], args, load: str
+) -> list[str]:
     firsts = [s for s in starts if s.cache == "empty"]
     seconds = [s for s in starts if s.cache == "filled"]
-    lines = [
-        "# Cold start",
-        "",
-        f"Command: `{' '.join(['python -m benchmarks.bench_startup', shlex.join(args.argv)]).strip()}`",
-        "",
-        f"Hardware: {hardware}. Model: {args.model} (fp32, default threads). Load average (1, 5, 15 min) at "
-        f"the start: {load}; at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}."
+    lines = section(
+        "Cold start",
+        "startup",
+        args.argv,
+        f"Model: {args.model} (fp32, default threads). Load average (1, 5, 15 min) at the "
+        f"start: {load}; at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}."
         + (f" Code: {args.code}." if args.code else ""),
-        "",
+    )
+    lines += [
         "Seconds, process start to SERVING on the health service (roles started one at a time), the first "
         "request's time to first token and whole call (chat prompt of `make run`, n-gram drafter, k = 4, 96 "
         "tokens), and `make run` from command to printed completion (in brackets: when the launcher said "
@@ -282,19 +272,18 @@ def report(
             )
             + ".",
         ]
-    orchestrators = [s for s in starts]
-    lines += [
+    return [
+        *lines,
         "",
-        f"Orchestrator: {_median([s.orchestrator_rss_mb for s in orchestrators])} MB resident after the "
-        f"first request (target: {_median([s.target_rss_mb for s in orchestrators])} MB); torch mapped "
-        f"in its process: {'yes' if any(s.orchestrator_torch for s in orchestrators) else 'no'}.",
+        f"Orchestrator: {_median([s.orchestrator_rss_mb for s in starts])} MB resident after "
+        f"the first request (target: {_median([s.target_rss_mb for s in starts])} MB); torch "
+        f"mapped in its process: {'yes' if any(s.orchestrator_torch for s in starts) else 'no'}.",
     ]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_startup", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks startup", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--repeats", type=int, default=3, help="second starts")
@@ -302,11 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--code", default="", help="run the roles from this checkout (default: this one)"
     )
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results_startup.md"))
+    parser.add_argument("--out", default=str(RESULTS / "startup.md"))
     args = parser.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
-    from benchmarks.bench_suite import hardware
-
+    args.argv = argv
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     code = Path(args.code).resolve() if args.code else REPO
     starts, make_runs = [], {"empty": [], "filled": []}
@@ -327,9 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 if timed is not None:
                     make_runs[label].append(timed)
                 print(f"make run ({label} cache): {timed}", file=sys.stderr)
-    text = report(starts, make_runs, args, hardware(), load)
-    print(text)
-    Path(args.out).write_text(text)
+    write_results(args.out, startup_lines(starts, make_runs, args, load))
     return 0
 
 

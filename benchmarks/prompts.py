@@ -1,4 +1,5 @@
-"""Benchmark prompts of several kinds: copying-heavy (summary, code edit) and not."""
+"""Benchmark prompts of several kinds: copying-heavy (summary, code edit) and not; and the
+load scenario's ten kinds (`LOAD_PROMPTS`)."""
 
 from collections.abc import Sequence
 
@@ -119,3 +120,37 @@ def prompt_texts(kinds: Sequence[str], prompt_set: str = "") -> dict[str, str]:
 def kind_of(name: str) -> str:
     """The kind of a prompt named by prompt_texts."""
     return name.split("/")[0]
+
+
+# The load scenario's ten kinds of request (bench_load, bench_failover), some with text to
+# copy (the n-gram drafter's case), some without.
+LOAD_PROMPTS = {
+    "chat": "I just moved to a new city and don't know anyone. How can I make friends as an adult?",
+    "code_new": "Write a Python function that returns the n-th Fibonacci number iteratively, with a short docstring.",
+    "code_fix": (
+        "This function should return the largest value in a list but it crashes on some inputs. Fix it:\n"
+        "```python\ndef largest(values):\n    best = values[0]\n    for value in values:\n"
+        "        if value > best:\n            best = value\n    return best\n```"
+    ),
+    "summary": (
+        "Summarise this paragraph in two sentences.\n\nThe library on Elm Street will close for renovation "
+        "from March to August. During the closure, books can be borrowed from the mobile library, which will "
+        "visit the town square every Tuesday and Friday. The renovation adds a children's reading room, new "
+        "study desks with power outlets, and a lift to the first floor. Members keep their cards, and all "
+        "due dates during the closure are extended until September."
+    ),
+    "explain": "Explain how a refrigerator keeps food cold, in plain words for a ten-year-old.",
+    "list": "List seven vegetables that grow well in a small balcony garden, one per line.",
+    "rewrite": (
+        "Rewrite this message so that it sounds polite and professional:\n\n"
+        "hey, the report you sent is late again and half the numbers are wrong. fix it by friday."
+    ),
+    "extract": (
+        "From the text below, give the name, the date and the city, as 'name: ..., date: ..., city: ...'.\n\n"
+        "Dear Ms. Laura Bennett, we are happy to confirm your booking for the design workshop on 14 June "
+        "2025 in Lisbon. Please arrive fifteen minutes early to collect your badge."
+    ),
+    "sql": "Write an SQL query that returns the ten customers with the highest total order value from tables "
+    "customers(id, name) and orders(id, customer_id, amount).",
+    "email": "Draft a short email to a colleague asking to move our Thursday meeting to next Monday morning.",
+}

@@ -3,10 +3,10 @@
 traces, in virtual time, at pass costs given as numbers. Where adaptive loses to a fixed k
 here, its rule is at fault, not the machine's noise.
 
-    .venv/bin/python -m benchmarks.replay_policy record --pair smollm2   # traces (minutes)
-    .venv/bin/python -m benchmarks.replay_policy --pair smollm2          # the replay (seconds)
-    .venv/bin/python -m benchmarks.replay_policy --pair qwen --shifts 8  # each call started 0-7 tokens later
-    .venv/bin/python -m benchmarks.replay_policy --pair qwen --prompt-set all --cascade  # cascade vs its parts
+    .venv/bin/python -m benchmarks replay record --pair smollm2   # traces (minutes)
+    .venv/bin/python -m benchmarks replay --pair smollm2          # the replay (seconds)
+    .venv/bin/python -m benchmarks replay --pair qwen --shifts 8  # each call started 0-7 tokens later
+    .venv/bin/python -m benchmarks replay --pair qwen --prompt-set all --cascade  # cascade vs its parts
 
 `record` decodes each prompt kind greedily with the pair's target (chat template) and,
 for a pair with a draft model, at every position the draft's greedy continuation of
@@ -21,7 +21,8 @@ jitter (`--jitter`); a round adds the round trip R, a stretch R once. Draft and 
 take turns (no drafting ahead), as the launcher runs a model draft on a shared host.
 Each adaptive call is seeded with what the call before it (another prompt) measured, as
 a draft worker seeds it. Costs default to the pair's as measured on the development
-machine (benchmarks/results_width_padding.md, results_drafts.md).
+machine (benchmarks/results/archive/results_width_padding.md, results_drafts.md). The
+traces are benchmarks/results/traces_policy_<pair>[_more].json.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.common import RESULTS
 from benchmarks.prompts import PROMPT_SETS, kind_of, prompt_texts
 from foundation.sequence import TokenSequence
 from model_runtime.fingerprint import ANY_VOCABULARY
@@ -50,7 +52,6 @@ from speculative.sampling import SamplingParams
 from speculative.speculation_loop import Features, speculation_rounds
 from speculative.types import NextTokenKind, Verdict, VerifyResult
 
-REPO = Path(__file__).resolve().parent.parent
 MAX_K = 8
 FIXED_KS = (1, 2, 3, 4, 5, 6, 8)
 MAX_NEW_TOKENS = 64
@@ -81,7 +82,8 @@ class Costs:
 
 
 # Calibrated pass costs of each target (ms, widths 1-12, 64 cached tokens, 2 threads;
-# results_width_padding.md), the int8 0.5B draft's token (results_drafts.md), loopback R.
+# results/archive/results_width_padding.md), the int8 0.5B draft's token (results_drafts.md
+# there), loopback R.
 COSTS = {
     "smollm2": Costs(
         (40, 45, 37, 36, 38, 38, 42, 42, 44, 46, 50, 48), draft_ms=0.0, round_trip_ms=2.0
@@ -96,9 +98,7 @@ DRAFTERS = {"smollm2": ("ngram",), "qwen": ("model", "ngram+model")}
 
 
 def traces_path(pair: str, prompt_set: str = "") -> Path:
-    return (
-        REPO / "benchmarks" / f"traces_policy_{pair}{'_' + prompt_set if prompt_set else ''}.json"
-    )
+    return RESULTS / f"traces_policy_{pair}{'_' + prompt_set if prompt_set else ''}.json"
 
 
 def load_traces(pair: str, prompt_set: str = "") -> dict:
@@ -205,7 +205,7 @@ class ReplayTarget:
         )
 
 
-class ReplayDrafter(Drafter):
+class RecordedDrafter(Drafter):
     """The draft model's recorded continuations: at prefix length p, drafts[p - prompt length]."""
 
     name, fingerprint = "replay", ANY_VOCABULARY
@@ -214,11 +214,11 @@ class ReplayDrafter(Drafter):
         self.drafts, self.clock, self.costs = drafts, clock, costs
 
     def open(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> DraftSession:
-        return ReplayDraftSession(self, list(prompt_token_ids))
+        return RecordedDraftSession(self, list(prompt_token_ids))
 
 
-class ReplayDraftSession(DraftSession):
-    def __init__(self, drafter: ReplayDrafter, token_ids: list[int]):
+class RecordedDraftSession(DraftSession):
+    def __init__(self, drafter: RecordedDrafter, token_ids: list[int]):
         self.drafter = drafter
         self.tokens = TokenSequence(token_ids)
         self.prompt_len = len(token_ids)
@@ -258,9 +258,9 @@ def replay_call(
     prompt, path = trace["prompt"], trace["path"]
     drafter = {
         "ngram": lambda: NgramDrafter(),
-        "model": lambda: ReplayDrafter(trace["drafts"], clock, costs),
+        "model": lambda: RecordedDrafter(trace["drafts"], clock, costs),
         "ngram+model": lambda: LookupThenModelDrafter(
-            ReplayDrafter(trace["drafts"], clock, costs), NgramDrafter()
+            RecordedDrafter(trace["drafts"], clock, costs), NgramDrafter()
         ),
     }[drafter_name]()
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=tuple(trace["stop_ids"]))
@@ -333,7 +333,7 @@ def replay(
     }
 
 
-def report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int) -> str:
+def policy_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: int) -> str:
     lines = [
         f"Costs (ms): target pass by width {list(costs.target_ms)}, run as {list(costs.plan.run_as)}"
         f"{'' if costs.pad else ' (padding off)'}; draft token {costs.draft_ms}; round trip {costs.round_trip_ms}. "
@@ -462,7 +462,7 @@ def kinds_report(pair: str, traces: dict, costs: Costs, jitter: float, repeats: 
 
 def cascade_report(traces: dict, costs: Costs, jitter: float, repeats: int) -> str:
     """The cascade (ngram+model) against the better of its parts alone, adaptive, by kind:
-    what bench_cascade measures, in virtual time. Each call seeded by the one before it."""
+    in virtual time. Each call seeded by the one before it."""
     ordered = interleaved(traces)
     rates: dict[tuple[str, str], list[float]] = {}
     for drafter_name in ("ngram", "model", "ngram+model"):
@@ -498,8 +498,8 @@ def cascade_report(traces: dict, costs: Costs, jitter: float, repeats: int) -> s
 
 
 def record(pair_name: str, tokens: int, prompt_set: str = "") -> None:
-    from benchmarks.bench_core import chat_ids
-    from benchmarks.bench_suite import PAIRS
+    from benchmarks.common import PAIRS, chat_ids
+    from benchmarks.prompts import PROMPTS
     from model_runtime.loading import load_model
     from speculative.drafters import ModelDrafter
     from speculative.generator import SpeculativeGenerator
@@ -509,7 +509,7 @@ def record(pair_name: str, tokens: int, prompt_set: str = "") -> None:
     draft = load_model(pair.draft, quantize=pair.quantization) if pair.draft else None
     stop_ids = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
     traces = {}
-    for name, text in prompt_texts(pair.prompts, prompt_set).items():
+    for name, text in prompt_texts(tuple(PROMPTS), prompt_set).items():
         prompt = list(chat_ids(target.tokenizer, text))
         # MAX_K + 1 past the replayed tokens: every proposal's verdict is known
         params = SamplingParams(max_new_tokens=tokens + MAX_K + 1, stop_token_ids=tuple(stop_ids))
@@ -533,7 +533,9 @@ def record(pair_name: str, tokens: int, prompt_set: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks replay", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("command", nargs="?", choices=["record", "replay"], default="replay")
     parser.add_argument("--pair", choices=sorted(COSTS), default="smollm2")
     parser.add_argument(
@@ -595,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.shifts:
         print(shifts_report(args.pair, traces, costs, args.jitter, args.repeats, args.shifts))
     else:
-        print(report(args.pair, traces, costs, args.jitter, args.repeats))
+        print(policy_report(args.pair, traces, costs, args.jitter, args.repeats))
     return 0
 
 

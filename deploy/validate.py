@@ -16,7 +16,7 @@
    variable of the same container composes with Kubernetes' $(NAME) expansion; values
    parse as the field's type; terminationGracePeriodSeconds covers preStop + grace_s.
 
-tests/test_deploy.py runs the same functions, and shows each check failing on a broken
+tests/deploy/test_deploy.py runs the same functions, and shows each check failing on a broken
 fixture.
 """
 

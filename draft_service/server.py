@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 from draft_service.config import ENV_PREFIX, DraftConfig
 from draft_service.drafting import Drafters
 from draft_service.servicer import DraftServicer
-from draft_service.sessions import SessionCache
 from draft_service.target_connections import TargetConnections
 from foundation.errors import SpeculativeError
 from service_common import config as config_flags
@@ -17,6 +16,7 @@ from service_common import telemetry
 from service_common.logs import configure_logging
 from service_common.registry import create_worker_service
 from service_common.security import tls_of
+from service_common.session_cache import SessionCache
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ def create_server(
     servicer = DraftServicer(
         config,
         drafters,
-        SessionCache(config.max_sessions, config.max_cached_tokens),
+        # A session in use is never evicted: a Speculate stream cannot be cut short.
+        SessionCache("draft", config.max_sessions, config.max_cached_tokens, evicts_in_use=False),
         TargetConnections(tls_of(config)),
     )
 

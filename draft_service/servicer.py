@@ -14,7 +14,7 @@ from opentelemetry import trace
 
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters, prefill
-from draft_service.sessions import SessionBusy, SessionCache, SessionEntry
+from draft_service.sessions import SessionEntry
 from draft_service.speculation import SpeculateCall
 from draft_service.target_connections import TargetConnections
 from foundation.errors import InvalidArgument, StaleProposal
@@ -22,7 +22,8 @@ from model_runtime.fingerprint import ANY_VOCABULARY
 from service_common import telemetry
 from service_common.convert import model_info
 from service_common.deadlines import Deadline, bounded, time_remaining
-from service_common.status import rpc_errors
+from service_common.session_cache import SessionCache
+from service_common.status import SessionBusy, rpc_errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from speculative.types import MODEL
 
@@ -35,7 +36,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self,
         config: DraftConfig,
         drafters: Drafters,
-        sessions: SessionCache,
+        sessions: SessionCache[SessionEntry],
         targets: TargetConnections,
     ):
         self.config = config
@@ -139,10 +140,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     # --- helpers ----------------------------------------------------------------------
 
     def _load(self) -> telemetry.WorkerLoad:
+        load = self.sessions.load()
         return telemetry.WorkerLoad(
-            active_sessions=len(self.sessions),
+            active_sessions=load.active_sessions,
             max_sessions=self.sessions.max_sessions,
-            cached_tokens=self.sessions.cached_tokens,
+            cached_tokens=load.cached_tokens,
             max_cached_tokens=self.sessions.max_cached_tokens,
         )
 
@@ -179,8 +181,8 @@ def _prefill_span(session_id: str, base_len: int, num_tokens: int):
 
 
 class _AbortWhenBusy:
-    """Wraps SessionCache.locked: a busy session is ABORTED (retry after the other call),
-    a status service_common.status has no error class for."""
+    """Wraps SessionCache.locked: a busy session is ABORTED here (retry after the other
+    call, which this one waited for), not the FAILED_PRECONDITION of the status table."""
 
     def __init__(self, locked, context):
         self._locked = locked

@@ -230,7 +230,7 @@ def run_rounds(
     length, so it is never left holding unverified drafts."""
     committed_len = base_len
     first_round = verifier.round
-    timing = _CallTiming()
+    output = telemetry.OutputTiming()  # on the time_ns clock
     try:
         # Round times are taken around the loop's own work, not the sending of updates.
         round_start_ns = time.time_ns()
@@ -249,7 +249,7 @@ def run_rounds(
                 committed_len += len(result.token_ids)
                 update = _update(result, committed_len, first_round, verifier)
                 _observe_round(update, result, entry.session_id, plan, round_start_ns, round_end_ns)
-                timing.add(round_end_ns - round_start_ns, len(result.token_ids))
+                output.add(len(result.token_ids), round_end_ns)
                 yield update
                 if cancelled():
                     return
@@ -258,7 +258,7 @@ def run_rounds(
         entry.draft.truncate_to(committed_len)
         raise
     finally:
-        timing.record()
+        output.record()
 
 
 def _update(
@@ -292,8 +292,10 @@ def _update(
 #   specdec.target_handled_ns: the target's whole time on the proposal, as it reports (0: not reported)
 #   specdec.target_host_ns: of it, the time outside its pass and its step's queue: parsing,
 #     session lock, bookkeeping, the verdict message
-#   specdec.network_ns: verify_ns - target_handled_ns: transport and serialization (where the
-#     target reports; else verify_ns - target_compute_ns)
+#   specdec.network_ns: verify_ns - target_compute_ns, the round trip less the target's pass
+#     (speculative.stats.network_ns, docs/glossary.md)
+#   specdec.transport_ns: verify_ns - target_handled_ns, the transport and serialization alone
+#     (where the target reports its whole time; else the network time)
 #   specdec.proposal_bytes: serialized Proposal
 #   specdec.verdict_bytes: serialized Verdict
 #   specdec.finish_reason: on the last round of a call: length or stop_token
@@ -330,6 +332,7 @@ def _observe_round(
             "specdec.verify_ns": stats.verify_ns,
             "specdec.target_compute_ns": stats.target_compute_ns,
             "specdec.network_ns": stats.network_ns,
+            "specdec.transport_ns": stats.transport_ns,
             "specdec.target_handled_ns": stats.target_handled_ns,
             "specdec.target_host_ns": stats.target_host_ns,
             "specdec.proposal_bytes": wire.proposal_bytes,
@@ -339,21 +342,3 @@ def _observe_round(
             attributes["specdec.finish_reason"] = result.finish_reason.value
         span.set_attributes(attributes)
     span.end(end_time=end_ns)
-
-
-@dataclass
-class _CallTiming:
-    """Round time and tokens of one Speculate call, for time per output token."""
-
-    round_ns: int = 0  # in nanoseconds
-    num_tokens: int = 0
-
-    def add(self, round_ns: int, num_tokens: int) -> None:
-        self.round_ns += round_ns
-        self.num_tokens += num_tokens
-
-    def record(self) -> None:
-        if self.num_tokens:
-            telemetry.instruments().time_per_output_token.record(
-                self.round_ns * 1e-9 / self.num_tokens
-            )

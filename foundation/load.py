@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from foundation.pass_cost import PassCost
+
 
 @dataclass(frozen=True)
 class StepLoad:
@@ -15,7 +17,13 @@ class StepLoad:
     batch_tokens: int  # tokens in the step, over every session in it
     batch_sessions: int  # sessions in the step
     waiting_sessions: int  # sessions with work on the worker when the step began
-    # The worker's step cost over its recent steps: a step of T tokens takes about
-    # cost_base_ns + T * cost_per_token_ns (0 and 0: not measured yet).
+    # The worker's step cost over its recent steps (`cost`), as on the wire: a step of
+    # T tokens that need logits takes about cost_base_ns + T * cost_per_token_ns, in
+    # nanoseconds (0 and 0: not measured yet).
     cost_base_ns: float = 0.0
     cost_per_token_ns: float = 0.0
+
+    @property
+    def cost(self) -> PassCost:
+        """The worker's step cost (its prefill tokens' price stays on the worker)."""
+        return PassCost(self.cost_base_ns, self.cost_per_token_ns)

@@ -254,13 +254,6 @@ def parse_args(argv):
         "--heartbeat-ttl-s", type=float, default=5.0, help="registration lifetime without heartbeat"
     )
     parser.add_argument(
-        "--draft-target-delay-ms",
-        type=float,
-        default=0.0,
-        help="one-way delay added between draft and target workers (a delaying TCP proxy in "
-        "front of each target; the orchestrator reaches targets through it too)",
-    )
-    parser.add_argument(
         "--port", type=int, default=50050, help="the first orchestrator's port (0 = any free port)"
     )
     parser.add_argument(
@@ -374,11 +367,6 @@ def layout(args) -> list[Role]:
                 *registry,
                 *(tls[pool].flags() if tls else []),
             ]
-            if pool == "target" and args.draft_target_delay_ms > 0:
-                proxy = _delay_proxy(f"{pool}-{index}", address, args.draft_target_delay_ms)
-                roles.append(proxy)
-                address = proxy.address  # everyone reaches this target through the delay
-                worker_flags += ["--advertise-address", address]
             roles.append(Role(f"{pool}-{index}", pool, module, worker_flags, address))
     if args.redis_url:
         discovery = [
@@ -450,17 +438,6 @@ def tls_files(args) -> dict[str, TlsFiles] | None:
     }
 
 
-def _delay_proxy(name: str, upstream: str, delay_ms: float) -> Role:
-    address = f"127.0.0.1:{free_port()}"
-    return Role(
-        f"{name}-delay",
-        "proxy",
-        "launcher.delay_proxy",
-        ["--listen", address, "--upstream", upstream, "--delay-ms", str(delay_ms)],
-        address,
-    )
-
-
 def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str:
     """Starts every role (of layout(args) unless given); returns the first orchestrator's
     address once all are healthy."""
@@ -479,7 +456,7 @@ def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str
     for role in [*workers, *together]:
         cluster.start(role.name, role.module, role.args)
     for role in workers:
-        if role.pool != "proxy":  # a worker behind a proxy is checked through it
+        if role.pool != "proxy":  # a proxy (benchmarks/delay_proxy.py): its target through it
             cluster.wait_healthy(role.name, role.address, args.startup_timeout)
     for role in orchestrators:
         if role not in together:

@@ -74,7 +74,7 @@ AUTO_DTYPE = "auto"
 def resolve_dtype(dtype: str, device: str, sharded: bool = False) -> str:
     """A target's `auto` precision: bfloat16 on a GPU and on a CPU with AMX (there, with
     row invariance, as exact as fp32 and about 1.35x faster a token on Qwen2.5-Coder-1.5B:
-    benchmarks/results_bf16_qwen.md), float32 elsewhere (unmeasured, or slow in bf16) and
+    benchmarks/results/archive/results_bf16_qwen.md), float32 elsewhere (unmeasured, or slow in bf16) and
     for a model sharded over CPU processes (gloo cannot all-reduce bf16)."""
     if dtype != AUTO_DTYPE:
         return dtype

@@ -12,7 +12,7 @@ the device picks the kernel that runs it fast:
 | `int8-weight-only`, `int4-weight-only` | refused: no fast CPU kernel | torchao weight-only int8 / int4 |
 | `fp8` | refused: no fast CPU kernel | torchao fp8 weights and activations |
 
-Measured here (2-core EPYC, benchmarks/results_drafts.md): torchao's int8 schemes run
+Measured here (2-core EPYC, benchmarks/results/archive/results_drafts.md): torchao's int8 schemes run
 5-10x slower than fp32 on this CPU, while torch's dynamic quantization (fbgemm) runs
 2.5x faster. So the CPU path is `torch.ao.quantization.quantize_dynamic`, deprecated in
 favour of torchao but the only fast one here; it stays behind `quantize` alone.

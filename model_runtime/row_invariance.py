@@ -31,7 +31,7 @@ A row-invariant model computes every row's result in an order fixed by the row a
 - Norms, rotary embeddings and activations are per row already (measured: 0 rows
   differ once the two above are invariant).
 
-The price is measured per host and precision (benchmarks/results_row_invariance.md);
+The price is measured per host and precision (benchmarks/results/row_invariance.md);
 `apply_mode`'s auto turns it on where it costs little (docs/exactness.md).
 """
 

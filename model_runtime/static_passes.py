@@ -1,7 +1,7 @@
 """Passes of fixed shapes over KV memory allocated up front: replayed as CUDA graphs on a
 GPU, where an eager pass costs its kernel launches, not its weights.
 
-Measured on an H200 (benchmarks/results_gpu.md): an eager pass of a 7B-shaped model
+Measured on an H200 (benchmarks/results/gpu.md): an eager pass of a 7B-shaped model
 took 19.4 ms for 1 new token and 19.3 ms for 16, a 1.5B-shaped one 17.5 ms; the 7B's
 weights stream from HBM in about 3.5 ms. The host launching a few hundred small
 kernels per pass is the cost, so the pass must be one graph launch (gpt-fast's way:

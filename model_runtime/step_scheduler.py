@@ -57,12 +57,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 from transformers import PreTrainedModel
 
 from foundation.errors import InvalidArgument
 from foundation.load import StepLoad
+from foundation.pass_cost import Moments, PassCost, fit_pass_cost
 from model_runtime.batched_forward import Segment, forward_segments
 from model_runtime.model_session import Emit, ForwardSteps, run_alone
 
@@ -242,14 +243,16 @@ class StepScheduler:
         self.model = model  # may be set after loading it on this thread
         self.max_batch_tokens = max_batch_tokens
         self.prefill_share = prefill_share
-        self._cost = StepCost(0.0, 0.0, 0.0)
+        self._cost = PassCost()  # the fitted step cost (foundation/pass_cost.py)
         self.expected_jobs = expected_jobs
         self._last_step_ns = 0
         self._last_end_ns = 0
         self._turnarounds = _Turnarounds()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: list[_Job] = []  # waiting for a step, oldest first
-        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_STEPS)
+        self._recent: collections.deque[tuple[int, int, int]] = collections.deque(
+            maxlen=RECENT_STEPS
+        )
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -390,7 +393,7 @@ class StepScheduler:
         logit_tokens = sum(job.segment.num_run_tokens for job in decoding if not job.prefill)
         if not logit_tokens or not self.prefill_share or not self._cost.per_prefill_token_ns:
             return None
-        decoding_ns = self._cost.base_ns + self._cost.per_token_ns * logit_tokens
+        decoding_ns = self._cost.ns(logit_tokens)
         return max(1.0, self.prefill_share * decoding_ns / self._cost.per_prefill_token_ns)
 
     def _step(self, jobs: list[_Job]) -> None:
@@ -442,49 +445,27 @@ class StepScheduler:
             job.finish()
 
 
-class StepCost(NamedTuple):
-    """A step of L tokens that need logits and P that need none takes about
-    base_ns + per_token_ns L + per_prefill_token_ns P (0: not measured)."""
-
-    base_ns: float
-    per_token_ns: float
-    per_prefill_token_ns: float
-
-
-def fit_step_cost(steps: list[tuple[int, int, int]]) -> StepCost:
+def fit_step_cost(steps: list[tuple[int, int, int]]) -> PassCost:
     """The step cost over (run_tokens, logit_tokens, step_ns) triples: least squares
     of step time on the tokens that need logits (a decode step's, a proposal's) and,
     apart, those that need none (prefill chunks), whose rows skip the output layer
     and the decision and so cost less. per_token_ns is a token with logits: what one
     more draft token costs the step. All >= 0. While a regressor's sizes barely
-    differ its slope is unknown (0) and it joins the base (every step costs about the
-    same), which a wider step corrects. All 0 before any step."""
+    differ (by about one token) its slope is unknown (0) and it joins the base (every
+    step costs about the same), which a wider step corrects. All 0 before any step."""
     if not steps:
-        return StepCost(0.0, 0.0, 0.0)
-    n = len(steps)
-    plain = [run - logits for run, logits, _ in steps]
-    logits = [logits for _, logits, _ in steps]
-    cost = [c for _, _, c in steps]
-    mean_p, mean_l, mean_c = sum(plain) / n, sum(logits) / n, sum(cost) / n
-    dp = [p - mean_p for p in plain]
-    dl = [x - mean_l for x in logits]
-    dc = [c - mean_c for c in cost]
-    var_p, var_l = _dot(dp, dp) / n, _dot(dl, dl) / n
-    cov_lp, cov_lc, cov_pc = _dot(dl, dp) / n, _dot(dl, dc) / n, _dot(dp, dc) / n
-    determinant = var_l * var_p - cov_lp**2
-    if var_l < 1.0:  # logit tokens within about one of each other
-        slope = 0.0
-    elif var_p < 1.0 or determinant < 0.01 * var_l * var_p:  # no prefill to tell apart: one slope
-        slope = cov_lc / var_l
-    else:
-        slope = (cov_lc * var_p - cov_pc * cov_lp) / determinant
-    slope = min(max(slope, 0.0), mean_c / max(mean_l, 1.0))
-    plain_slope = 0.0 if var_p < 1.0 else max(0.0, (cov_pc - slope * cov_lp) / var_p)
-    return StepCost(max(mean_c - slope * mean_l - plain_slope * mean_p, 0.0), slope, plain_slope)
-
-
-def _dot(xs: list[float], ys: list[float]) -> float:
-    return sum(x * y for x, y in zip(xs, ys))
+        return PassCost()
+    moments = Moments.of(
+        xs=[logits for _, logits, _ in steps],
+        cs=[cost for _, _, cost in steps],
+        ps=[run - logits for run, logits, _ in steps],
+    )
+    return fit_pass_cost(
+        moments,
+        min_var=1.0,
+        max_slope=moments.mean_c / max(moments.mean_x, 1.0),
+        floor_base=True,
+    )
 
 
 def _run_call(fn, args, kwargs, future: Future) -> None:

@@ -147,7 +147,7 @@ def init_std(shape: Shape) -> float:
     a 7B's attention scores hundreds wide, each softmax an argmax one rounding can flip).
     Ties: with 151936 logits, the top two differ by about 4% of the top one at the
     median, far above fp32's rounding (batched and incremental greedy agree in fp32,
-    tests/test_random_shaped.py); bf16 rounds logits to 0.4-0.8%, so some positions of a
+    tests/model_runtime/test_random_shaped.py); bf16 rounds logits to 0.4-0.8%, so some positions of a
     bf16 output are ties at any init scale (the scale cancels from that ratio)."""
     return 2.0 / math.sqrt(shape.hidden_size)
 

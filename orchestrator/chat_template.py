@@ -11,7 +11,7 @@ must see the same environment there and here, or the prompt's tokens differ:
 - the `{% generation %}` block tag (assistant masks in training), rendered as its body;
 - the variables `messages` (keys whose value is None dropped), `tools`, `documents`,
   `add_generation_prompt` and the named special tokens (`bos_token`, `eos_token`, ...).
-tests/test_orchestrator_tokenizer.py checks the output against transformers' own.
+tests/orchestrator/test_tokenizer.py checks the output against transformers' own.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class Generation:
         finally:
             self._commit(plan, text.assembler, lease)
         last = text.last_chunk()
-        self.stats.end(len(self.generated.token_ids))
+        self.stats.end()
         last.finish_reason = finish
         last.stats = self.stats.to_proto() if self.request.include_stats else None
         last.num_prompt_tokens = len(plan.tokens)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.workers import TARGET
 from service_common.convert import generation_stats_to_proto
-from service_common.telemetry import instruments
+from service_common.telemetry import OutputTiming
 from specdec.v1 import common_pb2
 from speculative.stats import GenerationStats, RoundStats
 
@@ -15,12 +15,14 @@ from speculative.stats import GenerationStats, RoundStats
 @dataclass
 class CallStats:
     """The core's round statistics, plus what only the orchestrator sees: the tokens the
-    target prefilled for the call, the failovers, the call's wall time."""
+    target prefilled for the call, the failovers, the call's wall time, when its tokens
+    came (for its time per output token)."""
 
     totals: GenerationStats = field(default_factory=GenerationStats)
     num_prefill_tokens: int = 0  # tokens the target prefilled for this call
     num_failovers: int = 0
     start_ns: int = field(default_factory=time.perf_counter_ns)
+    output: OutputTiming = field(default_factory=OutputTiming)  # on the perf_counter_ns clock
 
     @property
     def num_rounds(self) -> int:
@@ -33,12 +35,12 @@ class CallStats:
 
     def count_round(self, round_stats: RoundStats) -> None:
         self.totals.record_round(round_stats)
+        self.output.add(round_stats.num_committed, time.perf_counter_ns())
 
-    def end(self, num_generated: int) -> None:
+    def end(self) -> None:
         """Stops the clock; the time per output token goes to the metrics."""
         self.totals.total_ns = time.perf_counter_ns() - self.start_ns
-        if num_generated:
-            instruments().time_per_output_token.record(self.totals.total_ns * 1e-9 / num_generated)
+        self.output.record()
 
     def to_proto(self) -> common_pb2.GenerationStats:
         s = self.totals

@@ -19,11 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from foundation.errors import NotFound
-from service_common.status import FailedPrecondition
-
-
-class SessionBusy(FailedPrecondition):
-    """Another call is generating on the session."""
+from service_common.status import SessionBusy
 
 
 def now_ms() -> int:

@@ -14,6 +14,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from foundation.pass_cost import PassCost
 from report.model import K_MAX, CostModel, alpha_from_rounds, fit_verify
 from report.traces import DecodeStep, Round, Span, decode_steps_of, rounds_of
 
@@ -91,8 +92,9 @@ class Report:
     # --- time ---------------------------------------------------------------------------
 
     def mean_split_ns(self) -> dict[str, float]:
-        """Mean time per round: draft, target compute, the target's host work, network
-        (the transport, and the wait for the target's step), other; and the total."""
+        """Mean time per round: draft, target compute, the target's host work, transport
+        (the round trip less the target's whole time; where the target does not report
+        it, the network time), other; and the total."""
         n = len(self.rounds)
         if not n:
             return {}
@@ -100,14 +102,15 @@ class Report:
             "draft": sum(r.draft_ns for r in self.rounds) / n,
             "target compute": sum(r.target_compute_ns for r in self.rounds) / n,
             "target host": sum(r.target_host_ns for r in self.rounds) / n,
-            "network": sum(r.network_ns for r in self.rounds) / n,
+            "transport": sum(r.transport_ns for r in self.rounds) / n,
             "other": sum(r.other_ns for r in self.rounds) / n,
             "total": sum(r.duration_ns for r in self.rounds) / n,
         }
 
     @property
     def ns_per_token(self) -> float:
-        """Speculative decoding's time per output token: round time / tokens."""
+        """Speculative decoding's round time per output token: round time / tokens (the
+        first token's round included: not the TPOT metric, docs/glossary.md)."""
         return (
             sum(r.duration_ns for r in self.rounds) / self.num_generated
             if self.num_generated
@@ -129,7 +132,7 @@ class Report:
 
     @property
     def mean_delay_ns(self) -> float:
-        """Measured R: network + other per round of the calls that speculated."""
+        """Measured R: network time + other per round of the calls that speculated."""
         rounds = [r for r in self.rounds if r.max_k > 0] or self.rounds
         return sum(r.delay_ns for r in rounds) / len(rounds) if rounds else 0.0
 
@@ -143,9 +146,9 @@ def analyse(spans: Sequence[Span], target_step_ns: float | None = None) -> Repor
         target_step_ns, source = sum(s.duration_ns for s in steps) / len(steps), MEASURED
     model = None
     if rounds:
-        base, per_token = _fit(verify_by_k, steps)
+        verify = _fit(verify_by_k, steps)
         if not target_step_ns:
-            target_step_ns, source = base, ESTIMATED
+            target_step_ns, source = verify.base_ns, ESTIMATED
         drafting = [r for r in rounds if r.k > 0]
         drafted = sum(r.k for r in drafting)
         speculating = [r for r in rounds if r.max_k > 0]  # rounds of calls that asked for drafts
@@ -153,8 +156,7 @@ def analyse(spans: Sequence[Span], target_step_ns: float | None = None) -> Repor
             alpha=alpha_from_rounds([(r.k, r.accepted) for r in rounds]),
             target_step_ns=target_step_ns,
             draft_step_ns=sum(r.draft_ns for r in drafting) / drafted if drafted else 0.0,
-            verify_base_ns=base,
-            verify_per_token_ns=per_token,
+            verify=verify,
             draft_fraction=len(drafting) / len(speculating) if speculating else 1.0,
         )
     report = Report(
@@ -200,9 +202,7 @@ def _verify_by_k(rounds: Sequence[Round]) -> dict[int, tuple[float, int]]:
     return {k: (sum(v) / len(v), len(v)) for k, v in sorted(by_k.items())}
 
 
-def _fit(
-    verify_by_k: dict[int, tuple[float, int]], steps: Sequence[DecodeStep]
-) -> tuple[float, float]:
+def _fit(verify_by_k: dict[int, tuple[float, int]], steps: Sequence[DecodeStep]) -> PassCost:
     """t_verify(k) from the verifications measured per width; Decode steps are
     verifications of width 0 (one target pass, same code path on the target)."""
     points = [(k, ns, n) for k, (ns, n) in verify_by_k.items()]
@@ -285,7 +285,7 @@ def render(report: Report, k_max: int = K_MAX) -> str:
     lines.append(f"target-only decoding: {_ms(report.target_step_ns)} per token ({source_note})")
     speedup = report.measured_speedup
     lines.append(
-        f"speculative decoding: {_ms(report.ns_per_token)} per output token -> measured speedup "
+        f"speculative decoding: {_ms(report.ns_per_token)} of rounds per output token -> measured speedup "
         f"{speedup:.2f}x against target-only"
         if speedup
         else "measured speedup: n/a"
@@ -300,8 +300,8 @@ def _model_lines(report: Report, k_max: int) -> list[str]:
     lines = [
         "model (Leviathan et al. 2023, E[tokens] = (1 - alpha^(k+1)) / (1 - alpha), with a per-round delay R):",
         f"  alpha {model.alpha:.3f} per token, t_target {_ms(model.target_step_ns)}, "
-        f"t_draft {_ms(model.draft_step_ns)} per token, t_verify(k) = {_ms(model.verify_base_ns)} + "
-        f"{_ms(model.verify_per_token_ns)} * k, measured R {_ms(delay)} per round",
+        f"t_draft {_ms(model.draft_step_ns)} per token, t_verify(k) = {_ms(model.verify.base_ns)} + "
+        f"{_ms(model.verify.per_token_ns)} * k, measured R {_ms(delay)} per round",
     ]
     if model.draft_fraction < 1.0:
         lines.append(

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from foundation.pass_cost import PassCost
 from report.model import CostModel
 
 
@@ -90,8 +91,7 @@ def render_live(samples, target_step_ns: float | None = None) -> str:
             alpha,
             target_step_ns,
             phases["draft"] * rounds / num_drafted,
-            phases["verify_compute"],
-            0.0,
+            PassCost(phases["verify_compute"]),  # flat: the metrics hold no width
             draft_fraction=drafts / rounds,
         )
         k = round(num_drafted / drafts)

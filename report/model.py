@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from foundation.limits import MAX_SPECULATIVE_TOKENS
+from foundation.pass_cost import Moments, PassCost, fit_pass_cost
 from speculative.estimator import expected_tokens  # the same formula the adaptive policy uses
 
 K_MAX = MAX_SPECULATIVE_TOKENS  # the model considers every k the protocol allows
@@ -37,12 +38,11 @@ class CostModel:
     alpha: float  # per-token acceptance probability, in [0, 1]
     target_step_ns: float  # target-only decoding, per token
     draft_step_ns: float  # drafting, per draft token
-    verify_base_ns: float  # t_verify(k) = verify_base_ns + verify_per_token_ns * k
-    verify_per_token_ns: float
+    verify: PassCost  # t_verify(k) = verify.ns(k): base_ns + per_token_ns * k
     draft_fraction: float = 1.0  # f: fraction of rounds that draft (n-gram: those with a match)
 
     def verify_ns(self, k: int) -> float:
-        return self.verify_base_ns + self.verify_per_token_ns * k
+        return self.verify.ns(k)
 
     def tokens_per_round(self, k: int) -> float:
         f = self.draft_fraction
@@ -83,20 +83,13 @@ def alpha_from_rounds(rounds: Sequence[tuple[int, int]]) -> float:
     return successes / (successes + failures)
 
 
-def fit_verify(points: Sequence[tuple[int, float, int]]) -> tuple[float, float]:
+def fit_verify(points: Sequence[tuple[int, float, int]]) -> PassCost:
     """Least-squares line t_verify(k) = base + per_token * k through (k, mean ns, count)
-    points, weighted by count. One width: flat at its mean (no slope can be seen). A
-    falling line is noise (verifying more tokens is not cheaper): flat at the mean."""
+    points, weighted by count (foundation/pass_cost.py). One width: flat at its mean (no
+    slope can be seen). A falling line is noise (verifying more tokens is not cheaper):
+    flat at the mean."""
     points = [(k, ns, n) for k, ns, n in points if n > 0]
     if not points:
         raise ValueError("no verification times to fit")
-    total = sum(n for _, _, n in points)
-    mean_k = sum(k * n for k, _, n in points) / total
-    mean_ns = sum(ns * n for _, ns, n in points) / total
-    spread = sum(n * (k - mean_k) ** 2 for k, _, n in points)
-    if spread == 0:
-        return mean_ns, 0.0
-    slope = sum(n * (k - mean_k) * (ns - mean_ns) for k, ns, n in points) / spread
-    if slope < 0:
-        return mean_ns, 0.0
-    return mean_ns - slope * mean_k, slope
+    ks, costs, counts = zip(*points)
+    return fit_pass_cost(Moments.of(ks, costs, weights=counts))

@@ -8,6 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from speculative.stats import network_ns, transport_ns
+
 ROUND_SPAN = "specdec.round"  # draft worker, one per speculation round
 DECODE_SPAN = "specdec.decode"  # target worker, one per target-only Decode token
 VERIFY_SPAN = "specdec.verify"  # target worker, one per proposal
@@ -73,9 +75,13 @@ class Round:
 
     @property
     def network_ns(self) -> int:
-        """The transport alone where the target reported its whole time; else the round
-        trip less the target's pass."""
-        return max(0, self.verify_ns - (self.target_handled_ns or self.target_compute_ns))
+        """The round trip less the target's pass (docs/glossary.md, network time)."""
+        return network_ns(self.verify_ns, self.target_compute_ns)
+
+    @property
+    def transport_ns(self) -> int:
+        """The transport alone (docs/glossary.md, transport time)."""
+        return transport_ns(self.verify_ns, self.target_handled_ns, self.target_compute_ns)
 
     @property
     def other_ns(self) -> int:
@@ -84,8 +90,9 @@ class Round:
 
     @property
     def delay_ns(self) -> int:
-        """What the cost model calls R: the round's time besides drafting and the target's pass."""
-        return max(0, self.verify_ns - self.target_compute_ns) + self.other_ns
+        """What the cost model calls R: the round's time besides drafting and the target's
+        pass (the network time and the draft's bookkeeping)."""
+        return self.network_ns + self.other_ns
 
 
 @dataclass(frozen=True)

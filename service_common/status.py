@@ -34,6 +34,11 @@ class FailedPrecondition(SpeculativeError):
     """The request is valid but the state does not allow it now (FAILED_PRECONDITION)."""
 
 
+class SessionBusy(FailedPrecondition):
+    """Another call holds the session: the orchestrator's Generate answers
+    FAILED_PRECONDITION; the draft worker, whose calls wait a while first, ABORTED."""
+
+
 STATUS_OF_ERROR = [
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),

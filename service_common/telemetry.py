@@ -181,8 +181,9 @@ class Instruments:
     stretch_tokens: metrics.Counter  # tokens adaptive calls had the target decode alone (stretches)
     fallbacks: metrics.Counter  # generations decoded target-only because no draft was usable
     failovers: metrics.Counter  # sessions moved to another worker; attribute pool (target | draft)
-    round_duration: metrics.Histogram  # seconds; attribute phase (draft | verify_compute | network)
-    time_per_output_token: metrics.Histogram  # seconds per generated token, per call
+    # seconds; attribute phase (draft | verify_compute | network: speculative.stats.network_ns)
+    round_duration: metrics.Histogram
+    time_per_output_token: metrics.Histogram  # seconds, per call: `OutputTiming`
 
     def record_round(self, stats: RoundStats) -> None:
         """Counts one finished round, or one pass of a stretch (the draft worker calls
@@ -197,13 +198,46 @@ class Instruments:
             self.stretch_tokens.add(1)
             return
         self.rounds.add(1)
-        network_ns = max(0, stats.verify_ns - stats.target_compute_ns)
         for phase, ns in (
             ("draft", stats.draft_ns),
             ("verify_compute", stats.target_compute_ns),
-            ("network", network_ns),
+            ("network", stats.network_ns),
         ):
             self.round_duration.record(ns * 1e-9, {"phase": phase})
+
+
+@dataclass
+class OutputTiming:
+    """When one call's output tokens came out, for its time per output token (TPOT,
+    docs/glossary.md): from its first output token to its last, over the tokens after
+    the first, i.e. (end-to-end latency - time to first token) / (output tokens - 1), as
+    vLLM and the OpenTelemetry GenAI conventions define it; none for a call of one token.
+    Every service records its calls' into gen_ai.server.time_per_output_token. Times in
+    nanoseconds, on any one clock."""
+
+    first_ns: int | None = None  # when the first output token came out (None: none yet)
+    last_ns: int = 0  # when the last one came out
+    num_tokens: int = 0
+
+    def add(self, num_tokens: int, at_ns: int) -> None:
+        """num_tokens output tokens came out at at_ns (a round's or a pass's, at once)."""
+        if not num_tokens:
+            return
+        if self.first_ns is None:
+            self.first_ns = at_ns
+        self.last_ns = at_ns
+        self.num_tokens += num_tokens
+
+    @property
+    def time_per_output_token_ns(self) -> float | None:
+        if self.first_ns is None or self.num_tokens < 2:
+            return None
+        return (self.last_ns - self.first_ns) / (self.num_tokens - 1)
+
+    def record(self) -> None:
+        """Into the metric, in seconds, where the call had one."""
+        if (tpot_ns := self.time_per_output_token_ns) is not None:
+            instruments().time_per_output_token.record(tpot_ns * 1e-9)
 
 
 _instruments_lock = threading.Lock()
@@ -257,13 +291,14 @@ def _create_instruments(meter: metrics.Meter) -> Instruments:
         round_duration=meter.create_histogram(
             "specdec.round.duration",
             "s",
-            "Time of a speculation round by phase: draft, verify_compute, network",
+            "Time of a speculation round by phase: draft, verify_compute, network (the round "
+            "trip less the target's pass)",
             explicit_bucket_boundaries_advisory=_ROUND_BUCKETS_S,
         ),
         time_per_output_token=meter.create_histogram(
             "gen_ai.server.time_per_output_token",
             "s",
-            "Decoding time per generated token, per call",
+            "Time per output token after the first, per call: (last token - first) / (tokens - 1)",
             explicit_bucket_boundaries_advisory=_TPOT_BUCKETS_S,
         ),
     )

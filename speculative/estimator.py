@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from foundation.pass_cost import PassCost
 from speculative.lookup_gate import LookupYield, LookupYields
 from speculative.pass_costs import PassCostFit, blend, pass_x, slope_prior
 from speculative.stretch_costs import StretchCosts, StretchEstimates
@@ -83,11 +84,10 @@ class MeasuredCosts:
     draft_token_ns: float  # d
     acceptance: float | None = None  # a, the next call's prior (as light as the default)
     one_token_measured: bool = False  # c(1) from one-token passes, not extrapolated
-    # The target's load as last seen (B, step base and per-token cost; 0: not reported):
-    # a call's first decision then already knows whether drafts pay on that worker.
+    # The target's load as last seen (B, and its step cost; all 0: not reported): a
+    # call's first decision then already knows whether drafts pay on that worker.
     batch_sessions: float = 1.0
-    step_base_ns: float = 0.0
-    step_token_ns: float = 0.0
+    step_cost: PassCost = PassCost()
     stretches_measure: bool = False  # the drafter's acceptance is measured during stretches
     # a_i by draft depth: how a pair's runs of agreement go on (a copy runs on, a model's
     # guesses thin out) holds from call to call; the next call's prior, as light as a's.
@@ -243,10 +243,8 @@ class CostEstimator:
         self.branch_tokens = self.branch_nodes = 0.0  # decayed counts behind branch_yield
         self.draft_token_ns = self.overhead_ns = 0.0
         self.overhead_measured = False  # R by a round
-        # B; step cost (0: unreported)
-        self.batch_sessions = 1.0
-        self.step_base_ns = 0.0
-        self.step_token_ns = 0.0
+        self.batch_sessions = 1.0  # B
+        self.step_cost = PassCost()  # the target's step cost (all 0: unreported)
         if costs is not None:
             self.seed(costs)
 
@@ -282,17 +280,17 @@ class CostEstimator:
 
     def worker_k(self) -> int:
         """The k (0 = none) at which the target's B sessions, all drafting k, commit the
-        most tokens a second: E[tokens] a step of base + per_token B (k + 1), plus R for
-        the steps a round misses. a is read with HOPE / B: a token explored on hope costs
+        most tokens a second: E[tokens] over a step of B (k + 1) tokens at the target's
+        step cost, plus R for the steps a round misses. a is read with HOPE / B: a token explored on hope costs
         all B sessions. max_k while the target reports no cost."""
-        if not self.step_base_ns and not self.step_token_ns:
+        if not self.step_cost.measured:
             return self.max_k
         sessions = max(self.batch_sessions, 1.0)
         acceptance = self.acceptances.rate(HOPE / sessions)
         depths = self.acceptances.depth_rates(HOPE / sessions)
 
         def rate(k: int) -> float:
-            step_ns = self.step_base_ns + self.step_token_ns * sessions * (k + 1)
+            step_ns = self.step_cost.base_ns + self.step_cost.per_token_ns * sessions * (k + 1)
             return _expected_tokens(depths, acceptance, k) / (
                 step_ns + (self.overhead_ns if k else 0.0)
             )
@@ -312,8 +310,7 @@ class CostEstimator:
             self.stretches.start_ns = costs.stream_start_ns
         self.acceptances.seed(costs.acceptance, costs.depth_acceptance)
         self.batch_sessions = costs.batch_sessions
-        self.step_base_ns = costs.step_base_ns
-        self.step_token_ns = costs.step_token_ns
+        self.step_cost = costs.step_cost
         self.stretches.measure = costs.stretches_measure
 
     def costs(self) -> MeasuredCosts:
@@ -333,8 +330,7 @@ class CostEstimator:
             acceptance=None if selected else self.acceptances.rate(),
             one_token_measured=passes.one_token_measured,
             batch_sessions=self.batch_sessions,
-            step_base_ns=self.step_base_ns,
-            step_token_ns=self.step_token_ns,
+            step_cost=self.step_cost,
             stretches_measure=stretches.measure,
             depth_acceptance=() if selected else self.acceptances.depth_rates(),
         )
@@ -392,8 +388,8 @@ class CostEstimator:
             return
         self.batch_sessions = blend(self.batch_sessions, step.batch_sessions, self.decay)
         # already averaged over the target's recent steps
-        if step.cost_base_ns or step.cost_per_token_ns:
-            self.step_base_ns, self.step_token_ns = step.cost_base_ns, step.cost_per_token_ns
+        if step.cost.measured:
+            self.step_cost = step.cost
 
 
 def _reach(depth_acceptance: tuple[float, ...], acceptance: float, depth: int) -> float:

@@ -4,10 +4,13 @@ x = w - 1, or where the target reports what it timed a pass of each width to cos
 (`step_costs`: a CPU's kernels are not monotone in the width, and the worker pads small
 steps to the cheapest), x = that time over the cheapest one's, less 1, so the fit scales
 the worker's own curve to what the call measures. The fit is decayed least squares with
-a prior on the slope, so one width already gives a line. In nanoseconds.
+a prior on the slope, so one width already gives a line: the one fit of a pass cost
+(`foundation.pass_cost.fit_pass_cost`), its base c(1) = c0. In nanoseconds.
 """
 
 from __future__ import annotations
+
+from foundation.pass_cost import Moments, PassCost, fit_pass_cost
 
 # g / c(1) before passes of two widths tell it: a memory-bound target, the common case.
 SLOPE_PRIOR = 0.1
@@ -44,35 +47,45 @@ class PassCostFit:
             else slope_prior(self.step_costs) * self.one_token_ns
         )
 
+    @property
+    def line(self) -> PassCost:
+        """c(w) = line.ns(x(w)): c(1) and the slope (its prior's while not measured)."""
+        return PassCost(self.one_token_ns, self.slope)
+
     def pass_ns(self, width: int) -> float:
-        return self._line(pass_x(self.step_costs, width))
+        return self.line.ns(pass_x(self.step_costs, width))
 
     def seed(self, one_token_ns: float, per_token_ns: float | None) -> None:
         """An earlier call's line, as two pseudo-passes the first real ones outweigh."""
         self.one_token_ns, self.per_token_ns = one_token_ns, per_token_ns
         for x in (0, 4):
-            self._add_sample(x, self._line(x), 1.0)
+            self._add_sample(x, self.line.ns(x), 1.0)
 
     def observe(self, width: int, compute_ns: float, weight: float = 1.0, age: bool = True) -> None:
         """Refits the line over all passes, the sample clipped to SLOW_PASS_CLIP times the
         line (a fast pass is real, a slow one may be a spike); age=False: the earlier
-        passes keep their weight."""
+        passes keep their weight. Least squares (foundation/pass_cost.py) with the slope
+        prior, and no slope steeper than a pass of no tokens at 0."""
         x = pass_x(self.step_costs, width)
         if self._sums[0]:
-            compute_ns = min(compute_ns, SLOW_PASS_CLIP * self._line(x))
+            compute_ns = min(compute_ns, SLOW_PASS_CLIP * self.line.ns(x))
         self._add_sample(x, compute_ns, weight, age)
+        moments = self._moments()
+        slope = slope_prior(self.step_costs)
+        fitted = fit_pass_cost(
+            moments,
+            # g where one width tells nothing
+            prior_slope=slope * moments.mean_c / (1.0 + slope * moments.mean_x),
+            prior_weight=SLOPE_PRIOR_WEIGHT,
+            max_slope=moments.mean_c / (1.0 + moments.mean_x),
+        )
+        self.one_token_ns, self.per_token_ns = fitted.base_ns, fitted.per_token_ns
+
+    def _moments(self) -> Moments:
+        """The passes' moments from the decayed sums (weights normalised to sum to 1)."""
         n, sx, sxx, sc, sxc = self._sums
         mean_x, mean_c = sx / n, sc / n
-        slope = slope_prior(self.step_costs)
-        prior = slope * mean_c / (1.0 + slope * mean_x)  # g where one width tells nothing
-        g = (sxc / n - mean_x * mean_c + SLOPE_PRIOR_WEIGHT * prior) / (
-            sxx / n - mean_x**2 + SLOPE_PRIOR_WEIGHT
-        )
-        g = min(max(g, 0.0), mean_c / (1.0 + mean_x))
-        self.one_token_ns, self.per_token_ns = mean_c - g * mean_x, g
-
-    def _line(self, x: float) -> float:
-        return self.one_token_ns + self.slope * x
+        return Moments(mean_x, mean_c, sxx / n - mean_x**2, sxc / n - mean_x * mean_c)
 
     def _add_sample(self, x: float, compute_ns: float, weight: float, age: bool = True) -> None:
         decayed = [self.decay * total if age else total for total in self._sums]

@@ -33,7 +33,7 @@ class Features:
     # model at their measured costs (lookup_gate.py); off: wherever it finds a match.
     lookup_gate: bool = True
     # A model drafter stops where its next token would not pay (policy.stop_reach): 1.06x
-    # across a link, as fast as without in process (benchmarks/results_link_qwen.md).
+    # across a link, as fast as without in process (benchmarks/results/link_qwen.md).
     draft_stop: bool = True
 
     @classmethod

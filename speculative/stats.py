@@ -1,6 +1,8 @@
 """Statistics of a generation: what was drafted, what was accepted, where time went.
 
 Kept out of the round logic: the loop hands each finished round to `record_round`.
+Network time (`network_ns`) and transport time (`transport_ns`) are defined here once,
+for the stats, the spans, the metrics and the report (docs/glossary.md).
 """
 
 from __future__ import annotations
@@ -58,9 +60,13 @@ class RoundStats:
 
     @property
     def network_ns(self) -> int:
-        """The transport alone where the target reported its whole time on the proposal;
-        else the round trip less the target's pass."""
-        return max(0, self.verify_ns - (self.target_handled_ns or self.target_compute_ns))
+        """The round trip less the target's pass (`network_ns`)."""
+        return network_ns(self.verify_ns, self.target_compute_ns)
+
+    @property
+    def transport_ns(self) -> int:
+        """The transport alone (`transport_ns`)."""
+        return transport_ns(self.verify_ns, self.target_handled_ns, self.target_compute_ns)
 
     @property
     def target_host_ns(self) -> int:
@@ -132,8 +138,8 @@ class GenerationStats:
 
     @property
     def network_ns(self) -> int:
-        """Verify round trips minus the target's compute: transport and queueing."""
-        return max(0, self.verify_ns - self.target_compute_ns)
+        """Over the rounds (`network_ns`)."""
+        return network_ns(self.verify_ns, self.target_compute_ns)
 
     @property
     def tokens_per_second(self) -> float:
@@ -161,6 +167,22 @@ class GenerationStats:
                 f"{self.target_compute_ns * ms:.0f} ms, network {self.network_ns * ms:.0f} ms)",
             ]
         )
+
+
+def network_ns(verify_ns: int, target_compute_ns: int) -> int:
+    """Network time: a round trip to the target less the target's pass (its forward pass
+    and decision), in nanoseconds: transport and serialization, and the target's wait for
+    its step and its host work around the pass. With the draft's own bookkeeping, a
+    round's delay R (report/model.py)."""
+    return max(0, verify_ns - target_compute_ns)
+
+
+def transport_ns(verify_ns: int, target_handled_ns: int, target_compute_ns: int) -> int:
+    """Transport time: a round trip to the target less the target's whole time on the
+    proposal (its pass, its step's queue, its host work), in nanoseconds: the transport
+    and serialization alone. Where the target did not report its whole time (0), the
+    network time."""
+    return max(0, verify_ns - (target_handled_ns or target_compute_ns))
 
 
 def _grow(counts: list[int], size: int) -> None:

@@ -30,7 +30,7 @@ class TargetConfig(ServerConfig, RegistryConfig, TelemetryConfig):
     # CPU always exists; "cuda" / "cuda:1" on a GPU host.
     device: str = _option("cpu", "cpu, cuda, cuda:1, ...")
     # auto: bfloat16 on a GPU and on a CPU with AMX (with row invariance as exact as
-    # fp32 there, and about 1.35x faster a token: benchmarks/results_bf16_qwen.md),
+    # fp32 there, and about 1.35x faster a token: benchmarks/results/archive/results_bf16_qwen.md),
     # float32 elsewhere (model_runtime.loading.resolve_dtype).
     dtype: str = _option("auto", "auto, float32, bfloat16 or float16")
     # Every row's logits the same bits whatever the pass (width, batch, place), so that

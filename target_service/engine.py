@@ -17,7 +17,7 @@ from speculative.prompt_lookup import LookupRounds, LookupStop
 from speculative.sampling import SamplingParams, SparseProbs
 from speculative.target import DecodedPass, TargetSession, VerifyResult
 from speculative.token_tree import TokenTree
-from target_service.sessions import SessionCache
+from target_service.sessions import TargetSessions
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Pass:  # one pass of decoding, as the engine ran it
 
 
 class TargetEngine:
-    def __init__(self, sessions: SessionCache):
+    def __init__(self, sessions: TargetSessions):
         self.sessions = sessions
 
     def verify(

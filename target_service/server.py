@@ -23,7 +23,7 @@ from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.admission import Admission
 from target_service.config import ENV_PREFIX, TargetConfig
 from target_service.servicer import TargetServicer
-from target_service.sessions import SessionCache
+from target_service.sessions import TargetSessions
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _create_server(config: TargetConfig, loaded_model: LoadedModel | None) -> co
     if warmup.pays_off(loaded):
         log.info("warmed up in %.2f s", compute.run(warmup.warm_up, loaded) * 1e-9)
     servicer = TargetServicer(
-        SessionCache(loaded, config.max_sessions, config.max_cached_tokens, compute),
+        TargetSessions(loaded, config.max_sessions, config.max_cached_tokens, compute),
         worker_id=config.resolved_worker_id(),
         model_info=model_info(
             loaded,

@@ -32,7 +32,7 @@ from target_service import spans
 from target_service.admission import Admission
 from target_service.engine import At, Discarded, Pass, TargetEngine
 from target_service.served_tokenizer import served_tokenizer
-from target_service.sessions import SessionCache
+from target_service.sessions import TargetSessions
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -41,7 +41,7 @@ tracer = trace.get_tracer(__name__)
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(
         self,
-        sessions: SessionCache,
+        sessions: TargetSessions,
         worker_id: str,
         model_info: common_pb2.ModelInfo,
         default_max_new_tokens: int,
@@ -249,20 +249,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 def _observed(
     passes: Iterator[Pass], session_id: str, waited_ns: int, round_index: int | None = None
 ) -> Iterator[tuple[Pass, common_pb2.StepLoad]]:
-    """Each pass with its step, in a span and in the time per output token; admission's wait counts in the first."""
-    total_ns = num_tokens = (
-        0  # session lock and forward passes, in nanoseconds; a pass may commit several tokens
-    )
+    """Each pass with its step, in a span and in the time per output token (a pass may
+    commit several tokens); admission's wait counts in the first's step."""
+    output = telemetry.OutputTiming()  # on the time_ns clock of Decoded.emitted_ns
     try:
         for one in passes:
-            step = step_load_to_proto(one.load, 0 if num_tokens else waited_ns)
-            total_ns += one.decoded.emitted_ns - one.start_ns
-            num_tokens += len(one.decoded.result.token_ids)
+            step = step_load_to_proto(one.load, 0 if output.num_tokens else waited_ns)
+            output.add(len(one.decoded.result.token_ids), one.decoded.emitted_ns)
             spans.decode(session_id, one, step, round_index)
             yield one, step
     finally:
-        if num_tokens:
-            telemetry.instruments().time_per_output_token.record(total_ns * 1e-9 / num_tokens)
+        output.record()
 
 
 def _echo(

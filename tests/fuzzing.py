@@ -1,4 +1,4 @@
-"""What the fuzz tests (tests/test_fuzz.py) share: the status table every answer is held
+"""What the fuzz tests (tests/system/test_fuzz.py) share: the status table every answer is held
 to, a tally of the calls made, raw calls (bytes in, bytes out), the example budget of
 the CI and long runs, and a memoized target-only greedy reference."""
 

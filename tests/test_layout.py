@@ -5,8 +5,10 @@ Import rules (docs/architecture.md): the core (`speculative/`, the algorithm, ab
 knows nothing of gRPC or the protocol, and no layer imports one above it; the workers
 share only the common and their own contracts, never the orchestrator's; tests and
 benchmarks start systems through `launcher.cluster`, never through the command module
-`launcher.__main__`; the orchestrator and the draft worker without a model import neither
-torch nor transformers when they start.
+`launcher.__main__`; production never imports `benchmarks/`; the capacity planner
+(`planner/`) reads the algorithm, the base layer and the report and nothing of the
+services, and production never imports it; the orchestrator, the draft worker without a
+model and the planner import neither torch nor transformers when they start.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def violations(folders: tuple[str, ...], forbidden: re.Pattern) -> list[str]:
     ]
 
 
+PRODUCTION = (
+    "foundation", "model_runtime", "speculative", "service_common", "target_service",
+    "draft_service", "orchestrator", "launcher", "client", "report", "http_api",
+)  # fmt: skip
 RULES = [
     (
         ("target_service", "draft_service", "service_common"),
@@ -73,6 +79,16 @@ RULES = [
         r"|target_service|draft_service)(\..*)?",
     ),
     (("tests", "benchmarks"), r"launcher\.__main__(\..*)?"),
+    # Production never imports the benchmarks (their delay proxy and plug-ins included).
+    (PRODUCTION, r"benchmarks(\..*)?"),
+    # The capacity planner: over the algorithm, the base layer and the report (it runs the
+    # policy's code in simulated time), beside production, never under it.
+    (
+        ("planner",),
+        r"(model_runtime|service_common|target_service|draft_service|orchestrator|launcher"
+        r"|client|http_api|benchmarks|grpc|specdec|torch|transformers)(\..*)?",
+    ),
+    (PRODUCTION, r"planner(\..*)?"),
 ]
 
 
@@ -91,12 +107,12 @@ def test_import_rule_check_catches_a_violation(tmp_path: Path) -> None:
 # reaches into a policy's estimator, and only the policy and the estimator's unit tests
 # make one (everyone else starts, observes and ends calls through the policy's methods).
 ESTIMATOR_OWNER = "speculative/policy.py"
-ESTIMATOR_MAKERS = {ESTIMATOR_OWNER, "tests/test_estimator.py", "tests/test_token_trees.py"}
-CODE_FOLDERS = (
-    "foundation", "model_runtime", "speculative", "service_common", "target_service",
-    "draft_service", "orchestrator", "launcher", "client", "report", "http_api",
-    "benchmarks", "tests", "scripts",
-)  # fmt: skip
+ESTIMATOR_MAKERS = {
+    ESTIMATOR_OWNER,
+    "tests/speculative/test_estimator.py",
+    "tests/speculative/test_token_tree.py",
+}
+CODE_FOLDERS = (*PRODUCTION, "planner", "benchmarks", "tests", "scripts")
 
 
 def estimator_reaches(path: Path) -> list[str]:
@@ -130,7 +146,8 @@ def test_estimator_check_catches_a_reach(tmp_path: Path) -> None:
 # Roles that start without torch or transformers (seconds of a cold start on 2 cores):
 # followed through the repository's modules, what they import when imported reaches
 # neither. The draft worker imports its model's modules inside a function, when it has one.
-TORCH_FREE_ROLES = ["draft_service.server", "orchestrator.server"]
+# The capacity planner runs the policy without a model, as the n-gram draft worker does.
+TORCH_FREE_ROLES = ["draft_service.server", "orchestrator.server", "planner.__main__"]
 MODEL_RUNTIME = re.compile(r"(torch|transformers)(\..*)?")
 
 
@@ -252,3 +269,19 @@ def test_link_check_catches_a_link_outside(tmp_path: Path) -> None:
         ]
     finally:
         page.unlink()
+
+
+# Folders of tests/ beside the source packages' (the tests by place: docs/testing.md).
+TEST_FOLDERS_BEYOND_PACKAGES = {"system", "benchmarks", "deploy", "protos", "fixtures"}
+
+
+def test_tests_mirror_the_source() -> None:
+    """Every test file sits in the folder of the package it tests, never at the top."""
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    misplaced = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if path.parent.name not in packages | TEST_FOLDERS_BEYOND_PACKAGES
+        and path != Path(__file__).resolve()
+    ]
+    assert not misplaced, f"tests outside a package's folder (docs/testing.md): {misplaced}"
