@@ -42,6 +42,7 @@ from target_service import servicer as target_servicer_module
 from target_service.admission import Admission
 from target_service.servicer import TargetServicer
 from target_service.sessions import TargetSessions
+from tests.span_checks import check_round_times
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 20
@@ -234,18 +235,7 @@ def test_a_speculation_is_one_trace_from_client_to_target(traced, workers, promp
             == update.round.target_compute_ns
             == verify["attributes"]["specdec.target_compute_ns"]
         )
-        # The target reports its whole time on the proposal: the round trip less it is the transport.
-        assert (
-            a["specdec.target_handled_ns"]
-            >= a["specdec.target_compute_ns"] + a["specdec.target_host_ns"]
-        )
-        assert a["specdec.transport_ns"] == max(
-            0, a["specdec.verify_ns"] - a["specdec.target_handled_ns"]
-        )
-        # the network time: the round trip less the target's pass
-        assert a["specdec.network_ns"] == max(
-            0, a["specdec.verify_ns"] - a["specdec.target_compute_ns"]
-        )
+        check_round_times(a)
         assert a["specdec.proposal_bytes"] == update.round.proposal_bytes > 0
         assert a["specdec.verdict_bytes"] == update.round.verdict_bytes > 0
         assert server["start_ns"] <= span["start_ns"] <= span["end_ns"] <= server["end_ns"]
