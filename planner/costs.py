@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from foundation.pass_cost import PassCost
+from speculative.estimator import depth_expected_tokens, depth_reach
 
 SCHEMA = 1  # the file's version: a measurement and the planner must agree on it
 NS_PER_MS = 1_000_000
@@ -101,13 +101,14 @@ class Acceptance:
         return len(self.by_position)
 
     def reach(self, depth: int) -> float:
-        """The chance that the first `depth` draft tokens are all accepted."""
-        return math.prod(self.by_position[:depth])
+        """The chance that the first `depth` draft tokens are all accepted (the policy's
+        own arithmetic: speculative/estimator.py)."""
+        return depth_reach(self.by_position, 1.0, depth)
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens] of a round of k draft tokens, the target's own included: 1 + reach(1)
         + ... + reach(k) (Leviathan's (1 - a^(k+1)) / (1 - a) where every a_i is a)."""
-        return 1.0 + sum(self.reach(i) for i in range(1, k + 1))
+        return depth_expected_tokens(self.by_position, 1.0, k)
 
 
 @dataclass(frozen=True)

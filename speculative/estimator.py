@@ -122,11 +122,11 @@ class Estimates:
 
     def reach(self, depth: int) -> float:
         """The chance that the first `depth` draft tokens are all accepted."""
-        return _reach(self.depth_acceptance, self.acceptance, depth)
+        return depth_reach(self.depth_acceptance, self.acceptance, depth)
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens] of a round of k draft tokens, the target's own included."""
-        return _expected_tokens(self.depth_acceptance, self.acceptance, k)
+        return depth_expected_tokens(self.depth_acceptance, self.acceptance, k)
 
     def compute_ns(self, width: int) -> float:
         """c(width): the target's pass over `width` tokens."""
@@ -291,7 +291,7 @@ class CostEstimator:
 
         def rate(k: int) -> float:
             step_ns = self.step_cost.base_ns + self.step_cost.per_token_ns * sessions * (k + 1)
-            return _expected_tokens(depths, acceptance, k) / (
+            return depth_expected_tokens(depths, acceptance, k) / (
                 step_ns + (self.overhead_ns if k else 0.0)
             )
 
@@ -392,13 +392,13 @@ class CostEstimator:
             self.step_cost = step.cost
 
 
-def _reach(depth_acceptance: tuple[float, ...], acceptance: float, depth: int) -> float:
+def depth_reach(depth_acceptance: tuple[float, ...], acceptance: float, depth: int) -> float:
     """a_1 ... a_depth (`acceptance` past the tuple's end)."""
     return math.prod(
         depth_acceptance[i] if i < len(depth_acceptance) else acceptance for i in range(depth)
     )
 
 
-def _expected_tokens(depth_acceptance: tuple[float, ...], acceptance: float, k: int) -> float:
+def depth_expected_tokens(depth_acceptance: tuple[float, ...], acceptance: float, k: int) -> float:
     """1 + reach(1) + ... + reach(k): the accepted draft tokens and the target's own."""
-    return 1.0 + sum(_reach(depth_acceptance, acceptance, i) for i in range(1, k + 1))
+    return 1.0 + sum(depth_reach(depth_acceptance, acceptance, i) for i in range(1, k + 1))
