@@ -13,6 +13,7 @@ import sys
 SCENARIOS = {  # name: (module, what it measures)
     "run": ("bench_workload", "the harness: a workload through every method, paired, with bounds"),
     "load": ("bench_load", "throughput and latency under concurrent sessions"),
+    "capacity": ("bench_capacity", "what a draft pool buys a target core, beside the fleet model"),
     "link": ("bench_link", "stretches and draft_stop across a delayed link, pinned cores"),
     "failover": ("bench_failover", "a client's stall when the serving worker is killed"),
     "startup": ("bench_startup", "cold start: each role to serving, first token, make run"),

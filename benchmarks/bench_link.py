@@ -49,15 +49,6 @@ def variants(pair: common.Pair, only: str = "") -> dict[str, list[str]]:
     }
 
 
-def pin(pid: int, cpu: int) -> None:
-    """Pins every thread of a process (and the threads it starts later) to one CPU."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), {cpu})
-        except ProcessLookupError:
-            pass
-
-
 def pinned_system(
     pair: common.Pair, delay_ms: float, table: dict[str, list[str]], cluster: Cluster
 ):
@@ -79,14 +70,12 @@ def pinned_system(
             f"orchestrator-{name}", "orchestrator", "orchestrator", flags, orchestrator
         )
     for role in [*roles, *orchestrators.values()]:
-        cluster.start(role.name, role.module, role.args)
-        pin(cluster.processes[-1][1].pid, TARGET_CPU if role.pool == "target" else DRAFT_CPU)
+        cpu = TARGET_CPU if role.pool == "target" else DRAFT_CPU
+        cluster.start(role.name, role.module, role.args, frozenset({cpu}))  # threads inherit it
         if role.pool in ("target", "draft"):
             cluster.wait_healthy(role.name, role.address, 1800.0)
     for role in orchestrators.values():
         cluster.wait_healthy(role.name, role.address, 1800.0)
-    for role, (_, process) in zip([*roles, *orchestrators.values()], cluster.processes):
-        pin(process.pid, TARGET_CPU if role.pool == "target" else DRAFT_CPU)  # threads since
     stub = orchestrator_pb2_grpc.OrchestratorStub
     return {name: stub(channel(role.address, None)) for name, role in orchestrators.items()}
 

@@ -5,7 +5,7 @@
     .venv/bin/python -m benchmarks load --target-workers 2   # also two targets behind one orchestrator
     .venv/bin/python -m benchmarks load --tree-width 4       # token trees under load
     .venv/bin/python -m benchmarks load --concurrency 1,2 --max-new-tokens 16 --requests-per-client 2 \\
-        --open-loop-fractions '' --out /tmp/load.md            # checks the script (minutes)
+        --out /tmp/load.md                                     # checks the script (minutes)
 
 The services run as local processes (`common.services`, loopback); the clients are
 threads of this process calling `GenerateStream`: greedy, fp32, a fixed number of new
@@ -20,11 +20,9 @@ Methods: k=0 (target-only), fixed k, adaptive k.
    its last one ended, until it has sent --requests-per-client or --duration-s has
    passed. Methods take turns per level in `round_order`; each level runs --repeats such
    turns back to back, and the paired table gives each method's steady tok/s over k=0's
-   per turn, beside k=0's own turn-to-turn change (the noise).
-4. Open loop, per fraction of the k=0 closed-loop capacity (its best completed
-   requests/s): seeded Poisson arrivals, the same schedule for every method at a rate,
-   bounded by --open-loop-requests and --open-loop-duration-s.
-5. With --target-workers N > 1: a second system with N targets behind one
+   per turn, beside k=0's own turn-to-turn change (the noise). Open-loop arrivals are the
+   capacity scenario's (`python -m benchmarks capacity`).
+4. With --target-workers N > 1: a second system with N targets behind one
    orchestrator, closed loop at --scale-out-concurrency sessions, beside one worker.
 
 Per cell (method, load; repeats pooled): aggregate tokens/s (first request sent to last
@@ -39,29 +37,18 @@ a section to --out and every request's raw times to the JSON list beside it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import random
 import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-
-import grpc
+from dataclasses import asdict, dataclass
 
 from benchmarks import common
+from benchmarks.common import Method, RequestRecord, percentile, send
 from benchmarks.prompts import LOAD_PROMPTS
-from specdec.v1 import common_pb2
 
-BASELINE = "k=0"  # target-only decoding: the method every ratio and the open loop's rates refer to
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    k: int  # draft tokens per round; with adaptive, the most
-    adaptive: bool = False
+BASELINE = "k=0"  # target-only decoding: the method every ratio refers to
 
 
 def load_methods(k: int, adaptive_max_k: int) -> list[Method]:
@@ -73,36 +60,6 @@ def load_methods(k: int, adaptive_max_k: int) -> list[Method]:
     ]
 
 
-@dataclass
-class RequestRecord:
-    """One GenerateStream call as its client saw it; times in seconds from its cell's start."""
-
-    method: str
-    prompt: str  # the prompt's kind
-    client: int  # closed loop: the client; open loop: the arrival's index
-    start_s: float = 0.0
-    end_s: float = 0.0  # last chunk received, or the error
-    scheduled_s: float | None = None  # open loop: the planned arrival
-    status: str = "OK"  # gRPC status code name
-    detail: str = ""  # the error's details, cut short
-    chunk_s: list[float] = field(default_factory=list)  # [num_chunks] arrival of each chunk
-    chunk_tokens: list[int] = field(default_factory=list)  # [num_chunks] tokens in that chunk
-    token_ids: list[int] = field(default_factory=list)  # [num_tokens]
-    finish_reason: str = ""
-    queue_ns: int = 0  # GenerationStats.queue_ns, in nanoseconds
-    num_drafted: int = 0  # draft tokens proposed, in tokens
-    num_accepted: int = 0  # of which accepted, in tokens
-    matches_reference: bool | None = None  # None: failed, or not checked
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "OK"
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.chunk_s[0] - self.start_s if self.chunk_s else None
-
-
 def inter_token_times(chunk_s: list[float], chunk_tokens: list[int]) -> list[float]:
     """[num_tokens - first chunk's] per-token latencies, in seconds: a chunk of n tokens
     arriving g after the previous chunk gives n samples of g / n."""
@@ -112,53 +69,7 @@ def inter_token_times(chunk_s: list[float], chunk_tokens: list[int]) -> list[flo
     return samples
 
 
-def send(stub, pair: common.Pair, method: Method, record: RequestRecord, zero: float, args):
-    """Streams one request of record's prompt into record (times from `zero`, a
-    perf_counter value), then closes its session, outside the measured time."""
-    call = common.request(
-        LOAD_PROMPTS[record.prompt],
-        args.max_new_tokens,
-        method.k,
-        pair.drafter,
-        method.adaptive,
-        pair.chat,
-    )
-    record.start_s, session_id = time.perf_counter() - zero, ""
-    try:
-        for chunk in stub.GenerateStream(call, timeout=args.timeout_s):
-            session_id = session_id or chunk.session_id
-            if chunk.token_ids:
-                record.chunk_s.append(time.perf_counter() - zero)
-                record.chunk_tokens.append(len(chunk.token_ids))
-                record.token_ids.extend(chunk.token_ids)
-            if chunk.finish_reason:
-                record.finish_reason = common_pb2.FinishReason.Name(chunk.finish_reason)
-            if chunk.HasField("stats"):
-                record.queue_ns = chunk.stats.queue_ns
-                record.num_drafted = chunk.stats.num_drafted
-                record.num_accepted = chunk.stats.num_accepted
-    except grpc.RpcError as error:
-        record.status, record.detail = error.code().name, (error.details() or "")[:200]
-    record.end_s = time.perf_counter() - zero
-    if session_id:
-        with contextlib.suppress(grpc.RpcError):
-            stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=30)
-    return record
-
-
 # --- statistics -------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100), linear between the closest ranks (numpy's default);
-    None when there are no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def ratio(value: float | None, base: float | None) -> float | None:
@@ -166,31 +77,13 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return value / base if value is not None and base else None
 
 
-def poisson_schedule(
-    rate_per_s: float, max_requests: int, max_duration_s: float, seed: int
-) -> list[float]:
-    """Arrival times, in seconds from the start, of a Poisson process of rate_per_s
-    (exponential gaps of mean 1 / rate), seeded; at most max_requests, none after
-    max_duration_s."""
-    if rate_per_s <= 0:
-        raise ValueError(f"rate must be > 0, got {rate_per_s}")
-    rng = random.Random(seed)
-    arrivals, at = [], 0.0
-    while len(arrivals) < max_requests:
-        at += rng.expovariate(rate_per_s)
-        if at > max_duration_s:
-            break
-        arrivals.append(at)
-    return arrivals
-
-
 @dataclass
 class Cell:
     """Every request of one method at one load."""
 
-    phase: str  # "reference", "closed", "open" or "closed, N target workers"
+    phase: str  # "reference", "closed" or "closed, N target workers"
     method: str
-    load: float  # closed loop: concurrency; open loop: offered requests/s
+    load: float  # concurrency
     seconds: float  # wall time, first request sent to last response
     records: list[RequestRecord]
     target_workers: int = 1
@@ -342,7 +235,7 @@ def closed_loop(
                 break
             kind = kinds[(index + sent * concurrency) % len(kinds)]  # together: every kind
             record = RequestRecord(method.name, kind, index)
-            records.append(send(stub, pair, method, record, zero, args))
+            records.append(send(stub, pair, method, record, zero, args, LOAD_PROMPTS[kind]))
         return records
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -353,27 +246,13 @@ def closed_loop(
     )
 
 
-def open_loop(
-    stub, pair: common.Pair, method: Method, rate_per_s: float, schedule: list[float], args
-):
-    """One request per arrival of `schedule`, sent at its time whatever is in flight."""
-    kinds = list(LOAD_PROMPTS)
-    zero = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, len(schedule))) as pool:  # never late
-        futures = []
-        for index, at in enumerate(schedule):
-            time.sleep(max(0.0, zero + at - time.perf_counter()))
-            record = RequestRecord(method.name, kinds[index % len(kinds)], index, scheduled_s=at)
-            futures.append(pool.submit(send, stub, pair, method, record, zero, args))
-        records = [future.result() for future in futures]
-    return Cell("open", method.name, rate_per_s, time.perf_counter() - zero, records)
-
-
 def reference_pass(stub, pair: common.Pair, method: Method, args) -> Cell:
     """k=0, one session at a time, every prompt once: the outputs every other run must equal."""
     zero = time.perf_counter()
     records = [
-        send(stub, pair, method, RequestRecord(method.name, kind, 0), zero, args)
+        send(
+            stub, pair, method, RequestRecord(method.name, kind, 0), zero, args, LOAD_PROMPTS[kind]
+        )
         for kind in LOAD_PROMPTS
     ]
     if failed := [f"{r.prompt}: {r.status} {r.detail}" for r in records if not r.ok]:
@@ -398,7 +277,7 @@ class LoadRun:
         self.mismatches += mismatches
         self.cells.append(cell)
         s = summarize(cell)
-        load = f"c={cell.load:g}" if cell.phase != "open" else f"{cell.load:.3f} req/s"
+        load = f"c={cell.load:g}"
         print(
             f"[{time.monotonic() - self.started:5.0f} s] {cell.phase}, {cell.method}, {load}: "
             f"{s.completed} ok, failed {_failed(s.failed)}, {s.tokens_per_s:.1f} tok/s, TTFT p95 "
@@ -420,11 +299,6 @@ class LoadRun:
         return [self.find(phase, method, load) for load in loads]
 
 
-def k0_capacity(run: LoadRun) -> float:
-    """Completed requests/s of k=0 at its best closed-loop level."""
-    return max((summarize(c).requests_per_s for c in run.loads("closed", BASELINE)), default=0.0)
-
-
 def load_system(pair: common.Pair, args, target_workers: int = 1):
     return common.services(
         target_model=pair.target,
@@ -441,7 +315,8 @@ def warm_up(stub, pair: common.Pair, methods: list[Method], args) -> None:
     """One request per method (first calls pay one-off costs: allocation, packing)."""
     kind = next(iter(LOAD_PROMPTS))
     for method in methods:
-        send(stub, pair, method, RequestRecord(method.name, kind, 0), time.perf_counter(), args)
+        record = RequestRecord(method.name, kind, 0)
+        send(stub, pair, method, record, time.perf_counter(), args, LOAD_PROMPTS[kind])
 
 
 def run_phases(run: LoadRun, pair: common.Pair, methods: list[Method], args) -> None:
@@ -454,14 +329,6 @@ def run_phases(run: LoadRun, pair: common.Pair, methods: list[Method], args) -> 
             for repeat in range(args.repeats):  # back to back: each pair sees the same machine
                 for method in common.round_order(methods, turn + repeat):
                     run.add(closed_loop(stub, pair, method, concurrency, args, repeat=repeat))
-        capacity = k0_capacity(run)
-        for turn, fraction in enumerate(args.open_loop_fractions if capacity else []):
-            rate = fraction * capacity
-            schedule = poisson_schedule(
-                rate, args.open_loop_requests, args.open_loop_duration_s, args.seed + turn
-            )
-            for method in common.round_order(methods, turn):
-                run.add(open_loop(stub, pair, method, rate, schedule, args))
     if args.target_workers > 1:
         phase = f"closed, {args.target_workers} target workers"
         with load_system(pair, args, args.target_workers) as stub:
@@ -535,7 +402,7 @@ def markdown(run: LoadRun, pair: common.Pair, methods: list[Method], args, argv)
         rows = [(f"{c.load:g}", summarize(c)) for c in run.loads("closed", method.name)]
         lines += [f"#### {method.name}", "", *table("concurrency", rows)]
     lines += paired_section(run, methods) + ratios_section(run, methods)
-    lines += open_loop_section(run, args) + scale_out_section(run, methods, args)
+    lines += scale_out_section(run, methods, args)
     return lines
 
 
@@ -598,25 +465,6 @@ def ratios_section(run: LoadRun, methods: list[Method]) -> list[str]:
         cells = " | ".join(_x(value) for value in vars(r).values())
         lines.append(f"| {cell.method} | {where} | {cells} |")
     return lines + [""]
-
-
-def open_loop_section(run: LoadRun, args) -> list[str]:
-    cells = [c for c in run.cells if c.phase == "open"]
-    if not cells:
-        return []
-    capacity = k0_capacity(run)
-    rows = [
-        (f"{c.method}, {c.load:.3f} ({c.load / capacity:.0%}), {len(c.records)} sent", summarize(c))
-        for c in cells
-    ]
-    return [
-        f"### Open loop (Poisson arrivals, seed {args.seed} + level, the same schedule for each "
-        f"method; at most {args.open_loop_requests} requests, arrivals within "
-        f"{args.open_loop_duration_s:g} s; rates as fractions of the k=0 closed-loop capacity, "
-        f"{capacity:.3f} completed requests/s)",
-        "",
-        *table("method, offered req/s (of capacity)", rows),
-    ]
 
 
 def scale_out_section(run: LoadRun, methods: list[Method], args) -> list[str]:
@@ -688,17 +536,6 @@ def parse(argv: list[str] | None):
     add("--duration-s", type=float, default=20.0, help="closed loop: no request starts after")
     add("--k", type=int, default=4, help="draft tokens per round of the fixed-k method")
     add("--adaptive-max-k", type=int, default=4, help="the adaptive method's most draft tokens")
-    add(
-        "--open-loop-fractions",
-        type=lambda t: _levels(t, float),
-        default=[0.5, 0.8, 1.0],
-        help="offered rates as fractions of the k=0 closed-loop capacity; '' = no open loop",
-    )
-    add(
-        "--open-loop-requests", type=int, default=12, help="open loop: at most, per method and rate"
-    )
-    add("--open-loop-duration-s", type=float, default=30.0, help="open loop: arrivals within this")
-    add("--seed", type=int, default=0, help="of the Poisson arrivals (the i-th rate: seed + i)")
     add("--target-workers", type=int, default=1, help="> 1: also this many targets, scaled out")
     add("--scale-out-concurrency", type=int, default=16)
     add("--threads", type=int, default=2, help="torch threads per worker process")

@@ -26,9 +26,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
+from benchmarks.delay_proxy import delayed
 from launcher.cluster import Cluster, layout, parse_args, start_system
 from service_common.server import channel
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
@@ -60,7 +63,10 @@ PAIRS = {
     "smollm2": Pair("smollm2-135m", concurrency=(1, 2, 4, 8, 16, 32)),
     # The 0.5B draft in int8 costs a third of its fp32 self (results/archive/results_drafts.md).
     "qwen": Pair("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "int8-dynamic"),
+    # The capacity scenario's model draft: the target's own weights in int8.
+    "smollm2-self": Pair("smollm2-135m", "self", "int8-dynamic"),
     "tiny": Pair("tiny-random:1", chat=False, concurrency=(1, 2)),  # tests: a byte tokenizer
+    "tiny-self": Pair("tiny-random:1", "self", "none", chat=False),
 }
 
 
@@ -163,10 +169,11 @@ def target_passes(stats) -> int:
 
 
 @contextlib.contextmanager
-def services(flags: dict[str, list[str]] | None = None, **options):
+def services(flags: dict[str, list[str]] | None = None, delay_ms: float = 0.0, **options):
     """An Orchestrator stub of a system of local processes (launcher.cluster, loopback,
-    gRPC only): any launcher option by its name, and more flags per pool ("target",
-    "draft"). Every process stops on leaving, error or not."""
+    gRPC only): any launcher option by its name, more flags per pool ("target",
+    "draft"), and a delay proxy of delay_ms one way in front of each target (> 0). Every
+    process stops on leaving, error or not."""
     args = parse_args(["--http-port", "-1", "--port", "0"])
     args.startup_timeout = 1800.0  # a large target loads slowly on 2 cores
     args.log_dir = tempfile.mkdtemp(prefix="bench-logs-")
@@ -175,7 +182,7 @@ def services(flags: dict[str, list[str]] | None = None, **options):
             raise TypeError(f"unknown launcher option {name!r}")
         setattr(args, name, value)
     cluster = Cluster(Path(args.log_dir))
-    roles = layout(args)
+    roles = delayed(layout(args), delay_ms)
     for role in roles:
         role.args += (flags or {}).get(role.pool, [])
     try:
@@ -211,6 +218,94 @@ def hf_generate(loaded, max_new_tokens: int, **kwargs):
         return Run(output[0, len(ids) :].tolist(), time.perf_counter() - start)
 
     return timed
+
+
+# --- requests under load (the load and capacity scenarios) -------------------------------
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    k: int  # draft tokens per round; with adaptive, the most
+    adaptive: bool = False
+
+
+@dataclass
+class RequestRecord:
+    """One GenerateStream call as its client saw it; times in seconds from its cell's start."""
+
+    method: str
+    prompt: str  # the prompt's kind
+    client: int  # closed loop: the client; open loop: the arrival's index
+    start_s: float = 0.0
+    end_s: float = 0.0  # last chunk received, or the error
+    scheduled_s: float | None = None  # open loop: the planned arrival
+    status: str = "OK"  # gRPC status code name
+    detail: str = ""  # the error's details, cut short
+    chunk_s: list[float] = field(default_factory=list)  # [num_chunks] arrival of each chunk
+    chunk_tokens: list[int] = field(default_factory=list)  # [num_chunks] tokens in that chunk
+    token_ids: list[int] = field(default_factory=list)  # [num_tokens]
+    finish_reason: str = ""
+    queue_ns: int = 0  # GenerationStats.queue_ns, in nanoseconds
+    prompt_tokens: int = 0  # the prompt's tokens, as the last chunk says
+    num_drafted: int = 0  # draft tokens proposed, in tokens
+    num_accepted: int = 0  # of which accepted, in tokens
+    matches_reference: bool | None = None  # None: failed, or not checked
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK"
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_s[0] - self.start_s if self.chunk_s else None
+
+
+def send(stub, pair: Pair, method: Method, record: RequestRecord, zero: float, args, text: str):
+    """Streams one request of `text` (record's prompt) into record (times from `zero`, a
+    perf_counter value), then closes its session, outside the measured time."""
+    call = request(
+        text,
+        args.max_new_tokens,
+        method.k,
+        pair.drafter,
+        method.adaptive,
+        pair.chat,
+    )
+    record.start_s, session_id = time.perf_counter() - zero, ""
+    try:
+        for chunk in stub.GenerateStream(call, timeout=args.timeout_s):
+            session_id = session_id or chunk.session_id
+            if chunk.token_ids:
+                record.chunk_s.append(time.perf_counter() - zero)
+                record.chunk_tokens.append(len(chunk.token_ids))
+                record.token_ids.extend(chunk.token_ids)
+            record.prompt_tokens = chunk.num_prompt_tokens or record.prompt_tokens
+            if chunk.finish_reason:
+                record.finish_reason = common_pb2.FinishReason.Name(chunk.finish_reason)
+            if chunk.HasField("stats"):
+                record.queue_ns = chunk.stats.queue_ns
+                record.num_drafted = chunk.stats.num_drafted
+                record.num_accepted = chunk.stats.num_accepted
+    except grpc.RpcError as error:
+        record.status, record.detail = error.code().name, (error.details() or "")[:200]
+    record.end_s = time.perf_counter() - zero
+    if session_id:
+        with contextlib.suppress(grpc.RpcError):
+            stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=30)
+    return record
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear between the closest ranks (numpy's default);
+    None when there are no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 # --- paired repeats, ratios, the bound -----------------------------------------------------

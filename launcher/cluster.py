@@ -7,6 +7,7 @@ their systems through it too.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -81,12 +82,20 @@ class Cluster:
         self.progress = ProgressEcho()  # what the processes log of their start, while waiting
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, module: str, args: list[str]) -> None:
+    def start(
+        self, name: str, module: str, args: list[str], cpus: frozenset[int] | None = None
+    ) -> None:
+        """cpus: the cores the process (and every thread it starts) may run on; None: any."""
         restarted = any(n == name for n, _ in self.processes)
         log = open(self.log_dir / f"{name}.log", "a" if restarted else "w")
         self.progress.follow(name, self.log_dir / f"{name}.log")
+        # Pinned before exec, so that torch's and gRPC's thread pools inherit it.
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         process = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", module, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=pin,
         )
         self.processes.append((name, process))
 
@@ -279,6 +288,15 @@ def parse_args(argv):
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per worker (0 = default)"
     )
+    parser.add_argument(
+        "--cpus",
+        action="append",
+        default=[],
+        type=parse_cpus,
+        metavar="POOL=LIST",
+        help="pin a pool's processes (target, draft, orchestrator, http, proxy) to cores, "
+        "e.g. target=0 or draft=2-3,6 (repeatable; a pool not named runs anywhere)",
+    )
     parser.add_argument("--log-dir", default=".run/logs")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument(
@@ -288,6 +306,26 @@ def parse_args(argv):
         "client_args", nargs=argparse.REMAINDER, help="after --: flags for the client"
     )
     return parser.parse_args(argv)
+
+
+def parse_cpus(text: str) -> tuple[str, frozenset[int]]:
+    """'POOL=LIST' (LIST as taskset's: 0,2-3) -> (pool, cores)."""
+    pool, _, spec = text.partition("=")
+    try:
+        cores = set()
+        for part in spec.split(","):
+            low, _, high = part.partition("-")
+            cores.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        cores = set()
+    if not pool or not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"expected POOL=LIST such as target=0,2-3, got {text!r}")
+    return pool, frozenset(cores)
+
+
+def pool_cpus(args, pool: str) -> frozenset[int] | None:
+    """The cores --cpus gives the pool (the last naming it), None where none does."""
+    return dict(getattr(args, "cpus", ())).get(pool)
 
 
 def draft_flags(args) -> list[str]:
@@ -454,18 +492,18 @@ def start_system(args, cluster: Cluster, roles: list[Role] | None = None) -> str
     # once they serve, and then holds them from its first look.
     together = [] if args.api_keys else orchestrators
     for role in [*workers, *together]:
-        cluster.start(role.name, role.module, role.args)
+        cluster.start(role.name, role.module, role.args, pool_cpus(args, role.pool))
     for role in workers:
         if role.pool != "proxy":  # a proxy (benchmarks/delay_proxy.py): its target through it
             cluster.wait_healthy(role.name, role.address, args.startup_timeout)
     for role in orchestrators:
         if role not in together:
-            cluster.start(role.name, role.module, role.args)
+            cluster.start(role.name, role.module, role.args, pool_cpus(args, role.pool))
     # Ready = serving and holding every worker: the first call is placed as later ones are.
     pooled = [r.address for r in workers if r.pool in ("target", "draft")] if together else []
     for role in orchestrators:
         cluster.wait_healthy(role.name, role.address, args.startup_timeout, sees=pooled)
     for role in (r for r in roles if r.pool == "http"):  # the HTTP API, once an orchestrator serves
-        cluster.start(role.name, role.module, role.args)
+        cluster.start(role.name, role.module, role.args, pool_cpus(args, role.pool))
         cluster.wait_healthy(role.name, f"http://{role.address}/health", args.startup_timeout)
     return orchestrators[0].address

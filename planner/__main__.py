@@ -1,5 +1,7 @@
 """python -m planner COSTS.json [--objective tpot-p90-ms=X | ttft-p90-ms=X | tokens-per-s]
     [--targets N] [--fleet 1,10,100,1000] [--kustomize-patch PATH] [--gpu PAIR]
+python -m planner --traces SPANS.jsonl [...] --one-way-ms MS --prompt-tokens N
+    --new-tokens N [--write-costs PATH] [the options above]
 
 What a draft pool buys, from measured costs (planner/costs.py): the fleet model run over
 layouts and speculation settings (planner/plan.py), then the draft-to-target ratio, the
@@ -15,9 +17,10 @@ import sys
 from pathlib import Path
 
 from planner import autoscaler
-from planner.costs import Costs
+from planner.costs import Costs, Request
 from planner.fleet import Layout
 from planner.gpu_costs import MEASURED, PAIRS, draft_hardware, with_gpu_costs
+from planner.measured import costs_from_traces
 from planner.plan import (
     LONGEST_DELAY_MS,
     Evaluation,
@@ -33,7 +36,27 @@ from speculative.estimator import round_speedup
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planner", description=__doc__.split("\n\n")[1])
-    parser.add_argument("costs", help="the costs file (JSON, planner/costs.py)")
+    parser.add_argument(
+        "costs", nargs="?", default=None, help="the costs file (JSON, planner/costs.py)"
+    )
+    parser.add_argument(
+        "--traces",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="instead of COSTS: the services' span files (JSON lines, planner/measured.py)",
+    )
+    parser.add_argument(
+        "--one-way-ms", type=float, default=None, help="with --traces: the link's one-way delay"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=None, help="with --traces: a request's"
+    )
+    parser.add_argument("--new-tokens", type=int, default=None, help="with --traces: a request's")
+    parser.add_argument(
+        "--rate-per-s", type=float, default=0.0, help="with --traces: arrivals over the fleet"
+    )
+    parser.add_argument("--write-costs", default=None, help="save the costs used here (JSON)")
     parser.add_argument(
         "--objective",
         default="tokens-per-s",
@@ -70,10 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=defaults.jobs, help="processes")
     args = parser.parse_args(argv)
+    _check_inputs(parser, args)
+    path = args.costs or f"--traces {' '.join(args.traces)}"
     try:
         objective = Objective.parse(args.objective)
-        costs = Costs.load(args.costs)
+        costs = _costs(args)
         costs = with_gpu_costs(costs, args.gpu) if args.gpu else costs
+        if args.write_costs:
+            costs.save(args.write_costs)
         search = Search(
             requests=args.requests,
             seed=args.seed,
@@ -89,15 +116,46 @@ def main(argv: list[str] | None = None) -> int:
     targets = args.targets or max(
         1, targets_needed(costs.arrivals.rate_per_s, plan.chosen.goodput_per_s)
     )
-    print(render(plan, costs, search, args.costs, args.gpu, targets))
+    print(render(plan, costs, search, path, args.gpu, targets))
     if args.fleet:
         sizes = [int(n) for n in args.fleet.split(",") if n]
         print(fleet_table(plan, sizes, args.gpu))
     if args.kustomize_patch:
-        text = kustomize_patch(plan, costs, targets, args.costs)
+        text = kustomize_patch(plan, costs, targets, path)
         Path(args.kustomize_patch).write_text(text)
         print(f"\nwrote {args.kustomize_patch}")
+    if args.write_costs:
+        print(f"\nwrote {args.write_costs}")
     return 0
+
+
+def _check_inputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exactly one of COSTS and --traces; with --traces, what spans do not tell."""
+    if (args.costs is None) == (args.traces is None):
+        parser.error("give exactly one of COSTS (a costs file) and --traces PATH [PATH ...]")
+    given = {
+        "--one-way-ms": args.one_way_ms,
+        "--prompt-tokens": args.prompt_tokens,
+        "--new-tokens": args.new_tokens,
+    }
+    if args.traces is not None:
+        missing = [flag for flag, value in given.items() if value is None]
+        if missing:
+            parser.error(f"--traces needs {', '.join(missing)} (not in the spans)")
+    elif any(value is not None for value in given.values()) or args.rate_per_s:
+        parser.error("--one-way-ms, --prompt-tokens, --new-tokens, --rate-per-s go with --traces")
+
+
+def _costs(args: argparse.Namespace) -> Costs:
+    """The costs file, or the costs fitted from the traces."""
+    if args.costs is not None:
+        return Costs.load(args.costs)
+    return costs_from_traces(
+        args.traces,
+        one_way_ms=args.one_way_ms,
+        request=Request(args.prompt_tokens, args.new_tokens, "--prompt-tokens, --new-tokens"),
+        rate_per_s=args.rate_per_s,
+    )
 
 
 def _ratio(text: str) -> tuple[int, int]:

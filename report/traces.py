@@ -25,6 +25,7 @@ class Span:
     end_ns: int
     attributes: dict
     service: str  # resource service.name: orchestrator, draft, target
+    instance: str = ""  # resource service.instance.id: which worker ("": not recorded)
 
     @property
     def duration_ns(self) -> int:
@@ -40,6 +41,7 @@ def read_spans(paths: Iterable[str | Path]) -> list[Span]:
                 continue
             try:
                 record = json.loads(line)
+                resource = record.get("resource") or {}
                 spans.append(
                     Span(
                         record["name"],
@@ -49,7 +51,8 @@ def read_spans(paths: Iterable[str | Path]) -> list[Span]:
                         int(record["start_ns"]),
                         int(record["end_ns"]),
                         record.get("attributes") or {},
-                        (record.get("resource") or {}).get("service.name", ""),
+                        resource.get("service.name", ""),
+                        resource.get("service.instance.id", ""),
                     )
                 )
             except (ValueError, KeyError, TypeError) as error:

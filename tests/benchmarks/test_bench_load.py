@@ -5,7 +5,6 @@ through the services with a tiny random model at concurrency 1 and 2."""
 from __future__ import annotations
 
 import json
-import statistics
 
 import pytest
 
@@ -17,7 +16,6 @@ from benchmarks.bench_load import (
     load_methods,
     main,
     percentile,
-    poisson_schedule,
     pooled,
     ratio,
     ratios,
@@ -46,20 +44,6 @@ def test_a_chunk_of_n_tokens_counts_n_tokens_of_its_gap_over_n():
 def test_ratio_is_none_without_a_base():
     assert ratio(3.0, 2.0) == 1.5
     assert ratio(None, 2.0) is None and ratio(3.0, None) is None and ratio(3.0, 0.0) is None
-
-
-def test_poisson_schedule_is_seeded_bounded_and_has_the_rate():
-    schedule = poisson_schedule(2.0, 10_000, 1e9, seed=3)
-    assert schedule == poisson_schedule(2.0, 10_000, 1e9, seed=3)
-    assert schedule != poisson_schedule(2.0, 10_000, 1e9, seed=4)
-    assert all(b > a for a, b in zip(schedule, schedule[1:]))
-    gaps = [b - a for a, b in zip([0.0, *schedule], schedule)]
-    assert statistics.fmean(gaps) == pytest.approx(0.5, rel=0.05)  # 10 000 gaps: standard error 1%
-    assert statistics.stdev(gaps) == pytest.approx(0.5, rel=0.05)  # exponential: sd = mean
-    assert len(poisson_schedule(2.0, 5, 1e9, seed=0)) == 5
-    assert poisson_schedule(2.0, 10_000, 10.0, seed=3) == [t for t in schedule if t <= 10.0]
-    with pytest.raises(ValueError):
-        poisson_schedule(0.0, 5, 10.0, seed=0)
 
 
 def _record(prompt, tokens, start, chunks, status="OK", queue_ns=0):
@@ -156,10 +140,6 @@ def test_a_small_run_through_the_services_is_exact_and_complete(tmp_path):
             "2",
             "--repeats",
             "2",
-            "--open-loop-fractions",
-            "1",
-            "--open-loop-requests",
-            "2",
             "--threads",
             "1",
             "--out",
@@ -184,7 +164,6 @@ def test_a_small_run_through_the_services_is_exact_and_complete(tmp_path):
                 )
                 assert cell["summary"]["ttft_p95_ms"] > 0 and cell["summary"]["tokens_per_s"] > 0
                 assert cell["summary"]["steady_tokens_per_s"] > 0
-    assert sum(c["phase"] == "open" for c in runs["cells"]) == 3
     text = (tmp_path / "load.md").read_text()
     assert "Command: `python -m benchmarks load --pair tiny" in text and "`nproc`" in text
     assert "#### Ratios against k=0 at concurrency 1" in text and "| adaptive k<=4 | 2 |" in text
