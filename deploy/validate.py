@@ -14,7 +14,10 @@
    a role is read by that role: a field of its config dataclass (imported, so the check
    follows the code), a standard OpenTelemetry SDK variable, or a helper that another
    variable of the same container composes with Kubernetes' $(NAME) expansion; values
-   parse as the field's type; terminationGracePeriodSeconds covers preStop + grace_s.
+   parse as the field's type; terminationGracePeriodSeconds covers preStop + grace_s;
+6. every Pods metric of every HorizontalPodAutoscaler is served by a prometheus-adapter
+   rule of deploy/k8s/prometheus-adapter-values.yaml, reading the series of that name per
+   pod (a metric the adapter does not serve is never read, and the HPA never scales down).
 
 tests/deploy/test_deploy.py runs the same functions, and shows each check failing on a broken
 fixture.
@@ -44,6 +47,7 @@ DEPLOY_DIR = REPO_ROOT / "deploy"
 OVERLAYS_DIR = DEPLOY_DIR / "k8s" / "overlays"
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = DEPLOY_DIR / "Dockerfile"
+ADAPTER_VALUES = DEPLOY_DIR / "k8s" / "prometheus-adapter-values.yaml"
 
 # The Kubernetes release the manifests are checked against (its schemas ship in the pinned
 # kubernetes-validate); native gRPC probes need 1.27 or later.
@@ -503,6 +507,39 @@ def grace_errors(objects: list[dict], label: str = "") -> list[str]:
     return errors
 
 
+# ---------------------------------------------------------------- 6. autoscaling metrics
+
+# A Pods metric is looked up per pod: the rule must map both labels to their resources.
+POD_RESOURCES = {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+
+
+def adapter_metrics(values: Path = ADAPTER_VALUES) -> dict[str, str]:
+    """The pod metrics the prometheus-adapter rules (Helm values `rules.custom`) serve:
+    metric name -> the series its rule reads."""
+    rules = yaml.safe_load(values.read_text())["rules"]["custom"]
+    return {
+        rule["name"]["as"]: rule["seriesQuery"].partition("{")[0]
+        for rule in rules
+        if rule.get("resources", {}).get("overrides") == POD_RESOURCES
+    }
+
+
+def hpa_metric_errors(objects: list[dict], served: dict[str, str], label: str = "") -> list[str]:
+    """Every Pods metric of an HPA that no adapter rule serves from the series of the
+    same name (the gauge a worker exports)."""
+    errors = []
+    for hpa in (o for o in objects if o.get("kind") == "HorizontalPodAutoscaler"):
+        metrics = hpa["spec"].get("metrics", [])
+        pods = [m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"]
+        errors += [
+            f"{label}{describe(hpa)}: Pods metric {name} is served by no rule of "
+            f"{ADAPTER_VALUES.relative_to(REPO_ROOT)} reading the series {name} per pod"
+            for name in pods
+            if served.get(name) != name
+        ]
+    return errors
+
+
 # ---------------------------------------------------------------- all of it
 
 
@@ -515,7 +552,8 @@ def check_overlay(path: Path, version: str = KUBERNETES_VERSION) -> list[str]:
     errors = [label + e for e in schema_errors(objects, version)]
     for settings in k8s_settings(objects, label):
         errors += settings_errors(settings)
-    return errors + grace_errors(objects, label)
+    errors += grace_errors(objects, label)
+    return errors + hpa_metric_errors(objects, adapter_metrics(), label)
 
 
 def check_compose(path: Path = COMPOSE_FILE) -> list[str]:
@@ -531,7 +569,7 @@ def check_all(
     for path in [*overlays(), *extra_overlays]:
         yield (
             f"kustomize overlay {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path} "
-            f"(rendered, Kubernetes {version} schemas, settings)",
+            f"(rendered, Kubernetes {version} schemas, settings, HPA metrics)",
             check_overlay(path, version),
         )
     yield f"{COMPOSE_FILE.name} (compose specification, settings)", check_compose()

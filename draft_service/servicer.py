@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters, prefill
+from draft_service.round_times import DraftVerifyWindow
 from draft_service.sessions import SessionEntry
 from draft_service.speculation import SpeculateCall
 from draft_service.target_connections import TargetConnections
@@ -45,6 +46,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.targets = targets
         self.worker_id = config.resolved_worker_id()
         self.advertise_address = config.advertise_address  # set by create_server once bound
+        self.round_times = DraftVerifyWindow()  # every call's rounds: the HPA's ratio
         telemetry.current().register_load_gauges(self._load, {"specdec.worker.id": self.worker_id})
 
     # --- sessions ---------------------------------------------------------------------
@@ -129,7 +131,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Speculate(self, request, context):
         cancelled = threading.Event()
         context.add_callback(cancelled.set)  # the caller cancelled, or its deadline passed
-        call = SpeculateCall(request, self.config, self.drafters, self.targets)
+        call = SpeculateCall(request, self.config, self.drafters, self.targets, self.round_times)
         with self._locked(request.session_id, context) as entry:
             yield from call.run(
                 entry,
@@ -146,6 +148,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             max_sessions=self.sessions.max_sessions,
             cached_tokens=load.cached_tokens,
             max_cached_tokens=self.sessions.max_cached_tokens,
+            draft_verify_time_ratio=self.round_times.ratio(),
         )
 
     def _handle(self, session_id: str, committed_len: int) -> common_pb2.KvHandle:

@@ -10,7 +10,8 @@ sizes of each round), and keeps the draft session consistent when a round fails.
 
 Each round is also a `specdec.round` span (child of the Speculate server span; the
 attributes are listed above `_observe_round`) and counted in the metric instruments
-(service_common.telemetry); with telemetry off both are the API's no-ops.
+(service_common.telemetry); with telemetry off both are the API's no-ops. Its draft and
+verify times also go into the worker's `DraftVerifyWindow` (the draft pool's HPA gauge).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from opentelemetry import trace
 from draft_service.config import DraftConfig
 from draft_service.drafting import Drafters, DraftSettings, apply_settings
 from draft_service.remote_verifier import RemoteVerifier
+from draft_service.round_times import DraftVerifyWindow
 from draft_service.sessions import SessionEntry
 from draft_service.target_connections import TargetConnections, TargetInfo
 from foundation.errors import InvalidArgument, ResourceExhausted, StaleProposal
@@ -136,7 +138,8 @@ def check_start(
 class SpeculateCall:
     """A Speculate request, checked before its session is locked, then run on it: the
     target asked about its model, the call's policy chosen and started, the rounds run
-    over a RemoteVerifier, what the policy measured handed on to the next call."""
+    over a RemoteVerifier, what the policy measured handed on to the next call; the
+    rounds' times added to the worker's `round_times`."""
 
     def __init__(
         self,
@@ -144,9 +147,11 @@ class SpeculateCall:
         config: DraftConfig,
         drafters: Drafters,
         targets: TargetConnections,
+        round_times: DraftVerifyWindow,
     ):
         self.request, self.config = request, config
         self.drafters, self.targets = drafters, targets
+        self.round_times = round_times
         self.plan = plan_call(request, config)  # raises InvalidArgument naming the bad field
 
     def run(
@@ -176,7 +181,13 @@ class SpeculateCall:
         )
         try:
             yield from run_rounds(
-                entry, verifier, plan, self.request.base_len, context_length, cancelled
+                entry,
+                verifier,
+                plan,
+                self.request.base_len,
+                context_length,
+                cancelled,
+                self.round_times,
             )
         except Unavailable:  # it may come back with another model: ask it again
             self.targets.forget(plan.target_address)
@@ -224,10 +235,12 @@ def run_rounds(
     base_len: int,
     context_length: int,
     cancelled: Callable[[], bool],
+    round_times: DraftVerifyWindow | None = None,
 ) -> Iterator[draft_pb2.SpeculateUpdate]:
     """Runs rounds until finished or cancelled (checked after each round), yielding one
-    update per round. If a round fails, the draft session goes back to the last committed
-    length, so it is never left holding unverified drafts."""
+    update per round, each added to `round_times` (the worker's; None: not kept). If a
+    round fails, the draft session goes back to the last committed length, so it is never
+    left holding unverified drafts."""
     committed_len = base_len
     first_round = verifier.round
     output = telemetry.OutputTiming()  # on the time_ns clock
@@ -249,6 +262,8 @@ def run_rounds(
                 committed_len += len(result.token_ids)
                 update = _update(result, committed_len, first_round, verifier)
                 _observe_round(update, result, entry.session_id, plan, round_start_ns, round_end_ns)
+                if round_times is not None:
+                    round_times.add(result.stats)
                 output.add(len(result.token_ids), round_end_ns)
                 yield update
                 if cancelled():

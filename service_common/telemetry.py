@@ -28,9 +28,12 @@ call object unchanged.
 Metrics: the OpenTelemetry metrics API; a MeterProvider with a PrometheusMetricReader,
 served by prometheus_client on `metrics_port` (0 = no endpoint), and pushed over OTLP
 when the OTLP exporter is chosen. The load gauges (`register_load_gauges`) are read by
-the Kubernetes HPAs: `specdec_worker_sessions_active` (both pools) and
+the Kubernetes HPAs: `specdec_worker_sessions_active` (both pools),
 `specdec_worker_calls_utilization` (the target pool: running plus queued calls per
-running slot, so the pool grows when its calls queue); deploy/README.md explains each.
+running slot, so the pool grows when its calls queue) and
+`specdec_worker_draft_verify_time_ratio` (the draft pool: drafting over verifying time of
+the recent rounds, so the pool grows when drafting holds its rounds up); deploy/README.md
+explains each.
 """
 
 from __future__ import annotations
@@ -89,9 +92,14 @@ CALLS_QUEUED_GAUGE = "specdec.worker.calls.queued"  # -> specdec_worker_calls_qu
 MAX_RUNNING_GAUGE = "specdec.worker.calls.max_running"  # -> specdec_worker_calls_max_running
 BATCH_MEAN_TOKENS_GAUGE = "specdec.worker.batch.mean_tokens"  # -> specdec_worker_batch_mean_tokens
 BATCH_MAX_TOKENS_GAUGE = "specdec.worker.batch.max_tokens"  # -> specdec_worker_batch_max_tokens
+# Speculation: exported only by workers that draft (the draft pool's HPA).
+DRAFT_VERIFY_TIME_RATIO_GAUGE = (
+    "specdec.worker.draft_verify_time_ratio"  # -> specdec_worker_draft_verify_time_ratio (HPA)
+)
 
 # The workers' load gauges: (name, value of a WorkerLoad, only for workers that admit
-# calls (a target), unit, description).
+# calls (a target), unit, description). A value of None is not observed: the gauge does
+# not apply to that worker.
 LOAD_GAUGES = [
     (
         SESSIONS_ACTIVE_GAUGE,
@@ -155,6 +163,14 @@ LOAD_GAUGES = [
         True,
         "{token}",
         "Token budget of one batched forward pass (max_batch_tokens)",
+    ),
+    (
+        DRAFT_VERIFY_TIME_RATIO_GAUGE,
+        lambda load: load.draft_verify_time_ratio,
+        False,
+        "1",
+        "Drafting time over the target's verifying time of the worker's rounds in the last "
+        "30 s (0: no round); near 1 the draft side is the rounds' bottleneck",
     ),
 ]
 
@@ -309,9 +325,10 @@ def _create_instruments(meter: metrics.Meter) -> Instruments:
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """What a worker holds against its capacity. The admission and batch fields are
-    the target's (target_service.admission, the step scheduler); a worker without
-    admission (the draft) leaves max_running at 0 and exports no call or batch gauges."""
+    """What a worker holds against its capacity, and how its work goes. The admission
+    and batch fields are the target's (target_service.admission, the step scheduler); a
+    worker without admission (the draft) leaves max_running at 0 and exports no call or
+    batch gauges. The draft-to-verify time ratio is the draft's."""
 
     active_sessions: int
     max_sessions: int
@@ -322,6 +339,9 @@ class WorkerLoad:
     max_running: int = 0  # running slots; 0 = the worker has no admission control
     mean_batch_tokens: float = 0.0  # tokens per batched forward pass, mean of the recent steps
     max_batch_tokens: int = 0  # the step's token budget
+    # Drafting over verifying time of the recent rounds (draft_service.round_times);
+    # None: the worker does not draft (a target) and exports no such gauge.
+    draft_verify_time_ratio: float | None = None
 
     @property
     def fraction(self) -> float:
@@ -402,8 +422,8 @@ class Telemetry:
     def register_load_gauges(self, callback: LoadCallback, attributes: dict | None = None) -> None:
         """Observes `callback()` at each collection into the load gauges: sessions,
         load and cached tokens always; calls and batch gauges when the load has
-        admission (max_running > 0). Several workers in one process: give each its own
-        attributes."""
+        admission (max_running > 0); the draft-to-verify time ratio when it has one (a
+        draft). Several workers in one process: give each its own attributes."""
         with self._lock:
             self._load_callbacks.append((callback, dict(attributes or {})))
 

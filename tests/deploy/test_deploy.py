@@ -8,7 +8,8 @@
 - the local launcher and the compose file start the same roles with the same settings;
 - the manifests have what the deployment guide promises (probes, headless worker
   Services, HPAs on the sessions gauge and, for the target, on calls per running slot,
-  PDBs, drain time, AOF Redis, GPU requests).
+  for the draft on its draft-to-verify time ratio, each served by a prometheus-adapter
+  rule, PDBs, drain time, AOF Redis, GPU requests).
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ class RecordingCluster:
     def __init__(self):
         self.started: list[tuple[str, str, list[str]]] = []
 
-    def start(self, name: str, module: str, args: list[str]) -> None:
+    def start(self, name: str, module: str, args: list[str], cpus=None) -> None:
         self.started.append((name, module, list(args)))
 
     def wait_healthy(self, name: str, address: str, timeout_s: float, sees=()) -> None:
@@ -378,10 +379,11 @@ def quantity(value) -> float:
 
 
 # The Pods metric each pool's HPA scales on (the sessions gauge in both; calls per
-# running slot only in the target, the pool with admission control).
+# running slot only in the target, the pool with admission control; the draft-to-verify
+# time ratio only in the draft, the pool that drafts).
 POOL_METRICS = {
     "target": {"specdec_worker_sessions_active", "specdec_worker_calls_utilization"},
-    "draft": {"specdec_worker_sessions_active"},
+    "draft": {"specdec_worker_sessions_active", "specdec_worker_draft_verify_time_ratio"},
 }
 
 
@@ -400,6 +402,9 @@ def test_each_pool_scales_on_its_own_gauges(rendered, overlay):
             assert target["type"] == "AverageValue" and quantity(target["averageValue"]) > 0
         resources = [m["resource"] for m in hpa["spec"]["metrics"] if m["type"] == "Resource"]
         assert [r["name"] for r in resources] == ["cpu"]  # the fallback
+        if role == "draft":  # aims below 1, where drafting holds the rounds up
+            ratio = pods_metrics(hpa)["specdec_worker_draft_verify_time_ratio"]
+            assert quantity(ratio["averageValue"]) < 1
         # The Deployment leaves the count to the HPA.
         assert (
             "replicas" not in objects_of(rendered[overlay], "Deployment")[f"specdec-{role}"]["spec"]
@@ -431,6 +436,9 @@ def test_target_pool_scales_out_before_its_calls_queue_or_are_refused(rendered, 
 
 
 def test_hpa_metrics_are_gauges_the_workers_export(rendered):
+    """Each HPA's Pods metrics are gauges its pool's workers export, each served by a
+    prometheus-adapter rule reading that gauge's series per pod (and the check fails on
+    a metric without one)."""
     telemetry = pytest.importorskip("service_common.telemetry")
     exported = {
         "target": {
@@ -447,22 +455,36 @@ def test_hpa_metrics_are_gauges_the_workers_export(rendered):
                 telemetry.BATCH_MAX_TOKENS_GAUGE,
             )
         },
-        # The draft has no admission: only the memory gauges.
+        # The draft has no admission: the memory gauges, and its rounds' time ratio.
         "draft": {
             name.replace(".", "_")
             for name in (
                 telemetry.SESSIONS_ACTIVE_GAUGE,
                 telemetry.LOAD_GAUGE,
                 telemetry.CACHED_TOKENS_GAUGE,
+                telemetry.DRAFT_VERIFY_TIME_RATIO_GAUGE,
             )
         },
     }
     assert telemetry.SESSIONS_ACTIVE_GAUGE.replace(".", "_") == "specdec_worker_sessions_active"
     assert telemetry.CALLS_UTILIZATION_GAUGE.replace(".", "_") == "specdec_worker_calls_utilization"
+    assert (
+        telemetry.DRAFT_VERIFY_TIME_RATIO_GAUGE.replace(".", "_")
+        == "specdec_worker_draft_verify_time_ratio"
+    )
+    served = validate.adapter_metrics()
+    assert set(served.values()) <= exported["target"] | exported["draft"]
     for overlay, objects in rendered.items():
         for role in ("target", "draft"):
             hpa = objects_of(objects, "HorizontalPodAutoscaler")[f"specdec-{role}"]
             assert set(pods_metrics(hpa)) <= exported[role], (overlay, role)
+        assert validate.hpa_metric_errors(objects, served) == [], overlay
+    unserved = {k: v for k, v in served.items() if k != "specdec_worker_draft_verify_time_ratio"}
+    assert validate.hpa_metric_errors(rendered["cpu"], unserved) == [
+        "HorizontalPodAutoscaler/specdec-draft: Pods metric specdec_worker_draft_verify_time_ratio "
+        "is served by no rule of deploy/k8s/prometheus-adapter-values.yaml reading the series "
+        "specdec_worker_draft_verify_time_ratio per pod"
+    ]
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-tensor-parallel"])
@@ -734,6 +756,9 @@ def test_compose_settings_run_a_system_that_generates(compose, redis_server, tmp
                 "specdec_worker_sessions_active" in scraped[worker]
                 and "specdec_worker_load" in scraped[worker]
             )
+        # The generation's rounds, on the draft only (the target drafts nothing).
+        assert gauge_value(scraped["draft"], "specdec_worker_draft_verify_time_ratio") > 0
+        assert "specdec_worker_draft_verify_time_ratio" not in scraped["target"]
         target_env = services["target"]["environment"]
         limits = {
             name: int(target_env.get(f"TARGET_{name.upper()}", getattr(TargetConfig(), name)))

@@ -129,7 +129,10 @@ def workers(traced, tiny_target):
     target_server.start()
     draft_server.start()
     yield SimpleNamespace(
-        target=f"127.0.0.1:{target_port}", draft=f"127.0.0.1:{draft_port}", target_servicer=target
+        target=f"127.0.0.1:{target_port}",
+        draft=f"127.0.0.1:{draft_port}",
+        target_servicer=target,
+        draft_servicer=draft,
     )
     draft_server.stop(None)
     target_server.stop(None)
@@ -449,6 +452,21 @@ def test_target_exports_its_batched_steps_and_admission(traced, workers, prompt_
     stub.CloseSession(
         common_pb2.CloseSessionRequest(session_id=handle.session_id), timeout=DEADLINE_S
     )
+
+
+def test_draft_exports_its_rounds_draft_to_verify_time_ratio(traced, workers, prompt_ids):
+    """A real draft worker's gauge after its rounds: their drafting over the target's
+    verifying time (the draft HPA's metric), the value of its window; none on the target."""
+    installed, _ = traced
+    _, draft_stub, request = _open_both(installed, workers, prompt_ids[3], max_new_tokens=16)
+    updates = list(draft_stub.Speculate(request, timeout=DEADLINE_S))
+    assert any(u.round.num_drafted > 0 and u.round.draft_ns > 0 for u in updates)
+    text = _scrape(installed.metrics_port)
+    ratio = _sample(text, "specdec_worker_draft_verify_time_ratio", specdec_worker_id="draft-t")
+    assert ratio > 0 and ratio == pytest.approx(workers.draft_servicer.round_times.ratio())
+    assert "# TYPE specdec_worker_draft_verify_time_ratio gauge" in text
+    with pytest.raises(AssertionError, match="no sample"):
+        _sample(text, "specdec_worker_draft_verify_time_ratio", specdec_worker_id="target-t")
 
 
 def test_target_gauges_show_running_and_queued_calls(traced, tiny_target):
