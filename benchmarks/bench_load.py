@@ -30,7 +30,7 @@ response), steady tokens/s (closed loop: while every client was still in flight,
 `steady_window`), requests completed and failed (by gRPC status code), time to first
 token (TTFT), per-token latency (a chunk of n tokens arriving g after the previous one
 counts n tokens of g / n), the target's queue wait (`GenerationStats.queue_ns`) and
-end-to-end latency, p50 and p95; ratios against the single-session k=0 cell. Appends
+end-to-end latency, p50 and p95; each method over k=0, paired per repeat. Appends
 a section to --out and every request's raw times to the JSON list beside it.
 """
 
@@ -168,24 +168,6 @@ def summarize(cell: Cell) -> Summary:
         e2e_p95_s=percentile(e2e, 95),
         acceptance=sum(r.num_accepted for r in done) / drafted if drafted else None,
     )
-
-
-@dataclass
-class Ratios:
-    """A cell against the single-session k=0 cell: > 1 is more throughput, or longer latency."""
-
-    tokens_per_s: float | None
-    steady_tokens_per_s: float | None
-    ttft_p50: float | None
-    ttft_p95: float | None
-    per_token_p50: float | None
-    per_token_p95: float | None
-
-
-def ratios(summary: Summary, base: Summary) -> Ratios:
-    names = ("tokens_per_s", "steady_tokens_per_s", "ttft_p50_ms", "ttft_p95_ms")
-    names += ("per_token_p50_ms", "per_token_p95_ms")
-    return Ratios(*(ratio(getattr(summary, n), getattr(base, n)) for n in names))
 
 
 def check_exactness(cell: Cell, reference: dict[str, list[int]]) -> list[str]:
@@ -401,7 +383,7 @@ def markdown(run: LoadRun, pair: common.Pair, methods: list[Method], args, argv)
     for method in methods:
         rows = [(f"{c.load:g}", summarize(c)) for c in run.loads("closed", method.name)]
         lines += [f"#### {method.name}", "", *table("concurrency", rows)]
-    lines += paired_section(run, methods) + ratios_section(run, methods)
+    lines += paired_section(run, methods)
     lines += scale_out_section(run, methods, args)
     return lines
 
@@ -438,33 +420,6 @@ def _spread(values: list[float]) -> str:
     if len(values) < 2:
         return _x(values[0]) if values else "-"
     return f"{_x(percentile(values, 50))} ({_x(min(values))}-{_x(max(values))})"
-
-
-def ratios_section(run: LoadRun, methods: list[Method]) -> list[str]:
-    """Every closed-loop cell against the single-session k=0 one."""
-    base_cell = run.find("closed", BASELINE, 1) or run.find("reference", BASELINE, 1)
-    base = summarize(base_cell)
-    label = "at concurrency 1" if base_cell.phase == "closed" else "the reference pass"
-    lines = [
-        f"#### Ratios against {BASELINE} {label} ({base.tokens_per_s:.1f} tok/s, TTFT p95 "
-        f"{_num(base.ttft_p95_ms)} ms, per-token p95 {_num(base.per_token_p95_ms)} ms)",
-        "",
-        "| method | concurrency | tok/s | steady tok/s | TTFT p50 | TTFT p95 | per-token p50 "
-        "| per-token p95 |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    order = {m.name: i for i, m in enumerate(methods)}
-    keys = {(c.phase, c.method) for c in run.cells if c.phase.startswith("closed")}
-    closed = sorted(
-        (cell for phase, method in keys for cell in run.loads(phase, method)),
-        key=lambda c: (c.target_workers, order[c.method], c.load),
-    )
-    for cell in closed:
-        r = ratios(summarize(cell), base)
-        where = f"{cell.load:g}" + (f" ({cell.target_workers} targets)" * (cell.target_workers > 1))
-        cells = " | ".join(_x(value) for value in vars(r).values())
-        lines.append(f"| {cell.method} | {where} | {cells} |")
-    return lines + [""]
 
 
 def scale_out_section(run: LoadRun, methods: list[Method], args) -> list[str]:
