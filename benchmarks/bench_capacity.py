@@ -28,6 +28,7 @@ beside it with its error; saturation is what each serves far past its capacity.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -120,7 +121,8 @@ def trace_file(trace_dir: Path, placement: Placement, pool: str) -> Path:
 def run_layout(placement, pair, texts, reference, args, trace_dir) -> dict[float, list]:
     """{rate: records} of one layout; where `reference` (prompt -> token ids) is empty, fills
     it from a k = 0 request per prompt, one at a time, whose records are rate 0's."""
-    method = Method(placement.label, 0 if placement.kind == "target-only" else args.k)
+    speculating = placement.kind != "target-only"
+    method = Method(placement.label, args.k if speculating else 0, args.adaptive and speculating)
     exporter = ["--trace-exporter", "jsonl", "--trace-file"]
     flags = {p: [*exporter, str(trace_file(trace_dir, placement, p))] for p in ("target", "draft")}
     options = dict(target_model=pair.target, draft_model=pair.draft, drafter=pair.drafter)
@@ -160,8 +162,13 @@ def fitted_costs(trace_dir: Path, placements, references: list[RequestRecord], a
     )
 
 
-def compare(runs: dict, costs: Costs, args) -> dict[Placement, tuple[dict, dict]]:
-    """{layout: (measured, modelled)}, each {rate: Point}."""
+def setting_of(args) -> fleet.Speculation:
+    """The speculation the layouts with a draft run, as the fleet model names it."""
+    return fleet.Speculation(None, args.k) if args.adaptive else fleet.Speculation(args.k)
+
+
+def compare(runs: dict, costs: Costs, args) -> dict[str, tuple[dict, dict]]:
+    """{layout's label: (measured, modelled)}, each {rate: Point}."""
     out = {}
     for placement, records in runs.items():
         warmup = int(args.warmup * args.requests)
@@ -170,20 +177,18 @@ def compare(runs: dict, costs: Costs, args) -> dict[Placement, tuple[dict, dict]
             for turn, rate in enumerate(args.rates)
         }
         cell = placement.cell(costs.link.local_one_way_ms)
-        setting = (
-            fleet.TARGET_ONLY if placement.kind == "target-only" else fleet.Speculation(args.k)
-        )
+        setting = fleet.TARGET_ONLY if placement.kind == "target-only" else setting_of(args)
         model = validate.modelled(
             costs, cell, setting, args.rates, args.requests, args.warmup, args.seed
         )
-        out[placement] = (got, model)
+        out[placement.label] = (got, model)
     return out
 
 
 def markdown(results: dict, bound_ms: float, costs: Costs, args, argv, exact: str) -> list[str]:
     new = costs.request.new_tokens
     lines = common.section(
-        f"Capacity: {args.pair}, k={args.k}, {args.max_new_tokens} new tokens",
+        f"Capacity: {args.pair}, {setting_of(args).label}, {args.max_new_tokens} new tokens",
         "capacity",
         argv,
         f"Target on core {TARGET_CORE} (1 torch thread); orchestrator, proxy and load generator "
@@ -193,10 +198,8 @@ def markdown(results: dict, bound_ms: float, costs: Costs, args, argv, exact: st
         "unloaded target-only TPOT).",
     )
     goodputs = {
-        p.kind if p.kind != "remote" else p.label: [
-            validate.goodput(points, new, bound_ms) for points in r
-        ]
-        for p, r in results.items()
+        label: [validate.goodput(points, new, bound_ms) for points in pair]
+        for label, pair in results.items()
     }
     lines += [
         "| layout | goodput req/s, measured / model | over co-located | over target-only |",
@@ -210,28 +213,26 @@ def markdown(results: dict, bound_ms: float, costs: Costs, args, argv, exact: st
         lines.append(f"| {label} | {got:g} / {model:g} | {over[0]} | {over[1]} |")
     cells = [(m, x[rate]) for got, x in results.values() for rate, m in got.items()]
     lines += ["", f"Model against measurement: {validate.verdict(cells, new)}.", ""]
-    for placement, (got, model) in results.items():
+    for label, (got, model) in results.items():
         lines += [
-            f"#### {placement.label} (measured / model)",
+            f"#### {label} (measured / model)",
             "",
             *validate.table(got, model, new),
             "",
         ]
     return lines + [
-        "Fitted costs (`planner.measured`, from this run's traces): "
-        f"`{Path(args.out).with_suffix('.costs.json').name}`.",
+        f"Plot: `{Path(args.out).with_suffix('.png').name}`. Fitted costs (`planner.measured`, "
+        f"from this run's traces): `{Path(args.out).with_suffix('.costs.json').name}`.",
         "",
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    os.sched_setaffinity(0, {OTHER_CORE})  # the load generator, beside a remote draft
-    pair = common.PAIRS[args.pair]
-    texts = [c.turns[0] for c in workloads.load(args.workload, per_category=args.per_category)]
-    trace_dir = Path(tempfile.mkdtemp(prefix="capacity-traces-"))
-    reference: dict[str, list[int]] = {}
-    runs = {p: run_layout(p, pair, texts, reference, args, trace_dir) for p in args.layouts}
+    if args.from_run:  # the model again, on a run's records and traces
+        runs, trace_dir = saved_run(args.from_run, args.layouts, args.traces)
+    else:
+        runs, trace_dir = measure_layouts(args)
     references = runs[args.layouts[0]].pop(0.0)
     costs = fitted_costs(trace_dir, args.layouts, references, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -239,15 +240,49 @@ def main(argv: list[str] | None = None) -> int:
     bound_ms = args.objective_x * measure(references, [0.0], 0.0, 0).tpot_p50_ms
     done = [r for rs in runs.values() for cell in rs.values() for r in cell if r.ok]
     equal = sum(r.matches_reference is True for r in done)
-    lines = markdown(
-        compare(runs, costs, args), bound_ms, costs, args, argv, f"{equal} of {len(done)}"
-    )
+    results = compare(runs, costs, args)
+    validate.plot(results, Path(args.out).with_suffix(".png"))
+    lines = markdown(results, bound_ms, costs, args, argv, f"{equal} of {len(done)}")
     raw = {
-        p.label: {str(rate): [asdict(r) for r in cell] for rate, cell in rs.items()}
+        p.label: {str(r): [asdict(x) for x in cell] for r, cell in rs.items()}
         for p, rs in runs.items()
     }
-    common.write_results(args.out, lines, {"settings": str(vars(args)), "cells": raw})
+    raw[args.layouts[0].label]["0"] = [asdict(r) for r in references]
+    common.write_results(
+        args.out, lines, {"settings": str(vars(args)), "traces": str(trace_dir), "cells": raw}
+    )
     return 0 if equal == len(done) else 1
+
+
+def measure_layouts(args) -> tuple[dict[Placement, dict[float, list]], Path]:
+    """{layout: {rate: records}} measured (rate 0: the references), and the traces' folder."""
+    pair = common.PAIRS[args.pair]
+    texts = [c.turns[0] for c in workloads.load(args.workload, per_category=args.per_category)]
+    trace_dir = Path(tempfile.mkdtemp(prefix="capacity-"))
+    print(f"traces in {trace_dir}", flush=True)
+    reference: dict[str, list[int]] = {}
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {OTHER_CORE})  # the load generator, beside a remote draft
+    try:
+        runs = {p: run_layout(p, pair, texts, reference, args, trace_dir) for p in args.layouts}
+    finally:
+        os.sched_setaffinity(0, cores)
+    return runs, trace_dir
+
+
+def saved_run(path: str, placements: list[Placement], traces: str) -> tuple[dict, Path]:
+    """measure_layouts' result, from a run's JSON (its last run) and traces' folder (the
+    one it names, unless given)."""
+    saved = json.loads(Path(path).read_text())[-1]
+    cells = saved["cells"]
+    runs = {
+        p: {
+            float(rate): [RequestRecord(**r) for r in records]
+            for rate, records in cells[p.label].items()
+        }
+        for p in placements
+    }
+    return runs, Path(traces or saved["traces"])
 
 
 def parse(argv: list[str] | None):
@@ -264,7 +299,8 @@ def parse(argv: list[str] | None):
     add("--requests", type=int, default=30, help="arrivals a rate")
     add("--warmup", type=float, default=0.2, help="the share of arrivals left out of the measures")
     add("--max-new-tokens", type=int, default=32)
-    add("--k", type=int, default=4, help="draft tokens a round (fixed)")
+    add("--k", type=int, default=4, help="draft tokens a round (with --adaptive, the most)")
+    add("--adaptive", action="store_true", help="the adaptive policy (speculative/policy.py)")
     add(
         "--objective-x",
         type=float,
@@ -274,8 +310,10 @@ def parse(argv: list[str] | None):
     add("--seed", type=int, default=0)
     add("--timeout-s", type=float, default=900.0)
     add("--out", default=str(common.RESULTS / "capacity.md"))
+    add("--from-run", default="", help="no measuring: a run's JSON (its records), then ...")
+    add("--traces", default="", help="... its traces' folder (default: the one the JSON names)")
     args = parser.parse_args(argv)
-    if len(os.sched_getaffinity(0)) < 2:
+    if not args.from_run and len(os.sched_getaffinity(0)) < 2:
         parser.error("needs two cores: the target's and the rest's")
     if args.layouts[0].kind != "target-only":
         parser.error("the first layout is target-only: it runs the reference outputs")

@@ -36,7 +36,15 @@ from planner.costs import (
     TargetPass,
     acceptance_from_rounds,
 )
-from report.traces import DECODE_SPAN, ROUND_SPAN, VERIFY_SPAN, Span, read_spans, rounds_of
+from report.traces import (
+    DECODE_SPAN,
+    PREFILL_SPAN,
+    ROUND_SPAN,
+    VERIFY_SPAN,
+    Span,
+    read_spans,
+    rounds_of,
+)
 
 # (worker, step_ns, batch_tokens, batch_sessions): the spans of one target step
 StepKey = tuple[str, int, int, int]
@@ -81,7 +89,7 @@ def costs_from_traces(
 # --- the target's pass --------------------------------------------------------------------
 
 
-def target_pass_from_spans(spans: Iterable[Span]) -> TargetPass:
+def target_pass_from_spans(spans: Sequence[Span]) -> TargetPass:
     """step_ms = base + per_token x batch_tokens + per_row x batch_sessions, least squares
     over the target's steps, each counted once; a coefficient that comes out below 0 is
     dropped and the rest refitted. ValueError where the spans hold no step."""
@@ -101,13 +109,36 @@ def target_pass_from_spans(spans: Iterable[Span]) -> TargetPass:
         for (_, ns, t, r), weight in steps.items()
         for _ in range(weight)
     ]
+    base_ms = cost.base_ns / NS_PER_MS
     return TargetPass(
-        base_ms=cost.base_ns / NS_PER_MS,
+        base_ms=base_ms,
         per_token_ms=cost.per_token_ns / NS_PER_MS,
         per_row_ms=cost.per_prefill_token_ns / NS_PER_MS,
+        prefill_token_ms=prefill_token_ms(spans, "target", base_ms),
         source=f"fit over {sum(weights)} target steps (traces), median |error| "
-        f"{statistics.median(errors):.1%}",
+        f"{statistics.median(errors):.1%}; a prompt token from the prefill spans",
     )
+
+
+def prefill_token_ms(spans: Iterable[Span], service: str, base_ms: float) -> float | None:
+    """A prompt token's ms: over the service's prefill spans, their time (less the pass's
+    base) a token, the lowest decile: a prefill runs beside the worker's steps, on the same
+    cores, and the busy ones measure the steps too. None without such spans."""
+    per_token = [
+        (_prefill_ns(s) / NS_PER_MS - base_ms) / int(s.attributes["specdec.tokens"])
+        for s in spans
+        if s.name == PREFILL_SPAN
+        and s.service == service
+        and int(s.attributes.get("specdec.tokens", 0)) > 0
+    ]
+    if not per_token:
+        return None
+    return max(0.0, sorted(per_token)[len(per_token) // 10])
+
+
+def _prefill_ns(span: Span) -> int:
+    """The prefill's own time where the span says it (its admission wait apart)."""
+    return int(span.attributes.get("specdec.prefill_ns", span.end_ns - span.start_ns))
 
 
 def target_steps(spans: Iterable[Span]) -> dict[StepKey, int]:
@@ -160,7 +191,7 @@ def _about_zero(m: Moments) -> Moments:
 # --- the draft's step ---------------------------------------------------------------------
 
 
-def draft_step_from_spans(spans: Iterable[Span]) -> DraftStep:
+def draft_step_from_spans(spans: Sequence[Span]) -> DraftStep:
     """ms a draft step by batch: a round of k drafted tokens took draft_ns / k a step, at
     the batch of rounds its draft worker was drafting at the middle of its drafting
     (itself counted). Batches in buckets 1, 2, 3-4, 5-8, ... at their mean batch, the mean
@@ -182,8 +213,9 @@ def draft_step_from_spans(spans: Iterable[Span]) -> DraftStep:
     rounds = sum(len(r) for r in by_worker.values())
     return DraftStep(
         ms_by_batch=table,
+        prefill_token_ms=prefill_token_ms(spans, "draft", table[0][1]) or 0.0,
         source=f"{rounds} draft rounds on {len(by_worker)} draft worker(s) (traces): "
-        "draft_ns / k by rounds drafting at once; prefill not measured",
+        "draft_ns / k by rounds drafting at once; a prompt token from the prefill spans",
     )
 
 

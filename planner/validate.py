@@ -11,6 +11,7 @@ past it, within OVER_TOLERANCE on tokens/s (what a saturated target serves).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from planner import fleet
 from planner.costs import Costs
@@ -78,9 +79,12 @@ def within(measured: Point, model: Point, new_tokens: int) -> bool:
 
 
 def table(measured: dict[float, Point], model: dict[float, Point], new_tokens: int) -> list[str]:
-    """Markdown rows: each rate's measured / modelled values and the model's error."""
+    """Markdown rows: each rate's measured / modelled values and the model's error; the
+    queue measured only (a measurement's counts calls waiting for a step too, the model's
+    only those waiting for a slot)."""
     lines = [
-        "| req/s | tok/s | TPOT p50 ms | TPOT p90 ms | TTFT p90 ms | mean queue | within |",
+        "| req/s | tok/s | TPOT p50 ms | TPOT p90 ms | TTFT p90 ms | mean queue, measured "
+        "| within |",
         "|---|---|---|---|---|---|---|",
     ]
     for rate, m in measured.items():
@@ -89,10 +93,7 @@ def table(measured: dict[float, Point], model: dict[float, Point], new_tokens: i
         cells += [_pair(getattr(m, n), getattr(x, n)) for n in ("tpot_p90_ms", "ttft_p90_ms")]
         state = "" if m.served(new_tokens) else " (past saturation)"
         verdict = "yes" if within(m, x, new_tokens) else "no"
-        lines.append(
-            f"| {rate:g}{state} | {' | '.join(cells)} | {m.mean_queue:.2f} / "
-            f"{x.mean_queue:.2f} | {verdict} |"
-        )
+        lines.append(f"| {rate:g}{state} | {' | '.join(cells)} | {m.mean_queue:.2f} | {verdict} |")
     return lines
 
 
@@ -116,3 +117,31 @@ def _pair(measured: float, model: float) -> str:
     error = _relative(measured, model)
     shown = f"{error:+.0%}" if abs(error) != float("inf") else "-"
     return f"{measured:.1f} / {model:.1f} ({shown})"
+
+
+def plot(
+    results: dict[str, tuple[dict[float, Point], dict[float, Point]]], path: str | Path
+) -> Path:
+    """A PNG of tokens/s and TPOT p90 against the offered rate, per layout: measured
+    (points, solid) beside the model (dashed), in the layout's colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, (served, tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for index, (label, (measured, model)) in enumerate(results.items()):
+        colour = f"C{index}"
+        rates = sorted(measured)
+        for axes, name in ((served, "tokens_per_s"), (tpot, "tpot_p90_ms")):
+            got = [getattr(measured[r], name) for r in rates]
+            axes.plot(rates, got, "o-", color=colour, label=f"{label}, measured")
+            axes.plot(rates, [getattr(model[r], name) for r in rates], "--", color=colour)
+    served.set(xlabel="offered requests/s", ylabel="output tokens/s a target core")
+    tpot.set(xlabel="offered requests/s", ylabel="TPOT p90 (ms)", yscale="log")
+    served.legend(fontsize=7, title="dashed: the fleet model", title_fontsize=7)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

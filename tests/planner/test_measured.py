@@ -18,7 +18,7 @@ from planner.measured import (
     target_pass_from_spans,
     target_steps,
 )
-from report.traces import DECODE_SPAN, ROUND_SPAN, VERIFY_SPAN, Span
+from report.traces import DECODE_SPAN, PREFILL_SPAN, ROUND_SPAN, VERIFY_SPAN, Span
 
 MS = 1_000_000  # ns
 
@@ -236,3 +236,21 @@ def test_costs_or_traces_exactly_one_is_a_usage_error(argv, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert "--traces" in capsys.readouterr().err
+
+
+def prefill_span(service: str, tokens: int, prefill_ms: float, wait_ms: float = 0.0) -> Span:
+    attributes = {"specdec.tokens": tokens, "specdec.prefill_ns": round(prefill_ms * MS)}
+    end = round((prefill_ms + wait_ms) * MS)  # the span holds the admission wait too
+    return Span(PREFILL_SPAN, "t" * 32, "p" * 16, None, 0, end, attributes, service, "w-0")
+
+
+def test_a_prompt_token_costs_the_prefill_less_the_base_over_its_tokens():
+    """Base 8 ms and 0.5 ms a token in the steps; quiet prefills at 2 ms a prompt token
+    after the base, their admission waits apart, busy ones (beside steps) slower; a draft
+    worker's prefills do not count."""
+    spans = step_spans(lambda tokens, sessions: 8 + 0.5 * tokens)
+    spans += [prefill_span("target", n, 8 + 2 * n, wait_ms=50) for n in (10, 40, 90)]
+    spans += [prefill_span("target", n, 8 + 9 * n) for n in (20, 30, 50, 60, 70, 80, 95)]
+    spans += [prefill_span("draft", 40, 500)]
+    assert target_pass_from_spans(spans).prefill_token_ms == pytest.approx(2.0, rel=0.05)
+    assert target_pass_from_spans(step_spans(lambda t, s: 8 + t)).prefill_token_ms is None
