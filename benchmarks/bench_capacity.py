@@ -17,12 +17,12 @@ Measured as the fleet model measures (planner/fleet.py), the first --warmup shar
 requests left out: output tokens/s per target core (tokens that arrived between the
 first measured arrival and the last arrival, over that time), time per output token p50
 and p90 per request ((last - first token) / (tokens - 1)), time to first token p90, the
-mean queue (the target's admission waits over the time, Little's law), and the goodput:
-the highest rate served (>= 90% of offered) with TPOT p90 within --objective-x times
-the unloaded target-only TPOT. The model then runs on costs fitted from this run's own
-traces (`planner.measured`; the target's passes from the layouts that leave its core
-alone, the draft's steps from remote:0), on the same arrivals, and each cell is shown
-beside it with its error; saturation is what each serves far past its capacity.
+mean queue (the target's waits over the time, Little's law), the tokens served while
+busy, and the goodput: the highest rate below saturation (`planner.validate`) with TPOT
+p90 within --objective-x times the unloaded target-only TPOT. The model then runs on
+costs fitted from this run's own traces (`planner.measured`; the target's passes from
+the layouts that leave its core alone, the draft's steps from remote:0), on the same
+arrivals, and each cell is shown beside it with its error.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def measure(records: list[RequestRecord], arrivals: list[float], rate: float, wa
         percentile(tpot, 90) or 0.0,
         percentile([r.ttft_s * 1e3 for r in kept], 90) or 0.0,
         sum(r.queue_ns for r in records[warmup:]) * 1e-9 / window,  # Little's law
+        sum(n for _, n in chunks) / max(max((t for t, _ in chunks), default=0) - arrivals[0], 1e-9),
     )
 
 
@@ -211,8 +212,11 @@ def markdown(results: dict, bound_ms: float, costs: Costs, args, argv, exact: st
             for b in ("co-located", "target-only")
         ]
         lines.append(f"| {label} | {got:g} / {model:g} | {over[0]} | {over[1]} |")
-    cells = [(m, x[rate]) for got, x in results.values() for rate, m in got.items()]
-    lines += ["", f"Model against measurement: {validate.verdict(cells, new)}.", ""]
+    lines += [
+        "",
+        f"Model against measurement: {validate.verdict(list(results.values()), new)}.",
+        "",
+    ]
     for label, (got, model) in results.items():
         lines += [
             f"#### {label} (measured / model)",

@@ -102,6 +102,9 @@ class Result:
     target_busy: float  # the share of time a target device was busy
     draft_busy: float  # the same for the remote draft devices (0: none)
     requests: int  # requests measured (after the warm-up)
+    # Every request's tokens from the first arrival to the last token, a second a target:
+    # what the cell serves while busy (its capacity, where the arrivals outrun it).
+    busy_tokens_per_s: float = 0.0
 
     @property
     def overloaded(self) -> bool:
@@ -285,12 +288,14 @@ class Simulation:
         self.link_random = random.Random(f"link:{seed}")
         self.tally = _Tally()
         self.measured_from = 0  # requests before this index are the warm-up
+        self.first_arrival_ms = 0.0
 
     def run(self, arrivals_ms: list[float], warmup: int, rate_per_s: float | None) -> Result:
         """rate_per_s: the offered rate a target; None: overloaded, measured from the first
         request that waited to the last admission (while every slot was taken), the
         result's rate then what the cell served."""
         self.measured_from = warmup
+        self.first_arrival_ms = arrivals_ms[0] if arrivals_ms else 0.0
         if rate_per_s is None:
             self.tally.window = (0.0, float("inf"))
         else:
@@ -502,7 +507,15 @@ class Simulation:
                 else 0.0
             ),
             requests=len(tally.tpot_ms),
+            busy_tokens_per_s=self._busy_tokens_per_s(),
         )
+
+    def _busy_tokens_per_s(self) -> float:
+        commits = self.tally.commits
+        if not commits:
+            return 0.0
+        span_ms = max(at_ms for at_ms, _ in commits) - self.first_arrival_ms
+        return sum(n for _, n in commits) * 1000.0 / max(span_ms, 1e-9) / len(self.targets)
 
 
 def simulate(

@@ -1,11 +1,14 @@
 """The fleet model against a measurement: the same layout, rates and arrivals, cell by cell.
 
 A measurement (benchmarks/bench_capacity.py) gives, per layout and offered rate, what the
-model gives (`fleet.Result`): output tokens/s a target, TPOT p50 and p90, TTFT p90 and
-the mean queue. Here the model runs on the same Poisson arrivals (`fleet.poisson_arrivals`,
-the same seeds), and each cell is judged: below saturation (at least SERVED of the offered
-tokens served) the model must be within BELOW_TOLERANCE on tokens/s and TPOT p50 and p90;
-past it, within OVER_TOLERANCE on tokens/s (what a saturated target serves).
+model gives (`fleet.Result`): output tokens/s a target, TPOT p50 and p90, TTFT p90, the
+mean queue, and the tokens served while busy. Here the model runs on the same Poisson
+arrivals (`fleet.poisson_arrivals`, the same seeds). A layout's **saturation** is what
+it serves while busy at its highest rate, where that rate outruns it (it served less
+than SERVED of the tokens offered); a cell is **below saturation** where its offered
+tokens are under SERVED of that. Judged: below saturation, the model within
+BELOW_TOLERANCE on tokens/s and TPOT p50 and p90 of every cell; the saturation within
+OVER_TOLERANCE.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 from planner import fleet
 from planner.costs import Costs
 
-SERVED = 0.9  # of the offered tokens: below this a cell is past saturation
+SERVED = 0.9  # of the offered tokens: a rate served less outruns the layout
 BELOW_TOLERANCE = 0.10
 OVER_TOLERANCE = 0.15
 
@@ -31,10 +34,24 @@ class Point:
     tpot_p90_ms: float
     ttft_p90_ms: float
     mean_queue: float
+    busy_tokens_per_s: float  # every request's tokens, first arrival to last token
 
-    def served(self, new_tokens: int) -> bool:
-        """Below saturation: it served at least SERVED of the tokens offered."""
-        return self.tokens_per_s >= SERVED * self.rate_per_s * new_tokens
+    def offered(self, new_tokens: int) -> float:
+        return self.rate_per_s * new_tokens
+
+
+def saturation(points: dict[float, Point], new_tokens: int) -> float | None:
+    """What the layout serves while busy at its highest rate, where that rate outruns it;
+    None where no rate did (every cell is then below saturation)."""
+    top = points[max(points)]
+    return (
+        top.busy_tokens_per_s if top.busy_tokens_per_s < SERVED * top.offered(new_tokens) else None
+    )
+
+
+def below(point: Point, capacity: float | None, new_tokens: int) -> bool:
+    """Offered under SERVED of the layout's saturation."""
+    return capacity is None or point.offered(new_tokens) < SERVED * capacity
 
 
 def modelled(
@@ -53,35 +70,56 @@ def modelled(
             costs, cell, setting, rate, requests=requests, warmup=warmup, seed=seed + turn
         )
         out[rate] = Point(
-            rate, r.tokens_per_s, r.tpot_p50_ms, r.tpot_p90_ms, r.ttft_p90_ms, r.mean_queue
+            rate,
+            r.tokens_per_s,
+            r.tpot_p50_ms,
+            r.tpot_p90_ms,
+            r.ttft_p90_ms,
+            r.mean_queue,
+            r.busy_tokens_per_s,
         )
     return out
 
 
 def goodput(points: dict[float, Point], new_tokens: int, bound_ms: float) -> float:
-    """The highest rate served with TPOT p90 within bound_ms (0: none)."""
+    """The highest rate below saturation with TPOT p90 within bound_ms (0: none)."""
+    capacity = saturation(points, new_tokens)
     return max(
-        (r for r, p in points.items() if p.served(new_tokens) and p.tpot_p90_ms <= bound_ms),
+        (
+            r
+            for r, p in points.items()
+            if below(p, capacity, new_tokens) and p.tpot_p90_ms <= bound_ms
+        ),
         default=0.0,
     )
 
 
-def errors(measured: Point, model: Point, new_tokens: int) -> dict[str, float]:
-    """The model's relative errors on what the cell is judged by."""
-    names = ("tokens_per_s", "tpot_p50_ms", "tpot_p90_ms")
-    names = names if measured.served(new_tokens) else names[:1]
-    return {n: _relative(getattr(measured, n), getattr(model, n)) for n in names}
+NAMES = ("tokens_per_s", "tpot_p50_ms", "tpot_p90_ms")  # what a cell below saturation is judged by
 
 
-def within(measured: Point, model: Point, new_tokens: int) -> bool:
-    tolerance = BELOW_TOLERANCE if measured.served(new_tokens) else OVER_TOLERANCE
-    return all(abs(e) <= tolerance for e in errors(measured, model, new_tokens).values())
+def judged(
+    measured: dict[float, Point], model: dict[float, Point], new_tokens: int
+) -> list[tuple[str, float, bool]]:
+    """(what, the model's relative error, within its tolerance) of a layout: each measure
+    of each cell below saturation, then the saturation where measured."""
+    capacity = saturation(measured, new_tokens)
+    out = []
+    for rate, m in measured.items():
+        if below(m, capacity, new_tokens):
+            for name in NAMES:
+                error = _relative(getattr(m, name), getattr(model[rate], name))
+                out.append((f"{rate:g}/s {name}", error, abs(error) <= BELOW_TOLERANCE))
+    if capacity is not None:
+        error = _relative(capacity, model[max(model)].busy_tokens_per_s)
+        out.append(("saturation", error, abs(error) <= OVER_TOLERANCE))
+    return out
 
 
 def table(measured: dict[float, Point], model: dict[float, Point], new_tokens: int) -> list[str]:
-    """Markdown rows: each rate's measured / modelled values and the model's error; the
-    queue measured only (a measurement's counts calls waiting for a step too, the model's
-    only those waiting for a slot)."""
+    """Markdown rows: each rate's measured / modelled values and the model's error (the
+    queue measured only: a measurement's counts calls waiting for a step too, the
+    model's only those waiting for a slot), then the saturation."""
+    capacity = saturation(measured, new_tokens)
     lines = [
         "| req/s | tok/s | TPOT p50 ms | TPOT p90 ms | TTFT p90 ms | mean queue, measured "
         "| within |",
@@ -89,22 +127,27 @@ def table(measured: dict[float, Point], model: dict[float, Point], new_tokens: i
     ]
     for rate, m in measured.items():
         x = model[rate]
-        cells = [_pair(getattr(m, n), getattr(x, n)) for n in ("tokens_per_s", "tpot_p50_ms")]
-        cells += [_pair(getattr(m, n), getattr(x, n)) for n in ("tpot_p90_ms", "ttft_p90_ms")]
-        state = "" if m.served(new_tokens) else " (past saturation)"
-        verdict = "yes" if within(m, x, new_tokens) else "no"
-        lines.append(f"| {rate:g}{state} | {' | '.join(cells)} | {m.mean_queue:.2f} | {verdict} |")
-    return lines
+        cells = [_pair(getattr(m, n), getattr(x, n)) for n in (*NAMES, "ttft_p90_ms")]
+        state = below(m, capacity, new_tokens)
+        verdict = all(
+            abs(_relative(getattr(m, n), getattr(x, n))) <= BELOW_TOLERANCE for n in NAMES
+        )
+        judged_text = ("yes" if verdict else "no") if state else "past saturation"
+        lines.append(f"| {rate:g} | {' | '.join(cells)} | {m.mean_queue:.2f} | {judged_text} |")
+    top = model[max(model)].busy_tokens_per_s
+    seen = "not reached" if capacity is None else _pair(capacity, top)
+    return lines + ["", f"Saturation (tok/s served while busy, at {max(measured):g}/s): {seen}."]
 
 
-def verdict(cells: list[tuple[Point, Point]], new_tokens: int) -> str:
-    """How many cells the model meets, below and past saturation."""
-    below = [within(m, x, new_tokens) for m, x in cells if m.served(new_tokens)]
-    over = [within(m, x, new_tokens) for m, x in cells if not m.served(new_tokens)]
+def verdict(layouts: list[tuple[dict[float, Point], dict[float, Point]]], new_tokens: int) -> str:
+    """How many judged values the model meets, below saturation and at it."""
+    values = [v for measured, model in layouts for v in judged(measured, model, new_tokens)]
+    cells = [ok for what, _, ok in values if what != "saturation"]
+    tops = [ok for what, _, ok in values if what == "saturation"]
     return (
-        f"{sum(below)} of {len(below)} cells below saturation within "
-        f"{BELOW_TOLERANCE:.0%} (tok/s, TPOT p50 and p90); {sum(over)} of {len(over)} past "
-        f"saturation within {OVER_TOLERANCE:.0%} (tok/s)"
+        f"{sum(cells)} of {len(cells)} measures below saturation within "
+        f"{BELOW_TOLERANCE:.0%} (tok/s, TPOT p50 and p90 of each cell); {sum(tops)} of "
+        f"{len(tops)} saturations within {OVER_TOLERANCE:.0%}"
     )
 
 

@@ -13,6 +13,7 @@ from speculative.stats import network_ns, transport_ns
 ROUND_SPAN = "specdec.round"  # draft worker, one per speculation round
 DECODE_SPAN = "specdec.decode"  # target worker, one per target-only Decode token
 VERIFY_SPAN = "specdec.verify"  # target worker, one per proposal
+PREFILL_SPAN = "specdec.prefill"  # both workers, one per prompt or extension read
 
 
 @dataclass(frozen=True)
