@@ -43,6 +43,7 @@ from benchmarks.common import Method, RequestRecord, percentile, send
 from planner import fleet, measured, validate
 from planner.costs import Costs, Request
 from planner.validate import Point
+from report.traces import read_spans
 
 TARGET_CORE, OTHER_CORE = 0, 1
 
@@ -150,16 +151,23 @@ def run_layout(placement, pair, texts, reference, args, trace_dir) -> dict[float
 
 def fitted_costs(trace_dir: Path, placements, references: list[RequestRecord], args) -> Costs:
     """The fleet model's inputs from this run's traces (planner.measured): the target's
-    passes where its core was its own, the draft's steps where the draft had its own."""
+    passes where its core was its own, the draft's steps where the draft had its own, the
+    local link from loopback's rounds."""
     targets = [trace_file(trace_dir, p, "target") for p in placements if p.kind != "co-located"]
-    drafts = [trace_file(trace_dir, p, "draft") for p in placements if p == Placement("remote")]
+    drafts = [trace_file(trace_dir, p, "draft") for p in placements if p.kind == "remote"]
+    loopback = read_spans([trace_file(trace_dir, Placement("remote"), "draft")])
     request = Request(
         round(statistics.fmean(r.prompt_tokens for r in references)),
         round(statistics.fmean(len(r.token_ids) for r in references)),
         f"{len(references)} {args.workload} first turns: their mean prompt and output",
     )
     return measured.costs_from_traces(
-        [*targets, *drafts], one_way_ms=0.0, k_max=max(args.k, 1), request=request, max_sessions=32
+        [*targets, *drafts],
+        one_way_ms=0.0,
+        local_one_way_ms=measured.link_from_spans(loopback, 0.0).local_one_way_ms,
+        k_max=max(args.k, 1),
+        request=request,
+        max_sessions=32,
     )
 
 
@@ -237,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         runs, trace_dir = saved_run(args.from_run, args.layouts, args.traces)
     else:
         runs, trace_dir = measure_layouts(args)
+    raw = {
+        p.label: {str(r): [asdict(x) for x in cell] for r, cell in rs.items()}
+        for p, rs in runs.items()
+    }
+    if not args.from_run:  # what was measured, first: the model may fail
+        saved = {"settings": str(vars(args)), "traces": str(trace_dir), "cells": raw}
+        common.write_results(args.out, [], saved)
     references = runs[args.layouts[0]].pop(0.0)
     costs = fitted_costs(trace_dir, args.layouts, references, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -247,14 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     results = compare(runs, costs, args)
     validate.plot(results, Path(args.out).with_suffix(".png"))
     lines = markdown(results, bound_ms, costs, args, argv, f"{equal} of {len(done)}")
-    raw = {
-        p.label: {str(r): [asdict(x) for x in cell] for r, cell in rs.items()}
-        for p, rs in runs.items()
-    }
-    raw[args.layouts[0].label]["0"] = [asdict(r) for r in references]
-    common.write_results(
-        args.out, lines, {"settings": str(vars(args)), "traces": str(trace_dir), "cells": raw}
-    )
+    common.write_results(args.out, lines)
     return 0 if equal == len(done) else 1
 
 

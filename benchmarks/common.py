@@ -484,12 +484,13 @@ def section(title: str, scenario: str, argv: list[str] | None, *notes: str) -> l
 
 
 def write_results(out: str | Path, lines: list[str], raw=None) -> None:
-    """Appends the Markdown `lines` to `out` and `raw` (the runs, JSON-able) to the list in
-    the JSON file beside it; prints the lines."""
+    """Appends the Markdown `lines` (where any) to `out` and `raw` (the runs, JSON-able)
+    to the list in the JSON file beside it; prints the lines."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as file:
-        file.write("\n".join(lines) + "\n")
+    if lines:
+        with out.open("a") as file:
+            file.write("\n".join(lines) + "\n")
     if raw is not None:
         path = out.with_suffix(".json")
         previous = json.loads(path.read_text()) if path.exists() else []

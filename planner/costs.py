@@ -264,9 +264,12 @@ def _pairs(rows: Iterable[Sequence[float]]) -> tuple[tuple[int, float], ...]:
 
 def _interpolate(table: Sequence[tuple[int, float]], x: int) -> float:
     """Linear between the table's points; flat before the first; past the last, on at the
-    last segment's slope (flat where the table has one point)."""
+    last segment's slope where it rises (flat where it falls, or the table has one point):
+    a larger batch never costs less than the largest measured."""
     if x <= table[0][0] or len(table) == 1:
         return table[0][1]
     segments = list(zip(table, table[1:]))
     (x0, y0), (x1, y1) = next(((a, b) for a, b in segments if x <= b[0]), segments[-1])
+    if x > x1:
+        return y1 + max(0.0, y1 - y0) * (x - x1) / (x1 - x0)
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)

@@ -46,6 +46,9 @@ from report.traces import (
     rounds_of,
 )
 
+# Draft rounds a batch size needs to be in the step table (of a few hundred or more).
+MIN_ROUNDS_A_BUCKET = 10
+
 # (worker, step_ns, batch_tokens, batch_sessions): the spans of one target step
 StepKey = tuple[str, int, int, int]
 
@@ -206,9 +209,13 @@ def draft_step_from_spans(spans: Sequence[Span]) -> DraftStep:
     for rounds in by_worker.values():
         for batch, step_ms in _steps_by_batch(rounds):
             buckets[(batch - 1).bit_length()].append((batch, step_ms))
+    # a bucket of a few rounds is noise (an adaptive call drafts rarely under load)
+    least = min(MIN_ROUNDS_A_BUCKET, sum(len(rows) for rows in buckets.values()) // 10)
+    kept = {b: rows for b, rows in buckets.items() if len(rows) >= least}
+    kept = kept or dict([max(buckets.items(), key=lambda item: len(item[1]))])
     table = tuple(
         (round(statistics.mean(b for b, _ in rows)), statistics.mean(ms for _, ms in rows))
-        for _, rows in sorted(buckets.items())
+        for _, rows in sorted(kept.items())
     )
     rounds = sum(len(r) for r in by_worker.values())
     return DraftStep(

@@ -85,6 +85,8 @@ def test_a_draft_step_interpolates_by_batch():
     assert [draft.step_ms(b) for b in (1, 5, 9, 13)] == [2.0, 3.0, 4.0, 5.0]
     assert draft.step_ms(50, colocated=True) == 1.0  # one point: flat
     assert DraftStep(ms_by_batch=((4, 3.0), (8, 5.0))).step_ms(1) == 3.0  # flat before the first
+    falling = DraftStep(ms_by_batch=((1, 30.0), (2, 34.0), (3, 1.0)))  # a noisy last point
+    assert falling.step_ms(3) == 1.0 and falling.step_ms(40) == 1.0  # never below it, never < 0
 
 
 @pytest.mark.parametrize("acceptance, k", [(0.0, 3), (0.6, 1), (0.8, 4), (0.95, 8), (1.0, 5)])

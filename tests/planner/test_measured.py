@@ -254,3 +254,10 @@ def test_a_prompt_token_costs_the_prefill_less_the_base_over_its_tokens():
     spans += [prefill_span("draft", 40, 500)]
     assert target_pass_from_spans(spans).prefill_token_ms == pytest.approx(2.0, rel=0.05)
     assert target_pass_from_spans(step_spans(lambda t, s: 8 + t)).prefill_token_ms is None
+
+
+def test_a_batch_of_a_few_rounds_is_left_out_of_the_draft_table():
+    """200 rounds alone at 20 ms a step, 3 overlapping at 1 ms: the 3 are noise."""
+    spans = [round_span(100.0 * i, 80.0) for i in range(200)]
+    spans += [round_span(50_000.0, 4.0), round_span(50_001.0, 4.0), round_span(50_002.0, 4.0)]
+    assert draft_step_from_spans(spans).ms_by_batch == ((1, pytest.approx(20.0)),)
