@@ -44,6 +44,9 @@ class TargetPass:
     compute_per_token_ms: float = 0.0
     max_sessions: int = 64  # sessions a worker holds at once (KV memory); more wait
     max_batch_tokens: int = 0  # tokens a pass takes at most (0: no limit)
+    # While sessions decode, a pass's prompt chunks cost at most this share of the rest
+    # (the worker's stall-free batching, model_runtime/step_scheduler.PREFILL_SHARE).
+    prefill_share: float = 0.5
     source: str = ""
 
     @classmethod
@@ -66,6 +69,10 @@ class TargetPass:
             self.per_token_ms * NS_PER_MS,
             prefill_ms * NS_PER_MS,
         )
+
+    @property
+    def prefill_ms_a_token(self) -> float:
+        return self.per_token_ms if self.prefill_token_ms is None else self.prefill_token_ms
 
     def pass_ms(self, rows: int, tokens: int, prefill_tokens: int = 0) -> float:
         """A pass over `rows` sessions, `tokens` tokens with logits and `prefill_tokens`."""

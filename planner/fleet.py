@@ -200,17 +200,28 @@ class Device:
                 entry[1].succeed()
 
     def _target_pass(self) -> Generator:
+        """One pass: the work that needs logits, first come first under the token budget
+        (one at least), then prefill chunks held to the prefill share, as the target's
+        step scheduler builds a step (model_runtime/step_scheduler.py)."""
         target, budget = self.costs.target, self.costs.target.max_batch_tokens
+        decoding = [w for w in self.work if not w.prefill]
         taken, tokens = [], 0
-        for work in self.work:  # first come first, under the token budget (one at least)
-            if taken and budget and tokens + work.tokens + work.prefill > budget:
+        for work in decoding:
+            if taken and budget and tokens + work.tokens > budget:
                 break
             taken.append(work)
-            tokens += work.tokens + work.prefill
+            tokens += work.tokens
+        chunks = self._prefill_chunks(len(taken), tokens, budget)
         waiting = len(self.work)
-        self.work = self.work[len(taken) :]
-        logits, prefill = sum(w.tokens for w in taken), sum(w.prefill for w in taken)
-        start, ms = self.env.now, target.pass_ms(len(taken), logits, prefill)
+        ended = [w for w, n in chunks if n == w.prefill]
+        self.work = [w for w in self.work if w not in taken and w not in ended]
+        for work, n in chunks:
+            work.prefill -= n
+        taken += ended
+        prefill = sum(n for _, n in chunks)
+        logits = tokens + len(ended)  # a prompt's last chunk gives its first token's logits
+        start = self.env.now
+        ms = target.pass_ms(len(taken) + len(chunks) - len(ended), logits, prefill)
         yield self.env.timeout(ms)
         self.busy_ms += ms
         cost = target.step_cost(len(taken))  # what the worker reports of its steps
@@ -225,6 +236,29 @@ class Device:
                 cost_per_token_ns=cost.per_token_ns,
             )
             work.done.succeed(_Pass(ms, load))
+
+    def _prefill_chunks(self, rows: int, tokens: int, budget: int) -> list[tuple[_Work, int]]:
+        """(prompt, its tokens in this pass) of the prompts waiting, oldest first: with
+        sessions decoding, at most `prefill_share` of their pass's cost (one token at
+        least); with none, the whole budget (no budget: every prompt whole)."""
+        target, chunks = self.costs.target, []
+        prompts = [w for w in self.work if w.prefill]
+        if not prompts:
+            return chunks
+        if rows:
+            decode_ms = target.pass_ms(rows, tokens)
+            room = max(1, int(target.prefill_share * decode_ms / target.prefill_ms_a_token))
+        else:
+            room = budget or sum(w.prefill for w in prompts)
+        if budget:
+            room = max(1, min(room, budget - tokens))
+        for work in prompts:
+            n = min(work.prefill, room)
+            chunks.append((work, n))
+            room -= n
+            if room <= 0:
+                break
+        return chunks
 
 
 @dataclass
