@@ -20,7 +20,8 @@ decoding alone, where the adaptive policy finds speculation losing) streams its 
 back one way each. Not modelled: drafting ahead (rounds take turns, as the replay does),
 a drafter stopping early (`min_reach`), token trees, the step scheduler's wait for
 stragglers, the draft worker's session cap, early stops (every request generates
-`new_tokens`).
+`new_tokens`), processes time-sliced on one core. Prompts ride the passes in chunks
+held to the target's prefill share, as its step scheduler runs them.
 
 A cell is the unit simulated: `targets` target workers and `drafts` draft workers with
 the cell's share of the arrivals, routed to the least-loaded worker. A fleet of N targets
@@ -245,10 +246,12 @@ class Device:
         prompts = [w for w in self.work if w.prefill]
         if not prompts:
             return chunks
-        if rows:
+        # a prompt token's price: its own, or the compute floor's where that is higher
+        price = max(target.prefill_ms_a_token, target.compute_per_token_ms)
+        if rows and price > 0:
             decode_ms = target.pass_ms(rows, tokens)
-            room = max(1, int(target.prefill_share * decode_ms / target.prefill_ms_a_token))
-        else:
+            room = max(1, int(target.prefill_share * decode_ms / price))
+        else:  # no one decoding, or prompt tokens free: no cap but the budget
             room = budget or sum(w.prefill for w in prompts)
         if budget:
             room = max(1, min(room, budget - tokens))

@@ -157,3 +157,16 @@ def test_chunked_prompts_stall_the_sessions_decoding_less(make_costs):
     held, whole = run(0.5), run(1e9)
     assert held.tpot_p90_ms < 0.8 * whole.tpot_p90_ms
     assert held.ttft_p90_ms > whole.ttft_p90_ms
+
+
+def test_a_free_prompt_token_is_priced_at_the_compute_floor(make_costs):
+    """At a GPU's roofline a prompt token costs nothing until the pass is compute-bound:
+    the share is priced at the floor; with no floor either, a prompt goes whole."""
+    env = simpy.Environment()
+    floor = make_costs(target={"prefill_token_ms": 0.0, "compute_per_token_ms": 0.5})
+    free = make_costs(target={"prefill_token_ms": 0.0})
+    for costs, expected in ((floor, 11), (free, 100)):  # 0.5 x 11 ms / 0.5 ms a token
+        device = Device(env, costs, colocated=False)
+        prompt = _Work(1, 100, 0.0, env.event())
+        device.work = [_Work(1, 0, 0.0, env.event()), prompt]
+        assert device._prefill_chunks(rows=1, tokens=1, budget=0) == [(prompt, expected)]
