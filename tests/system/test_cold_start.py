@@ -119,7 +119,7 @@ class _Recording:
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def start(self, name, module, args):
+    def start(self, name, module, args, cpus=None):
         self.calls.append(("start", name))
 
     def wait_healthy(self, name, address, timeout_s, sees=()):
