@@ -10,7 +10,7 @@ The target worker alone on core 0 (`--cpus target=0`, one torch thread). Layouts
 loopback). The orchestrator, the delay proxy and this load generator run on core 1,
 beside a remote draft. Per layout and rate: Poisson arrivals (`planner.fleet.
 poisson_arrivals`, the same times for every layout), MT-bench first turns in turn,
-greedy, fp32, a fixed number of new tokens, fixed k. Every output must equal its
+greedy, fp32, a fixed number of new tokens, fixed k (or `--adaptive`). Every output must equal its
 prompt's target-only reference (else exit status 1).
 
 Measured as the fleet model measures (planner/fleet.py), the first --warmup share of
@@ -21,8 +21,9 @@ mean queue (the target's waits over the time, Little's law), the tokens served w
 busy, and the goodput: the highest rate below saturation (`planner.validate`) with TPOT
 p90 within --objective-x times the unloaded target-only TPOT. The model then runs on
 costs fitted from this run's own traces (`planner.measured`; the target's passes from
-the layouts that leave its core alone, the draft's steps from remote:0), on the same
-arrivals, and each cell is shown beside it with its error.
+the layouts that leave its core alone, the draft's steps from the remote ones), on the
+same arrivals, and each cell is shown beside it with its error. The run's records are
+written first; `--from-run` sets the model beside a saved run again.
 """
 
 from __future__ import annotations
