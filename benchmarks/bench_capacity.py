@@ -4,11 +4,11 @@
     .venv/bin/python -m benchmarks capacity --pair tiny-self --layouts target-only,remote:0 \\
         --rates 2,4 --requests 6 --max-new-tokens 8 --out /tmp/capacity.md  # checks the script
 
-The target worker alone on core 0 (`--cpus target=0`, one torch thread). Layouts:
+The target worker alone on one core (`--cpus target=N`, one torch thread). Layouts:
 `target-only` (k = 0), `co-located` (the draft worker on the target's core) and
-`remote:D` (the draft worker on core 1 behind a delay proxy of D ms each way; 0 is
-loopback). The orchestrator, the delay proxy and this load generator run on core 1,
-beside a remote draft. Per layout and rate: Poisson arrivals (`planner.fleet.
+`remote:D` (the draft worker on the other core behind a delay proxy of D ms each way; 0
+is loopback). The orchestrator, the delay proxy and this load generator run on the
+other core, beside a remote draft. Per layout and rate: Poisson arrivals (`planner.fleet.
 poisson_arrivals`, the same times for every layout), MT-bench first turns in turn,
 greedy, fp32, a fixed number of new tokens, fixed k (or `--adaptive`). Every output must equal its
 prompt's target-only reference (else exit status 1).
@@ -46,7 +46,8 @@ from planner.costs import Costs, Request
 from planner.validate import Point
 from report.traces import read_spans
 
-TARGET_CORE, OTHER_CORE = 0, 1
+# The target's core and the one for the rest: the first two this process may run on.
+TARGET_CORE, OTHER_CORE = (sorted(os.sched_getaffinity(0)) * 2)[:2]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from benchmarks.bench_capacity import Placement, main, measure
+from benchmarks.bench_capacity import OTHER_CORE, TARGET_CORE, Placement, main, measure
 from benchmarks.common import RequestRecord
 from planner import fleet
 
@@ -18,9 +18,10 @@ from planner import fleet
 def test_layouts_parse_and_pin_the_draft_by_place():
     assert Placement.parse("remote:5") == Placement("remote", 5.0)
     assert Placement.parse("co-located").label == "co-located"
-    assert dict(Placement.parse("co-located").cpus())["draft"] == frozenset({0})
+    assert dict(Placement.parse("co-located").cpus())["draft"] == frozenset({TARGET_CORE})
     remote = dict(Placement.parse("remote:0").cpus())
-    assert remote["target"] == frozenset({0}) and remote["draft"] == frozenset({1})
+    assert remote["target"] == frozenset({TARGET_CORE})
+    assert remote["draft"] == remote["orchestrator"] == frozenset({OTHER_CORE})
     assert Placement("remote", 5.0).cell(0.5).one_way_ms == (5.5,)
     assert Placement("target-only").cell(0.5).layout is fleet.Layout.TARGET_ONLY
     for bad in ("remote-5", "co-located:3", "local"):
