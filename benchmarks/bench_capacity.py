@@ -72,8 +72,13 @@ class Placement:
 
     def cpus(self) -> list[tuple[str, frozenset[int]]]:
         draft = TARGET_CORE if self.kind == "co-located" else OTHER_CORE
-        pools = {"target": TARGET_CORE, "draft": draft, "orchestrator": OTHER_CORE}
-        return [(pool, frozenset({core})) for pool, core in (pools | {"proxy": OTHER_CORE}).items()]
+        pools = {
+            "target": TARGET_CORE,
+            "draft": draft,
+            "orchestrator": OTHER_CORE,
+            "proxy": OTHER_CORE,
+        }
+        return [(pool, frozenset({core})) for pool, core in pools.items()]
 
     def cell(self, local_ms: float) -> fleet.Cell:
         layout = {"target-only": fleet.Layout.TARGET_ONLY, "co-located": fleet.Layout.COLOCATED}
@@ -129,8 +134,7 @@ def run_layout(placement, pair, texts, reference, args, trace_dir) -> dict[float
     method = Method(placement.label, args.k if speculating else 0, args.adaptive and speculating)
     exporter = ["--trace-exporter", "jsonl", "--trace-file"]
     flags = {p: [*exporter, str(trace_file(trace_dir, placement, p))] for p in ("target", "draft")}
-    options = dict(target_model=pair.target, draft_model=pair.draft, drafter=pair.drafter)
-    options |= dict(draft_quantization=pair.quantization, threads=1, cpus=placement.cpus())
+    options = pair.launcher_options() | {"threads": 1, "cpus": placement.cpus()}
     records = {}
     with common.services(flags, placement.one_way_ms, **options) as stub:
         for text in texts[:2]:  # warm-up: first calls pay one-off costs

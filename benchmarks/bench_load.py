@@ -283,10 +283,7 @@ class LoadRun:
 
 def load_system(pair: common.Pair, args, target_workers: int = 1):
     return common.services(
-        target_model=pair.target,
-        draft_model=pair.draft,
-        draft_quantization=pair.quantization,
-        drafter=pair.drafter,
+        **pair.launcher_options(),
         target_workers=target_workers,
         threads=args.threads,
         draft_tree_width=args.tree_width,  # token trees where asked (1: chains)

@@ -220,10 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         partial.write_text(json.dumps({"command": command, "runs": _raw(done)}))
 
     with common.services(
-        target_model=pair.target,
-        draft_model=pair.draft,
-        draft_quantization=pair.quantization,
-        drafter=pair.drafters[-1],
+        **pair.launcher_options() | {"drafter": pair.drafters[-1]},
         target_dtype=args.target_dtype,
         target_row_invariant=args.target_row_invariant,
         draft_tree_width=args.tree_width,

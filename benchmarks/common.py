@@ -58,6 +58,15 @@ class Pair:
     def drafters(self) -> tuple[str, ...]:
         return ("ngram", "model", "ngram+model") if self.draft else ("ngram",)
 
+    def launcher_options(self) -> dict:
+        """The launcher options that start this pair (`services`)."""
+        return dict(
+            target_model=self.target,
+            draft_model=self.draft,
+            draft_quantization=self.quantization,
+            drafter=self.drafter,
+        )
+
 
 PAIRS = {
     "smollm2": Pair("smollm2-135m", concurrency=(1, 2, 4, 8, 16, 32)),

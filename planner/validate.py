@@ -106,9 +106,7 @@ def judged(
     out = []
     for rate, m in measured.items():
         if below(m, capacity, new_tokens):
-            for name in NAMES:
-                error = _relative(getattr(m, name), getattr(model[rate], name))
-                out.append((f"{rate:g}/s {name}", error, abs(error) <= BELOW_TOLERANCE))
+            out += [(f"{rate:g}/s {n}", e, ok) for n, e, ok in _cell(m, model[rate])]
     if capacity is not None:
         error = _relative(capacity, model[max(model)].busy_tokens_per_s)
         out.append(("saturation", error, abs(error) <= OVER_TOLERANCE))
@@ -128,11 +126,9 @@ def table(measured: dict[float, Point], model: dict[float, Point], new_tokens: i
     for rate, m in measured.items():
         x = model[rate]
         cells = [_pair(getattr(m, n), getattr(x, n)) for n in (*NAMES, "ttft_p90_ms")]
-        state = below(m, capacity, new_tokens)
-        verdict = all(
-            abs(_relative(getattr(m, n), getattr(x, n))) <= BELOW_TOLERANCE for n in NAMES
-        )
-        judged_text = ("yes" if verdict else "no") if state else "past saturation"
+        judged_text = "past saturation"
+        if below(m, capacity, new_tokens):
+            judged_text = "yes" if all(ok for _, _, ok in _cell(m, x)) else "no"
         lines.append(f"| {rate:g} | {' | '.join(cells)} | {m.mean_queue:.2f} | {judged_text} |")
     top = model[max(model)].busy_tokens_per_s
     seen = "not reached" if capacity is None else _pair(capacity, top)
@@ -149,6 +145,13 @@ def verdict(layouts: list[tuple[dict[float, Point], dict[float, Point]]], new_to
         f"{BELOW_TOLERANCE:.0%} (tok/s, TPOT p50 and p90 of each cell); {sum(tops)} of "
         f"{len(tops)} saturations within {OVER_TOLERANCE:.0%}"
     )
+
+
+def _cell(measured: Point, model: Point) -> list[tuple[str, float, bool]]:
+    """(measure, the model's relative error, within BELOW_TOLERANCE) of a cell below
+    saturation."""
+    errors = [(n, _relative(getattr(measured, n), getattr(model, n))) for n in NAMES]
+    return [(n, e, abs(e) <= BELOW_TOLERANCE) for n, e in errors]
 
 
 def _relative(measured: float, model: float) -> float:
